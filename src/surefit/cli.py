@@ -1,0 +1,126 @@
+"""Command line: parse -> config -> one function per command. Nothing else lives here.
+
+Flags are generated from the config dataclasses, so every setting is reachable as ``--lora_r`` and ``--lora-r``,
+and ``--help`` shows each field's help text. Flags that are not typed are left out of the parsed namespace
+(``argparse.SUPPRESS``) so that a YAML ``--config`` value is only overridden by a flag the user actually gave.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import MISSING, fields
+from typing import Any
+
+from surefit.config import TASK_CONFIGS, build_config, field_kind, load_yaml
+from surefit.errors import SurefitError
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f in fields(cls):
+        if f.name == "task":
+            continue
+        base, optional, choices = field_kind(f.type)
+        names = [f"--{f.name}"]
+        if "_" in f.name:
+            names.append(f"--{f.name.replace('_', '-')}")
+        default = f.default if f.default is not MISSING else None
+        help_text = f.metadata.get("help", "")
+        help_text += f" (default: {default})" if default is not None else ""
+        if choices:
+            help_text += f" [choices: {', '.join(map(str, choices))}]"
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if base is bool:
+            # `--chat_template` alone means true; `--chat_template false` is accepted too (and YAML-style values).
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        else:
+            kwargs["metavar"] = f.name.upper()
+        parser.add_argument(*names, **kwargs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="surefit",
+        allow_abbrev=False,
+        description="Fine-tune language models and PyTorch models without the classic data-pipeline bugs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        allow_abbrev=False,
+        help="train a model (--task sft)",
+        description="Train a model. Settings come from defaults < --config FILE.yaml < flags; "
+        "the resolved config is saved to OUTPUT_DIR/config.yaml.",
+    )
+    train.add_argument("--task", default=argparse.SUPPRESS, choices=sorted(TASK_CONFIGS), help="training path (default: sft)")
+    train.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML file of settings; flags override it")
+    # Every task's flags are registered so that `--help` lists them; the chosen task's dataclass validates them.
+    seen: set[str] = set()
+    for cls in TASK_CONFIGS.values():
+        if cls.__name__ not in seen:
+            _add_config_flags(train, cls)
+            seen.add(cls.__name__)
+    return parser
+
+
+def parse_train_config(argv: list[str]) -> Any:
+    """argv of ``surefit train ...`` (without the command) -> a validated config."""
+    ns, unknown = build_parser().parse_known_args(["train", *argv])
+    given = {k: v for k, v in vars(ns).items() if k not in {"command", "config"}}
+    # Unknown flags join the other problems (with a did-you-mean) instead of argparse exiting on the first one.
+    extra = _unknown_flags(unknown)
+    yaml_values = load_yaml(ns.config) if ns.config else {}
+    task = given.pop("task", None) or yaml_values.get("task") or "sft"
+    cls = TASK_CONFIGS.get(str(task))
+    if cls is None:
+        from surefit.errors import ConfigError, Problem
+
+        raise ConfigError(Problem(f"unknown task {task!r}", "--task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
+    yaml_values = {k: v for k, v in yaml_values.items() if k != "task"}
+    return build_config(cls, yaml_values, {**given, **extra}, yaml_name=str(ns.config))
+
+
+def _unknown_flags(unknown: list[str]) -> dict[str, Any]:
+    """Leftover argv -> {name: value} so that build_config reports them as unknown settings."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(unknown):
+        tok = unknown[i]
+        if tok.startswith("--"):
+            name, _, value = tok[2:].partition("=")
+            if not value and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+                value = unknown[i + 1]
+                i += 1
+            out[name] = value
+        else:
+            out[f"(stray argument) {tok}"] = tok
+        i += 1
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] in {"-h", "--help"}:
+        parser.print_help()
+        return 0
+    command = argv[0]
+    try:
+        if command == "train":
+            cfg = parse_train_config(argv[1:])
+            from surefit.api import train
+
+            train(cfg)
+            return 0
+        parser.parse_args(argv)  # unknown command: argparse prints usage and exits 2
+        return 2
+    except SurefitError as e:
+        print(e.render(), file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

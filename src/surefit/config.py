@@ -1,0 +1,296 @@
+"""Typed configuration: one dataclass per command, filled from defaults < YAML file < command-line flags.
+
+The CLI is derived from these dataclasses (litgpt ``args.py`` style): each field's ``help`` metadata becomes its
+``--help`` text, each field is reachable as ``--lora_r`` and ``--lora-r``. Validation collects every problem and
+raises one :class:`~surefit.errors.ConfigError` that names the flags as the user types them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from surefit.errors import ConfigError, Problem
+
+
+def opt(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - "help" reads best at the call sites
+    """A dataclass field whose ``help`` becomes the flag's ``--help`` text."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass
+class SFTConfig:
+    """Instruction tuning of a causal language model on input -> target rows."""
+
+    task: Literal["sft"] = opt("sft", "Training path. 'sft': instruction tuning of a causal LM.")
+    # -- model
+    model: str | None = opt(
+        None,
+        "A local Hugging Face folder, a hub id (where the hub is reachable), or a .gguf file/folder. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    )
+    lora_r: int = opt(16, "LoRA rank; 0 means full fine-tuning.")
+    lora_alpha: int | None = opt(None, "LoRA alpha. Default: 2 x lora_r.")
+    lora_dropout: float = opt(0.05, "Dropout on the LoRA branch.")
+    lora_targets: str = opt(
+        "all-linear",
+        "Comma-separated module names to adapt, or 'all-linear' (every linear layer of the blocks, not the LM head).",
+    )
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
+        "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU."
+    )
+    # -- data
+    data: str | None = opt(None, "Training data: JSONL, JSON, CSV, TSV, Parquet, a saved datasets folder, or SQuAD JSON.")
+    val_data: str | None = opt(None, "Validation data (same formats). Default: split --val_fraction off --data.")
+    val_fraction: float = opt(0.1, "Fraction of --data held out for validation when --val_data is not given.")
+    input_field: str = opt("input", "Column holding the input text.")
+    target_field: str = opt("target", "Column holding the target text.")
+    limit: int | None = opt(None, "Use only the first N rows of --data (and of --val_data).")
+    template: str | None = opt(
+        None, "Prompt template containing {input} once. Default: a plain instruction template (see README)."
+    )
+    chat_template: bool = opt(False, "Format prompts with the tokenizer's chat template instead of --template.")
+    max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
+    truncation_side: Literal["left", "right"] = opt(
+        "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
+    )
+    augmentation_factor: int = opt(1, "N: each training row plus N-1 augmented variants (training rows only).")
+    # -- optimisation
+    epochs: int = opt(3, "Passes over the training data.")
+    batch_size: int = opt(4, "Examples per optimizer step (the effective batch).")
+    grad_accum: int = opt(1, "Split each batch into this many micro-batches (batch_size must be divisible by it).")
+    lr: float = opt(2e-4, "Peak learning rate (AdamW).")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    warmup_ratio: float = opt(0.05, "Fraction of optimizer steps spent warming up (then cosine decay).")
+    max_grad_norm: float = opt(1.0, "Gradient clipping norm; 0 disables clipping.")
+    seed: int = opt(0, "Seed for the split, augmentation, shuffling and initialisation.")
+    # -- evaluation
+    eval_batch_size: int | None = opt(None, "Batch size for evaluation and generation. Default: 2 x batch_size.")
+    max_new_tokens: int | None = opt(
+        None, "Generation length for evaluation. Default: the longest training target in tokens, plus EOS."
+    )
+    # -- output
+    output_dir: str = opt("runs/sft", "Where the config, metrics, predictions, checkpoints and final model go.")
+    log_every: int = opt(10, "Write a training-loss line to metrics.jsonl every N optimizer steps.")
+
+    def problems(self) -> list[Problem]:
+        """Every cross-field and range problem, naming the flag as the user types it."""
+        p: list[Problem] = []
+        _at_least(p, self, "epochs", 1)
+        _at_least(p, self, "batch_size", 1)
+        _at_least(p, self, "grad_accum", 1)
+        _at_least(p, self, "max_seq_length", 8)
+        _at_least(p, self, "augmentation_factor", 1)
+        _at_least(p, self, "lora_r", 0)
+        _at_least(p, self, "log_every", 1)
+        _at_least(p, self, "limit", 1)
+        _at_least(p, self, "eval_batch_size", 1)
+        _at_least(p, self, "max_new_tokens", 1)
+        _at_least(p, self, "lora_alpha", 1)
+        if not 0.0 <= self.val_fraction < 1.0:
+            p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
+        if self.lr <= 0:
+            p.append(Problem(f"must be > 0 (got {self.lr})", "--lr", "e.g. --lr 2e-4"))
+        for name in ("weight_decay", "max_grad_norm", "lora_dropout"):
+            if getattr(self, name) < 0:
+                p.append(Problem(f"must be >= 0 (got {getattr(self, name)})", f"--{name}"))
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            p.append(Problem(f"must be in [0, 1) (got {self.warmup_ratio})", "--warmup_ratio"))
+        if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
+            p.append(
+                Problem(
+                    f"--batch_size {self.batch_size} is not divisible by --grad_accum {self.grad_accum}; "
+                    "the effective batch would change",
+                    "--grad_accum",
+                    f"pick a divisor of {self.batch_size}: {', '.join(map(str, _divisors(self.batch_size)))}",
+                )
+            )
+        if self.data is None:
+            p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
+        if self.val_data is None and self.val_fraction == 0:
+            p.append(
+                Problem(
+                    "no validation data: --val_fraction is 0 and --val_data is not given",
+                    "--val_fraction",
+                    "pass --val_data FILE or a --val_fraction above 0 (evaluation runs every epoch)",
+                )
+            )
+        if self.template is not None:
+            n = self.template.count("{input}")
+            if n != 1:
+                p.append(
+                    Problem(
+                        f"must contain {{input}} exactly once (found {n} times in {self.template!r})",
+                        "--template",
+                        'e.g. --template "Question: {input}\\nAnswer: "',
+                    )
+                )
+            if self.chat_template:
+                p.append(Problem("--template and --chat_template both given", "--chat_template", "use one of them"))
+        return p
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    @property
+    def resolved_lora_alpha(self) -> int:
+        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_r
+
+
+TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig}
+
+
+def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
+    value = getattr(cfg, name)
+    if value is not None and value < low:
+        p.append(Problem(f"must be >= {low} (got {value})", f"--{name}"))
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# ---------------------------------------------------------------------------------------------------- type handling
+
+
+def field_kind(tp: Any) -> tuple[type, bool, tuple | None]:
+    """(base type, optional?, literal choices) for a dataclass field annotation."""
+    if isinstance(tp, str):  # `from __future__ import annotations` leaves strings; resolve against typing
+        tp = eval_annotation(tp)
+    optional = False
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(tp))
+        tp = args[0]
+        origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        return type(choices[0]), optional, choices
+    return tp, optional, None
+
+
+_ANNOTATION_NAMES = {"int": int, "float": float, "str": str, "bool": bool, "None": type(None)}
+
+
+def eval_annotation(text: str) -> Any:
+    """Resolve the few annotation spellings our configs use, without ``eval``."""
+    text = text.strip()
+    if "|" in text:
+        parts = [eval_annotation(t) for t in text.split("|")]
+        out = parts[0]
+        for part in parts[1:]:
+            out = out | part
+        return out
+    if text.startswith("Literal[") and text.endswith("]"):
+        inner = text[len("Literal[") : -1]
+        values = tuple(yaml.safe_load(f"[{inner}]"))
+        return Literal[values]  # type: ignore[valid-type]
+    if text in _ANNOTATION_NAMES:
+        return _ANNOTATION_NAMES[text]
+    raise TypeError(f"unsupported config annotation: {text}")
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def convert(value: Any, tp: Any) -> Any:
+    """Convert a YAML or command-line value to the field's type; raises ValueError with a readable reason."""
+    base, optional, choices = field_kind(tp)
+    if value is None or (isinstance(value, str) and value.lower() in {"none", "null"} and optional):
+        if optional:
+            return None
+        raise ValueError("a value is required")
+    if base is bool:
+        if isinstance(value, bool):
+            out = value
+        elif isinstance(value, str) and value.lower() in _TRUE | _FALSE:
+            out = value.lower() in _TRUE
+        else:
+            raise ValueError(f"expected true or false, got {value!r}")
+    elif base is int:
+        # YAML gives 3 or 3.0, the command line "3"; 2.5 or "2.5" is an error, never a silent floor.
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"expected a whole number, got {value!r}")
+        try:
+            out = int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a whole number, got {value!r}") from None
+    elif base is float:
+        try:
+            out = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected a number, got {value!r}") from None
+    else:
+        out = str(value)
+    if choices is not None and out not in choices:
+        raise ValueError(f"expected one of {', '.join(map(str, choices))}; got {value!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------- loading
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config (``safe_load``) into a flat mapping with keys in underscore form."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(Problem(f"config file not found: {path}", "--config", "check the path"))
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(Problem(f"cannot parse {path}: {e}", "--config", "fix the YAML syntax")) from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            Problem(f"{path} holds a {type(data).__name__}, not a mapping of settings", "--config", "write key: value lines")
+        )
+    return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                 yaml_name: str = "config file") -> Any:
+    """Make a validated config: dataclass defaults < ``yaml_values`` < ``overrides``.
+
+    Every problem (unknown keys, wrong types, bad ranges, cross-field conflicts) is collected and raised once.
+    """
+    problems: list[Problem] = []
+    known = {f.name: f for f in fields(cls)}
+    values: dict[str, Any] = {}
+    for source_name, source in ((yaml_name, yaml_values or {}), ("command line", overrides or {})):
+        for key, raw in source.items():
+            key = key.replace("-", "_")
+            if key not in known:
+                close = difflib.get_close_matches(key, list(known), n=1)
+                fix = f"did you mean '{close[0]}'?" if close else "see `surefit train --help` for the settings"
+                problems.append(Problem(f"unknown setting '{key}' (in the {source_name})", f"--{key}", fix))
+                continue
+            try:
+                values[key] = convert(raw, known[key].type)
+            except ValueError as e:
+                problems.append(Problem(f"{e} (in the {source_name})", f"--{key}"))
+    # Range and cross-field checks run on the values that did convert, so one report holds every problem.
+    cfg = cls(**values)
+    problems += cfg.problems()
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    """Write the resolved config as YAML that ``--config`` reads back to the same config."""
+    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")

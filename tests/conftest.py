@@ -1,0 +1,79 @@
+"""Tiny models and data built locally: CPU only, no downloads, seconds to build."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+WORDS = (
+    "the cat sat on mat dog ran to park bird flew over tree red blue green big small Paris France Berlin Germany "
+    "capital of is what where who when answer question context river city"
+).split()
+
+
+def qa_rows(n: int = 24) -> list[dict[str, str]]:
+    """Small input -> target rows whose answer is a word in the input."""
+    rows = []
+    for i in range(n):
+        a, b, c = WORDS[i % len(WORDS)], WORDS[(i * 7 + 3) % len(WORDS)], WORDS[(i * 5 + 1) % len(WORDS)]
+        rows.append({"input": f"the {a} sat on the {b} near the {c} .\n\nQuestion: where did the {a} sit ?", "target": b})
+    return rows
+
+
+def build_tokenizer(pad_is_eos: bool = True):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["</s>", "<s>"] + ([] if pad_is_eos else ["<pad>"])
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    corpus = [r["input"] + " " + r["target"] for r in qa_rows(64)] + [" ".join(WORDS)] * 4
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", bos_token="<s>", pad_token="</s>" if pad_is_eos else "<pad>"
+    )
+
+
+def build_tiny_lm(tokenizer, seed: int = 0):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_lm_dir(tmp_path_factory) -> Path:
+    """A saved tiny causal LM + tokenizer folder (pad == eos, like SmolLM2 and many Llama-family tokenizers)."""
+    folder = tmp_path_factory.mktemp("tiny_lm")
+    tok = build_tokenizer()
+    model = build_tiny_lm(tok)
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def qa_jsonl(tmp_path) -> Path:
+    path = tmp_path / "qa.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
+    return path
