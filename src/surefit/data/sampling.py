@@ -1,0 +1,40 @@
+"""Length-grouped batches: each optimizer step gets examples of similar length, so little compute goes to padding.
+
+Every example appears exactly once per epoch (the last batch may be smaller: nothing is dropped). The order depends
+only on (seed, epoch), so a resumed run sees the same batches.
+"""
+
+from __future__ import annotations
+
+import random
+
+
+def step_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, group_factor: int = 16) -> list[list[int]]:
+    """Indices for each optimizer step of one epoch.
+
+    Shuffle, cut into groups of ``batch_size * group_factor``, sort each group by length, cut into batches, and
+    shuffle the batch order. Grouping inside shuffled windows (rather than sorting the whole set) keeps batches
+    random across epochs while padding stays low.
+
+    Args:
+        lengths: token length of each example.
+        batch_size: examples per optimizer step.
+        seed: run seed; epoch: 0-based epoch number.
+        group_factor: window size in batches.
+    """
+    rng = random.Random(f"{seed}/{epoch}")
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    window = batch_size * group_factor
+    batches: list[list[int]] = []
+    for start in range(0, len(order), window):
+        group = sorted(order[start : start + window], key=lambda i: -lengths[i])
+        batches.extend(group[j : j + batch_size] for j in range(0, len(group), batch_size))
+    rng.shuffle(batches)
+    return batches
+
+
+def micro_batches(step: list[int], micro_batch_size: int, lengths: list[int]) -> list[list[int]]:
+    """Split one step's indices into micro-batches of similar length (the step's examples, each exactly once)."""
+    ordered = sorted(step, key=lambda i: -lengths[i])
+    return [ordered[j : j + micro_batch_size] for j in range(0, len(ordered), micro_batch_size)]

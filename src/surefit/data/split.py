@@ -1,0 +1,128 @@
+"""Train/validation split that cannot leak: done before augmentation, with duplicate inputs kept together.
+
+Two classic ways validation scores get inflated are (1) splitting after augmentation, so a variant of a validation
+row is trained on, and (2) the same input appearing twice in the data and landing on both sides. Splitting whole
+groups of rows that share a key fixes (2); :func:`leaked` is the guard the pipeline runs after augmentation to
+prove (1) did not happen.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+
+from surefit.data.rows import Row
+from surefit.errors import ConfigError, DataError, Problem
+
+_VARIANT_SUFFIX = re.compile(r"( \(variant \d+\))+$")
+
+
+def normalize_key(text: str) -> str:
+    """Key under which two inputs count as the same: lowercased, whitespace runs collapsed to one space, stripped."""
+    return " ".join(text.lower().split())
+
+
+def split_rows(
+    rows: list[Row], val_fraction: float, seed: int, key: Callable[[Row], str]
+) -> tuple[list[Row], list[Row], list[str]]:
+    """Split rows into train and validation, keeping rows with equal keys on the same side.
+
+    Call this BEFORE augmentation. Rows are grouped by ``key``; the groups are shuffled with
+    ``random.Random(seed)`` and taken into validation until it holds ``round(len(rows) * val_fraction)`` rows (at
+    least 1), so validation can overshoot by less than one group. At least one group always stays in train. Both
+    sides keep the rows' original order, which keeps prediction files readable next to the source.
+
+    Args:
+        rows: the rows to split (originals, not augmented variants).
+        val_fraction: share of rows for validation, in ``[0, 1)``; 0 means no split.
+        seed: split seed; the same rows and seed always give the same split.
+        key: maps a row to the string that identifies duplicates, normally ``normalize_key`` of the input text.
+
+    Returns:
+        ``(train, val, notes)``; ``notes`` are one-line human messages about what was done.
+
+    Raises:
+        ConfigError: ``val_fraction`` outside ``[0, 1)``.
+        DataError: ``val_fraction > 0`` but fewer than 2 distinct keys, so no split can keep duplicates together.
+    """
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(
+            Problem(
+                f"val_fraction must be at least 0 and below 1, got {val_fraction}",
+                where="val_fraction",
+                fix="use a fraction such as 0.1 (10% of rows for validation), or 0 with --val_data FILE",
+            )
+        )
+    if val_fraction == 0:
+        return list(rows), [], [f"no validation split: all {len(rows)} rows train (val_fraction 0)"]
+
+    # dict keeps first-appearance order, so the shuffle below is the only source of randomness.
+    groups: dict[str, list[int]] = {}
+    for pos, row in enumerate(rows):
+        groups.setdefault(key(row), []).append(pos)
+    if len(groups) < 2:
+        raise DataError(
+            Problem(
+                f"cannot make a validation split from {len(rows)} row(s) with {len(groups)} distinct input(s); "
+                "at least 2 distinct inputs are needed because rows with the same input stay on the same side",
+                where="val_fraction",
+                fix="add rows with different inputs, or pass --val_data FILE with separate validation rows",
+            )
+        )
+
+    order = list(groups.values())
+    random.Random(seed).shuffle(order)
+    target = max(1, round(len(rows) * val_fraction))
+    val_positions: set[int] = set()
+    for group in order[:-1]:  # the last group always stays in train
+        if len(val_positions) >= target:
+            break
+        val_positions.update(group)
+
+    train = [row for pos, row in enumerate(rows) if pos not in val_positions]
+    val = [row for pos, row in enumerate(rows) if pos in val_positions]
+    notes = [
+        f"split {len(rows)} rows -> {len(train)} train / {len(val)} validation "
+        f"(val_fraction {val_fraction}, seed {seed})"
+    ]
+    shared = sum(len(g) for g in groups.values() if len(g) > 1)
+    if shared:
+        notes.append(f"{shared} rows share their input with another row; kept on the same side of the split")
+        if len(val) != target:
+            notes.append(
+                f"validation has {len(val)} rows instead of {target} because duplicate inputs are kept together"
+            )
+    return train, val, notes
+
+
+def leaked(train: list[Row], val: list[Row], key: Callable[[Row], str]) -> list[tuple[Row, Row]]:
+    """Find training rows that leak validation rows; the pipeline runs this after augmentation as a guard.
+
+    A pair ``(train_row, val_row)`` is a leak when their keys are equal, or when ``train_row`` is an augmented
+    variant of ``val_row``: its ``variant_of`` equals ``val_row.index`` and its ``where`` is ``val_row.where`` plus
+    the ``" (variant k)"`` suffix that augmentation adds. The ``where`` check matters because indexes are per
+    source file: with ``--val_data`` a validation row and a training row can share an index without being related.
+
+    Args:
+        train: training rows, possibly augmented.
+        val: validation rows.
+        key: the same key function given to :func:`split_rows`.
+
+    Returns:
+        Every leaking pair, in training-row order; empty for a clean split.
+    """
+    by_key: dict[str, list[Row]] = {}
+    by_origin: dict[tuple[int, str], list[Row]] = {}
+    for v in val:
+        by_key.setdefault(key(v), []).append(v)
+        by_origin.setdefault((v.index, v.where), []).append(v)
+
+    pairs: list[tuple[Row, Row]] = []
+    for t in train:
+        matches = list(by_key.get(key(t), []))
+        if t.variant_of is not None:
+            origin = (t.variant_of, _VARIANT_SUFFIX.sub("", t.where))
+            matches += [v for v in by_origin.get(origin, []) if all(v is not m for m in matches)]
+        pairs.extend((t, v) for v in matches)
+    return pairs
