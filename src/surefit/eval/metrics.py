@@ -1,0 +1,173 @@
+"""Scoring: SQuAD-style exact match and token F1 for generated answers, and classification metrics.
+
+The SQuAD functions reproduce the official v1.1 evaluation script (normalisation, Counter-based token overlap, max
+over gold answers) so that numbers reported by surefit can be compared with published ones. The one deliberate
+difference is documented on :func:`token_f1`.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from collections.abc import Sequence
+
+_PUNCTUATION = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """Normalise an answer exactly as the official SQuAD v1.1 script does.
+
+    Steps, in the official order: lowercase, drop every character in ``string.punctuation``, replace the articles
+    "a", "an", "the" (whole words) with a space, collapse whitespace runs to single spaces and strip.
+
+    Args:
+        s: a predicted or gold answer.
+
+    Returns:
+        The normalised answer; may be empty (e.g. ``"a"`` or ``"!"``).
+    """
+    text = s.lower()
+    text = "".join(ch for ch in text if ch not in _PUNCTUATION)
+    text = _ARTICLES.sub(" ", text)
+    return " ".join(text.split())
+
+
+def exact_match(prediction: str, gold: str) -> float:
+    """1.0 if the normalised prediction equals the normalised gold answer, else 0.0."""
+    return float(normalize_answer(prediction) == normalize_answer(gold))
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """Token-level F1 between a prediction and one gold answer, as in the official SQuAD script.
+
+    Tokens are the whitespace-split normalised strings; overlap is the multiset intersection, so a token repeated
+    in the prediction only counts as many times as it appears in the gold answer.
+
+    Convention for empty answers: if both normalise to empty the score is 1.0 (they agree; this is the SQuAD v2
+    script's rule), if exactly one is empty it is 0.0. The v1.1 script returns 0.0 for empty/empty because it has
+    no common tokens; golds that normalise to empty (e.g. ``"the"``) are rare in SQuAD v1.1, so this only matters
+    for degenerate data.
+
+    Args:
+        prediction: the model's answer.
+        gold: one reference answer.
+
+    Returns:
+        F1 in [0, 1].
+    """
+    pred_tokens = normalize_answer(prediction).split()
+    gold_tokens = normalize_answer(gold).split()
+    if not pred_tokens or not gold_tokens:
+        return float(pred_tokens == gold_tokens)
+    num_same = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
+    if num_same == 0:
+        return 0.0
+    precision = num_same / len(pred_tokens)
+    recall = num_same / len(gold_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_scores(predictions: Sequence[str], golds: Sequence[Sequence[str]]) -> dict[str, float]:
+    """Corpus-level SQuAD scores: for each example the best score over its gold answers, then the mean.
+
+    Args:
+        predictions: one predicted answer per example.
+        golds: for each example, every acceptable gold answer (at least one).
+
+    Returns:
+        ``{"f1": ..., "em": ...}`` as fractions in [0, 1] (the official script reports percentages).
+
+    Raises:
+        ValueError: no examples, a length mismatch, or an example with no gold answers (its index is named).
+    """
+    if len(predictions) != len(golds):
+        raise ValueError(f"squad_scores: {len(predictions)} predictions but {len(golds)} gold lists")
+    if not predictions:
+        raise ValueError("squad_scores: no examples to score")
+    f1_total = em_total = 0.0
+    for i, (pred, answers) in enumerate(zip(predictions, golds, strict=True)):
+        # A bare string would be iterated character by character and score nonsense without any error.
+        if isinstance(answers, str):
+            raise ValueError(f"squad_scores: golds[{i}] is a string; pass a list of gold answers")
+        if not answers:
+            raise ValueError(f"squad_scores: example {i} has no gold answers")
+        f1_total += max(token_f1(pred, gold) for gold in answers)
+        em_total += max(exact_match(pred, gold) for gold in answers)
+    n = len(predictions)
+    return {"f1": f1_total / n, "em": em_total / n}
+
+
+def _check_labels(preds: Sequence[int], labels: Sequence[int], num_classes: int | None = None) -> None:
+    if len(preds) != len(labels):
+        raise ValueError(f"{len(preds)} predictions but {len(labels)} labels")
+    if not labels:
+        raise ValueError("no examples to score")
+    if num_classes is not None:
+        if num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1, got {num_classes}")
+        for name, values in (("prediction", preds), ("label", labels)):
+            for i, v in enumerate(values):
+                if not 0 <= v < num_classes:
+                    raise ValueError(f"{name} {v} at position {i} is outside 0..{num_classes - 1}")
+
+
+def accuracy(preds: Sequence[int], labels: Sequence[int]) -> float:
+    """Fraction of predictions equal to their label.
+
+    Raises:
+        ValueError: empty input or a length mismatch.
+    """
+    _check_labels(preds, labels)
+    return sum(int(p == y) for p, y in zip(preds, labels, strict=True)) / len(labels)
+
+
+def confusion_matrix(preds: Sequence[int], labels: Sequence[int], num_classes: int) -> list[list[int]]:
+    """Counts of (true label, predicted label) pairs.
+
+    Args:
+        preds: predicted class ids in ``0..num_classes-1``.
+        labels: true class ids in ``0..num_classes-1``.
+        num_classes: number of classes.
+
+    Returns:
+        ``m`` with ``m[true][predicted]`` = count; rows are true labels, columns predictions.
+
+    Raises:
+        ValueError: empty input, a length mismatch, or an id outside ``0..num_classes-1``.
+    """
+    _check_labels(preds, labels, num_classes)
+    matrix = [[0] * num_classes for _ in range(num_classes)]
+    for p, y in zip(preds, labels, strict=True):
+        matrix[y][p] += 1
+    return matrix
+
+
+def per_class_f1(preds: Sequence[int], labels: Sequence[int], num_classes: int) -> list[float]:
+    """F1 of each class, one-vs-rest: ``2 TP / (2 TP + FP + FN)``.
+
+    A class that is never the label and never predicted has no defined F1; it scores 0.0 (scikit-learn's
+    ``zero_division=0``), so it pulls :func:`macro_f1` down rather than silently dropping out of the average.
+
+    Returns:
+        ``num_classes`` values in [0, 1].
+
+    Raises:
+        ValueError: as :func:`confusion_matrix`.
+    """
+    matrix = confusion_matrix(preds, labels, num_classes)
+    scores = []
+    for c in range(num_classes):
+        tp = matrix[c][c]
+        fn = sum(matrix[c]) - tp
+        fp = sum(row[c] for row in matrix) - tp
+        denom = 2 * tp + fp + fn
+        scores.append(2 * tp / denom if denom else 0.0)
+    return scores
+
+
+def macro_f1(preds: Sequence[int], labels: Sequence[int], num_classes: int) -> float:
+    """Unweighted mean of :func:`per_class_f1` over all ``num_classes`` classes (absent classes count as 0.0)."""
+    scores = per_class_f1(preds, labels, num_classes)
+    return sum(scores) / num_classes
