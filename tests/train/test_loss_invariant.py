@@ -1,0 +1,92 @@
+"""Loss normalisation: the gradient of a step must not depend on how it is split into micro-batches."""
+
+import copy
+
+import pytest
+import torch
+
+from surefit.data.collate import PadCollator
+from surefit.train.loop import accumulate_step
+from surefit.train.loss import causal_lm_loss_sum, count_supervised_tokens
+
+
+class _OneProcess:
+    """The accelerate surface accumulate_step uses, for a single CPU process."""
+
+    num_processes = 1
+    device = torch.device("cpu")
+
+    def no_sync(self, model):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def _examples(n=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    feats = []
+    for i in range(n):
+        prompt = int(torch.randint(3, 20, (1,), generator=g))
+        target = 1 + i % 5  # very different numbers of supervised tokens per example
+        ids = torch.randint(3, 60, (prompt + target,), generator=g).tolist() + [0]
+        feats.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return feats
+
+
+@pytest.fixture()
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def test_supervised_only_logits_match_the_full_hf_loss(tiny):
+    feats = _examples()
+    batch = PadCollator(pad_token_id=0)(feats)
+    loss_sum, n = causal_lm_loss_sum(tiny, batch)
+    hf = tiny(**batch).loss  # transformers: mean over shifted labels != -100
+    expected = sum(sum(1 for t in f["labels"][1:] if t != -100) for f in feats)
+    assert n == count_supervised_tokens(batch["labels"]) == expected
+    assert torch.allclose(loss_sum / n, hf, atol=1e-5)
+
+
+def _grads(model, feats, micro):
+    model = copy.deepcopy(model)
+    lengths = [len(f["input_ids"]) for f in feats]
+    counts = [sum(1 for t in f["labels"][1:] if t != -100) for f in feats]
+    loss = accumulate_step(model, feats, list(range(len(feats))), lengths, counts, micro_batch_size=micro,
+                           loss_fn=causal_lm_loss_sum, collate=PadCollator(pad_token_id=0), accelerator=_OneProcess())
+    return loss / sum(counts), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_batch_8_accum_1_equals_batch_1_accum_8(tiny):
+    feats = _examples()
+    loss8, g8 = _grads(tiny, feats, micro=8)
+    loss1, g1 = _grads(tiny, feats, micro=1)
+    assert abs(loss8 - loss1) < 1e-5
+    assert g8.keys() == g1.keys() and len(g8) > 0
+    for name in g8:
+        assert torch.allclose(g8[name], g1[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_averaging_micro_batch_means_would_break_the_invariant(tiny):
+    """Negative control: the common recipe (mean per micro-batch / accumulation steps) gives another gradient here."""
+    feats = _examples()
+    _, reference = _grads(tiny, feats, micro=8)
+    model = copy.deepcopy(tiny)
+    collate = PadCollator(pad_token_id=0)
+    for f in feats:
+        (model(**collate([f])).loss / len(feats)).backward()
+    naive = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert any(not torch.allclose(reference[n], naive[n], atol=1e-6, rtol=1e-4) for n in reference)
