@@ -1,0 +1,318 @@
+"""Instruction tuning of a causal LM on input -> target rows: setup -> fit -> evaluate -> save, top to bottom.
+
+The correctness-critical pieces live in library code shared by every task: encoding builds the labels once
+(``data/encode.py``), the collator only pads (``data/collate.py``), the loop normalises the loss by supervised tokens
+(``train/loop.py``), checkpoints are atomic (``train/checkpoint.py``). This file wires them together and reports,
+in counts, everything that happened to the data.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from surefit.config import SFTConfig, save_config
+from surefit.data.augment import augment_rows
+from surefit.data.collate import PadCollator
+from surefit.data.encode import Example, build_prompt_format, encode_rows
+from surefit.data.rows import Row
+from surefit.data.sources import check_text_fields, read_rows
+from surefit.data.split import leaked, normalize_key, split_rows
+from surefit.errors import DataError, ModelError, Problem, SurefitError, raise_if
+from surefit.eval.generate import greedy_generate
+from surefit.eval.metrics import exact_match, squad_scores, token_f1
+from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
+from surefit.train.checkpoint import save_checkpoint
+from surefit.train.loop import LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
+from surefit.train.loss import causal_lm_loss_sum
+
+KEEP_EPOCH_CHECKPOINTS = 2
+
+
+def load_data(
+    cfg: SFTConfig, say=print, problems: list[Problem] | None = None
+) -> tuple[list[Row], list[Row], dict[str, Any]]:
+    """Read, check, split (before augmentation) and augment. Every problem in every file is reported at once.
+
+    Args:
+        problems: problems already found (e.g. with ``--model``), reported together with the data's.
+
+    Returns:
+        ``(train_rows, val_rows, report)``; ``report`` holds the counts printed to the user and saved.
+    """
+    problems = list(problems or [])
+    report: dict[str, Any] = {"notes": []}
+    fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
+    sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
+    loaded: dict[str, list[Row]] = {}
+    for name, path in sources:
+        rows = read_rows(path, problems)
+        if cfg.limit is not None and len(rows) > cfg.limit:
+            report["notes"].append(f"--limit {cfg.limit}: using the first {cfg.limit} of {len(rows)} rows of {path}")
+            rows = rows[: cfg.limit]
+        if rows:
+            rows, notes = check_text_fields(rows, fields, problems, str(path))
+            report["notes"] += notes
+        loaded[name] = rows
+    raise_if(problems, DataError if all(p.where != "--model" for p in problems) else SurefitError)
+
+    key = lambda r: normalize_key(str(r.fields[cfg.input_field]))  # noqa: E731
+    train = loaded["train"]
+    if cfg.val_data:
+        val = loaded["validation"]
+        overlap = leaked(train, val, key)
+        if overlap:
+            # The user chose both files; we do not drop their rows, but an inflated validation score must not be silent.
+            report["notes"].append(
+                f"warning: {len(overlap)} validation rows have the same input as a training row "
+                f"(e.g. {overlap[0][1].where} = {overlap[0][0].where}); validation scores will be optimistic"
+            )
+    else:
+        train, val, notes = split_rows(train, cfg.val_fraction, cfg.seed, key)
+        report["notes"] += notes
+    # Augment AFTER the split and only the training side: a variant of a validation row in training is a leak.
+    train, stats = augment_rows(train, cfg.augmentation_factor, cfg.seed, cfg.input_field)
+    report["notes"].append(stats.summary())
+    if not cfg.val_data:
+        assert not leaked(train, val, key), "split/augment invariant broken: a validation row leaked into training"
+    report.update(train_rows=len(train), val_rows=len(val), augmentation=stats.__dict__)
+    for note in report["notes"]:
+        say(note)
+    return train, val, report
+
+
+def _golds(row: Row, target_field: str) -> list[str]:
+    answers = row.fields.get("answers")
+    if isinstance(answers, list) and answers and all(isinstance(a, str) for a in answers):
+        return answers
+    return [str(row.fields[target_field])]
+
+
+def _apply_lora(model: Any, cfg: SFTConfig, say=print) -> Any:
+    if cfg.lora_r == 0:
+        n = sum(p.numel() for p in model.parameters())
+        say(f"full fine-tuning: {n:,} trainable parameters")
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = (
+        "all-linear" if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+    )
+    lora = LoraConfig(
+        r=cfg.lora_r,
+        lora_alpha=cfg.resolved_lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets,
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as e:
+        raise DataError(Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or names of Linear modules")) from e
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    adapted = sorted({n.split(".")[-1] for n in model.peft_config["default"].target_modules})
+    say(
+        f"LoRA r={cfg.lora_r} alpha={cfg.resolved_lora_alpha} on {', '.join(adapted)}: "
+        f"{trainable:,} trainable of {total:,} parameters ({100.0 * trainable / total:.2f}%)"
+    )
+    return model
+
+
+def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
+    """Train, evaluating every epoch (and before the first), and save everything under ``cfg.output_dir``.
+
+    Returns:
+        ``{"output_dir", "final_dir", "history", "data_report"}``.
+    """
+    from accelerate.utils import set_seed
+
+    _quiet_libraries()
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    set_seed(cfg.seed)
+
+    # -- data (before loading the model: a data problem should cost seconds, not a model load). Resolving --model is
+    # cheap, so its problem joins the data problems in one report.
+    early: list[Problem] = []
+    try:
+        source = resolve_model(cfg.model)
+    except ModelError as e:
+        early = e.problems
+    train_rows, val_rows, data_report = load_data(cfg, say, early)
+    path = model_folder(source, log=say)
+    tokenizer, notes = load_tokenizer(path, source)
+    for note in notes:
+        say(note)
+    fmt = build_prompt_format(tokenizer, cfg.template, cfg.chat_template)
+    enc = dict(
+        max_seq_length=cfg.max_seq_length,
+        input_field=cfg.input_field,
+        target_field=cfg.target_field,
+        truncation_side=cfg.truncation_side,
+    )
+    train_ex, train_rep = encode_rows(train_rows, tokenizer, fmt, split="train", **enc)
+    val_ex, val_rep = encode_rows(val_rows, tokenizer, fmt, split="validation", **enc)
+    excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
+    for rep in (train_rep, val_rep):
+        say(rep.summary())
+        for where, why in rep.excluded[:10]:
+            say(f"  excluded {where}: {why}")
+        if len(rep.excluded) > 10:
+            say(f"  ... and {len(rep.excluded) - 10} more (all listed in {out / 'excluded_rows.jsonl'})")
+    if excluded:
+        with (out / "excluded_rows.jsonl").open("w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(e) + "\n" for e in excluded)
+    empty = [
+        Problem(
+            f"no {r.split} rows left after encoding: all {r.rows} targets are longer than --max_seq_length allows",
+            "--max_seq_length",
+            f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the targets",
+        )
+        for r in (train_rep, val_rep)
+        if r.encoded == 0
+    ]
+    raise_if(empty, DataError)
+    data_report["encoding"] = {
+        r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"} | {"excluded": len(r.excluded)}
+        for r in (train_rep, val_rep)
+    }
+    (out / "data_report.json").write_text(json.dumps(data_report, indent=2, default=str), encoding="utf-8")
+
+    # -- model
+    model = load_causal_lm(path, source)
+    model = _apply_lora(model, cfg, say)
+    accelerator = make_accelerator(cfg.precision)
+    max_new = cfg.max_new_tokens or train_rep.longest_target + 4
+    say(
+        f"model {source.name}; precision {accelerator.mixed_precision}; device {accelerator.device}; "
+        f"batch {cfg.batch_size} = micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum}; "
+        f"eval generates up to {max_new} tokens"
+    )
+
+    collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
+    eval_bs = cfg.eval_batch_size or 2 * cfg.micro_batch_size
+    eos_ids = sorted({tokenizer.eos_token_id} | _extra_eos(model))
+    log = MetricsLog(out / "metrics.jsonl")
+    (out / "predictions").mkdir(exist_ok=True)
+
+    def evaluate(m: Any, epoch: int) -> dict[str, Any]:
+        loss = evaluate_loss(
+            m,
+            [e.features() for e in val_ex],
+            [len(e.input_ids) for e in val_ex],
+            loss_fn=causal_lm_loss_sum,
+            collate=collate,
+            batch_size=eval_bs,
+            accelerator=accelerator,
+        )
+        generated = greedy_generate(
+            accelerator.unwrap_model(m),
+            [e.prompt_ids for e in val_ex],
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=eos_ids,
+            max_new_tokens=max_new,
+            batch_size=eval_bs,
+            device=accelerator.device,
+            autocast=accelerator.autocast,
+        )
+        preds = [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
+        golds = [_golds(e.row, cfg.target_field) for e in val_ex]
+        scores = squad_scores(preds, golds)
+        _write_predictions(out / "predictions" / f"epoch_{epoch}.jsonl", val_ex, preds, golds, cfg.input_field)
+        say(f"epoch {epoch}/{cfg.epochs}  eval_f1={scores['f1']:.4f}  eval_em={scores['em']:.4f}  eval_loss={loss:.4f}")
+        return {"eval_loss": loss, "eval_f1": scores["f1"], "eval_em": scores["em"]}
+
+    def save_model(m: Any, folder: Path) -> None:
+        accelerator.unwrap_model(m).save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+
+    def on_epoch_end(m: Any, epoch: int, state: dict[str, Any]) -> None:
+        ckdir = out / "checkpoints"
+        save_checkpoint(
+            ckdir / f"epoch-{epoch}",
+            lambda d: save_model(m, d),
+            optimizer=state["optimizer"],
+            scheduler=state["scheduler"],
+            state={"epoch": epoch, "step": state["step"], "record": state["record"]},
+        )
+        old = sorted(ckdir.glob("epoch-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP_EPOCH_CHECKPOINTS]
+        for p in old:
+            shutil.rmtree(p)
+            say(f"removed {p} (keeping the last {KEEP_EPOCH_CHECKPOINTS} epoch checkpoints)")
+
+    settings = LoopSettings(
+        epochs=cfg.epochs,
+        batch_size=cfg.batch_size,
+        micro_batch_size=cfg.micro_batch_size,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        warmup_ratio=cfg.warmup_ratio,
+        max_grad_norm=cfg.max_grad_norm,
+        seed=cfg.seed,
+        log_every=cfg.log_every,
+    )
+    try:
+        history = fit(
+            model,
+            [e.features() for e in train_ex],
+            [len(e.input_ids) for e in train_ex],
+            [e.num_supervised for e in train_ex],
+            loss_fn=causal_lm_loss_sum,
+            collate=collate,
+            settings=settings,
+            accelerator=accelerator,
+            evaluate=evaluate,
+            on_epoch_end=on_epoch_end,
+            log=log,
+            say=say,
+        )
+    finally:
+        log.close()
+
+    final = out / "final"
+    tmp = out / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(model, tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    kind = "LoRA adapter (load with peft)" if cfg.lora_r else "full model (load with transformers)"
+    say(f"saved {kind} and tokenizer to {final}")
+    return {"output_dir": out, "final_dir": final, "history": history, "data_report": data_report}
+
+
+def _quiet_libraries() -> None:
+    """Library progress bars (weight loading, shard writing) and deprecation chatter drown the run's own report."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+
+def _extra_eos(model: Any) -> set[int]:
+    """EOS ids from the model's generation config (chat models often end turns with a second token)."""
+    gen = getattr(model, "generation_config", None)
+    ids = getattr(gen, "eos_token_id", None)
+    if ids is None:
+        return set()
+    return set(ids) if isinstance(ids, list) else {int(ids)}
+
+
+def _write_predictions(path: Path, examples: list[Example], preds: list[str], golds: list[list[str]], input_field: str) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        for ex, pred, gold in zip(examples, preds, golds, strict=True):
+            rec = {
+                "where": ex.row.where,
+                "input": ex.row.fields[input_field],
+                "gold": gold,
+                "prediction": pred,
+                "f1": max(token_f1(pred, g) for g in gold),
+                "em": max(exact_match(pred, g) for g in gold),
+            }
+            fh.write(json.dumps(rec, ensure_ascii=False) + "\n")

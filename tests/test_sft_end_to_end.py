@@ -1,0 +1,114 @@
+"""One real CLI run on a tiny local model, and the bad-input reports. CPU, seconds."""
+
+import json
+
+import pytest
+import torch
+
+from surefit.cli import main
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_lm_dir, tmp_path_factory):
+    from conftest import qa_rows
+
+    tmp = tmp_path_factory.mktemp("e2e")
+    data = tmp / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(40)), encoding="utf-8")
+    out = tmp / "run"
+    argv = ["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "2",
+            "--augmentation_factor", "2", "--lora_r", "8", "--batch_size", "4", "--grad-accum", "2",
+            "--max_seq_length", "128", "--lr", "1e-2", "--val_fraction", "0.2", "--log_every", "2", "--output_dir", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+def test_cli_run_writes_every_output(run_dir):
+    for name in ["config.yaml", "metrics.jsonl", "data_report.json", "predictions/epoch_0.jsonl",
+                 "predictions/epoch_1.jsonl", "predictions/epoch_2.jsonl", "final/adapter_model.safetensors",
+                 "final/adapter_config.json", "final/tokenizer.json", "checkpoints/epoch-1/adapter_model.safetensors",
+                 "checkpoints/epoch-2/optimizer.pt", "checkpoints/epoch-2/trainer_state.json"]:
+        assert (run_dir / name).is_file(), name
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    epochs = [r for r in records if r["type"] == "epoch"]
+    assert [r["epoch"] for r in epochs] == [0, 1, 2]
+    assert all({"eval_loss", "eval_f1", "eval_em"} <= r.keys() for r in epochs)
+    assert all("train_loss" in r and r["train_loss"] > 0 for r in epochs[1:])
+    assert any(r["type"] == "step" for r in records)
+    report = json.loads((run_dir / "data_report.json").read_text())
+    assert report["val_rows"] == 8 and report["train_rows"] == 64  # 32 train rows x augmentation 2
+    pred = json.loads((run_dir / "predictions/epoch_2.jsonl").read_text().splitlines()[0])
+    assert {"where", "input", "gold", "prediction", "f1", "em"} <= pred.keys()
+
+
+def test_training_lowers_validation_loss(run_dir):
+    epochs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["eval_loss"] for r in epochs if r["type"] == "epoch"]
+    assert losses[-1] < losses[0]
+
+
+def test_lora_base_weights_unchanged_adapter_changed_and_loads_with_plain_peft(run_dir, tiny_lm_dir):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base_before = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_lm_dir), run_dir / "final")
+    for name, p in base_before.named_parameters():
+        peft_name = "base_model.model." + name.replace(".weight", ".base_layer.weight")
+        merged = dict(model.named_parameters())
+        q = merged.get(peft_name, merged.get("base_model.model." + name))
+        assert torch.equal(p, q), name
+    adapter = load_file(run_dir / "final" / "adapter_model.safetensors")
+    lora_b = [v for k, v in adapter.items() if "lora_B" in k]
+    assert lora_b and all(v.abs().sum() > 0 for v in lora_b)  # B starts at zero: nonzero means it trained
+
+
+def test_no_validation_row_or_variant_of_it_in_training(run_dir):
+    from surefit.config import SFTConfig, build_config
+    from surefit.data.split import normalize_key
+    from surefit.tasks.sft import load_data
+
+    cfg = build_config(SFTConfig, {**json.loads(json.dumps(__import__("yaml").safe_load((run_dir / "config.yaml").read_text())))}, None)
+    train, val, _ = load_data(cfg, say=lambda *_: None)
+    val_keys = {normalize_key(r.fields["input"]) for r in val}
+    val_where = {r.where for r in val}
+    assert len(train) == 64 and len(val) == 8
+    for r in train:
+        assert normalize_key(r.fields["input"]) not in val_keys
+        assert r.where.split(" (variant")[0] not in val_where
+    variants = [r for r in train if r.variant_of is not None]
+    assert len(variants) == 32
+
+
+def _write(path, lines):
+    path.write_bytes(b"".join(lines))
+
+
+def test_bad_input_one_report_exit_2_nothing_trained(tmp_path, tiny_lm_dir, capsys):
+    train = tmp_path / "train.jsonl"
+    _write(train, [b'{"input": "a", "target": "b"}\n', b'{"input": "c", "answer": "d"}\n', b'{"input": "e", "target": null}\n',
+                   b'{"input": "f", "target": ""}\n', b'{"input": "caf\xe9", "target": "x"}\n'])
+    val = tmp_path / "val.csv"
+    val.write_text("question,answer\nq,a\n")
+    out = tmp_path / "run"
+    code = main(["train", "--model", str(tiny_lm_dir), "--data", str(train), "--val_data", str(val), "--output_dir", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "data error" in err
+    assert "line 5" in err and "UTF-8" in err  # non-UTF-8 bytes, with the line
+    assert "val.csv" in err and "--input_field" in err and "--target_field" in err  # missing fields in the other file
+    assert not (out / "final").exists() and not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("missing.jsonl", None, "file not found"),
+    ("data.xlsx", b"PK", "Parquet"),
+    ("empty.jsonl", b"", "no rows"),
+])
+def test_missing_unknown_and_empty_files_are_reported(tmp_path, tiny_lm_dir, capsys, name, content, expected):
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(path), "--output_dir", str(tmp_path / "o")]) == 2
+    assert expected in capsys.readouterr().err
