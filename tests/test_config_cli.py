@@ -57,3 +57,10 @@ def test_help_lists_every_field_with_its_help(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert "--augmentation_factor" in out and "--lora-r" in out and "LoRA rank; 0 means full fine-tuning." in out
+
+
+def test_public_train_function_survives_importing_the_training_modules():
+    import surefit
+    import surefit.training.loop  # noqa: F401  (a subpackage named `train` used to shadow surefit.train)
+
+    assert callable(surefit.train)

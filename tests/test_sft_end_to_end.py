@@ -112,3 +112,22 @@ def test_missing_unknown_and_empty_files_are_reported(tmp_path, tiny_lm_dir, cap
         path.write_bytes(content)
     assert main(["train", "--model", str(tiny_lm_dir), "--data", str(path), "--output_dir", str(tmp_path / "o")]) == 2
     assert expected in capsys.readouterr().err
+
+
+def test_python_api_returns_history_and_honours_keep_checkpoints(tmp_path, tiny_lm_dir, qa_jsonl):
+    import surefit
+
+    result = surefit.train({"task": "sft", "data": str(qa_jsonl)}, model=str(tiny_lm_dir), epochs=3, batch_size=8,
+                           lr=1e-2, keep_checkpoints=1, output_dir=str(tmp_path / "api"))
+    assert [r["epoch"] for r in result.history] == [0, 1, 2, 3]
+    assert result.final_dir == tmp_path / "api" / "final" and (result.final_dir / "adapter_config.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "api" / "checkpoints").iterdir()) == ["epoch-3"]
+    assert result.data_report["train_rows"] + result.data_report["val_rows"] == 24
+
+
+def test_hub_id_that_cannot_be_reached_says_so(tmp_path, qa_jsonl, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["train", "--model", "no-such-owner/no-such-model", "--data", str(qa_jsonl),
+                 "--output_dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "'no-such-owner/no-such-model' is not a local file or folder" in err and "--model" in err

@@ -79,6 +79,7 @@ class SFTConfig:
     # -- output
     output_dir: str = opt("runs/sft", "Where the config, metrics, predictions, checkpoints and final model go.")
     log_every: int = opt(10, "Write a training-loss line to metrics.jsonl every N optimizer steps.")
+    keep_checkpoints: int = opt(0, "Keep only the last K epoch checkpoints (0 keeps every one).")
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
@@ -90,6 +91,7 @@ class SFTConfig:
         _at_least(p, self, "augmentation_factor", 1)
         _at_least(p, self, "lora_r", 0)
         _at_least(p, self, "log_every", 1)
+        _at_least(p, self, "keep_checkpoints", 0)
         _at_least(p, self, "limit", 1)
         _at_least(p, self, "eval_batch_size", 1)
         _at_least(p, self, "max_new_tokens", 1)

@@ -187,9 +187,10 @@ def _load_error(source: ModelSource, e: Exception) -> ModelError:
     if source.kind == "hub":
         return ModelError(
             Problem(
-                f"cannot load {source.path!r} from the hub: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
+                f"{source.path!r} is not a local file or folder (looked in {Path.cwd()}), and loading it as a hub id "
+                f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                 "--model",
-                "on a machine without internet, pass a local folder or a .gguf file instead of a hub id",
+                "check the path; on a machine without internet, pass a local folder or a .gguf file, not a hub id",
             )
         )
     return ModelError(Problem(f"cannot load model from {source.path}: {type(e).__name__}: {e}", "--model"))

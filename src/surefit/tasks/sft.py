@@ -2,7 +2,7 @@
 
 The correctness-critical pieces live in library code shared by every task: encoding builds the labels once
 (``data/encode.py``), the collator only pads (``data/collate.py``), the loop normalises the loss by supervised tokens
-(``train/loop.py``), checkpoints are atomic (``train/checkpoint.py``). This file wires them together and reports,
+(``training/loop.py``), checkpoints are atomic (``training/checkpoint.py``). This file wires them together and reports,
 in counts, everything that happened to the data.
 """
 
@@ -24,11 +24,9 @@ from surefit.errors import DataError, ModelError, Problem, SurefitError, raise_i
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.train.checkpoint import save_checkpoint
-from surefit.train.loop import LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
-from surefit.train.loss import causal_lm_loss_sum
-
-KEEP_EPOCH_CHECKPOINTS = 2
+from surefit.training.checkpoint import save_checkpoint
+from surefit.training.loop import LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
+from surefit.training.loss import causal_lm_loss_sum
 
 
 def load_data(
@@ -239,10 +237,11 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
             scheduler=state["scheduler"],
             state={"epoch": epoch, "step": state["step"], "record": state["record"]},
         )
-        old = sorted(ckdir.glob("epoch-*"), key=lambda p: int(p.name.split("-")[1]))[:-KEEP_EPOCH_CHECKPOINTS]
-        for p in old:
-            shutil.rmtree(p)
-            say(f"removed {p} (keeping the last {KEEP_EPOCH_CHECKPOINTS} epoch checkpoints)")
+        if cfg.keep_checkpoints:
+            done = sorted(ckdir.glob("epoch-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
+            for p in done[: -cfg.keep_checkpoints]:
+                shutil.rmtree(p)
+                say(f"removed {p} (--keep_checkpoints {cfg.keep_checkpoints})")
 
     settings = LoopSettings(
         epochs=cfg.epochs,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from surefit.data.collate import PadCollator
-from surefit.train.loop import accumulate_step
-from surefit.train.loss import causal_lm_loss_sum, count_supervised_tokens
+from surefit.training.loop import accumulate_step
+from surefit.training.loss import causal_lm_loss_sum, count_supervised_tokens
 
 
 class _OneProcess:
