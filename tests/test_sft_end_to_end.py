@@ -126,8 +126,20 @@ def test_python_api_returns_history_and_honours_keep_checkpoints(tmp_path, tiny_
 
 
 def test_hub_id_that_cannot_be_reached_says_so(tmp_path, qa_jsonl, capsys, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # huggingface_hub reads HF_HUB_OFFLINE at import; without this the test waits ~45 s on network retries.
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert main(["train", "--model", "no-such-owner/no-such-model", "--data", str(qa_jsonl),
                  "--output_dir", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "'no-such-owner/no-such-model' is not a local file or folder" in err and "--model" in err
+
+
+def test_a_previous_run_is_not_replaced_without_overwrite(run_dir, tiny_lm_dir, qa_jsonl, capsys):
+    before = (run_dir / "metrics.jsonl").read_text()
+    argv = ["train", "--model", str(tiny_lm_dir), "--data", str(qa_jsonl), "--epochs", "1", "--output_dir", str(run_dir)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "already holds a run" in err and "--overwrite" in err
+    assert (run_dir / "metrics.jsonl").read_text() == before

@@ -80,6 +80,7 @@ class SFTConfig:
     output_dir: str = opt("runs/sft", "Where the config, metrics, predictions, checkpoints and final model go.")
     log_every: int = opt(10, "Write a training-loss line to metrics.jsonl every N optimizer steps.")
     keep_checkpoints: int = opt(0, "Keep only the last K epoch checkpoints (0 keeps every one).")
+    overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""

@@ -20,13 +20,16 @@ from surefit.data.encode import Example, build_prompt_format, encode_rows
 from surefit.data.rows import Row
 from surefit.data.sources import check_text_fields, read_rows
 from surefit.data.split import leaked, normalize_key, split_rows
-from surefit.errors import DataError, ModelError, Problem, SurefitError, raise_if
+from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.training.checkpoint import save_checkpoint
 from surefit.training.loop import LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
 from surefit.training.loss import causal_lm_loss_sum
+
+# What a run writes; a previous run's copies are only replaced with --overwrite.
+RUN_FILES = ("metrics.jsonl", "predictions", "checkpoints", "final", "data_report.json", "excluded_rows.jsonl")
 
 
 def load_data(
@@ -54,7 +57,9 @@ def load_data(
             rows, notes = check_text_fields(rows, fields, problems, str(path))
             report["notes"] += notes
         loaded[name] = rows
-    raise_if(problems, DataError if all(p.where != "--model" for p in problems) else SurefitError)
+    # The title says "data error" only when every problem is about the data.
+    not_data = any(p.where.startswith(("--model", "--output_dir")) for p in problems)
+    raise_if(problems, SurefitError if not_data else DataError)
 
     key = lambda r: normalize_key(str(r.fields[cfg.input_field]))  # noqa: E731
     train = loaded["train"]
@@ -108,7 +113,9 @@ def _apply_lora(model: Any, cfg: SFTConfig, say=print) -> Any:
     try:
         model = get_peft_model(model, lora)
     except ValueError as e:
-        raise DataError(Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or names of Linear modules")) from e
+        raise ConfigError(
+            Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or names of Linear modules")
+        ) from e
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({n.split(".")[-1] for n in model.peft_config["default"].target_modules})
@@ -129,18 +136,32 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
 
     _quiet_libraries()
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
     set_seed(cfg.seed)
 
-    # -- data (before loading the model: a data problem should cost seconds, not a model load). Resolving --model is
-    # cheap, so its problem joins the data problems in one report.
+    # -- data (before loading the model: a data problem should cost seconds, not a model load). Resolving --model and
+    # looking at --output_dir are cheap, so their problems join the data problems in one report.
     early: list[Problem] = []
     try:
         source = resolve_model(cfg.model)
     except ModelError as e:
         early = e.problems
+    previous = [name for name in RUN_FILES if (out / name).exists()]
+    if previous and not cfg.overwrite:
+        early.append(
+            Problem(
+                f"{out} already holds a run ({', '.join(previous)}); training again would replace it",
+                "--output_dir",
+                "pass a new --output_dir, or --overwrite to replace the previous run",
+            )
+        )
     train_rows, val_rows, data_report = load_data(cfg, say, early)
+    for name in previous:
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if previous:
+        say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
     path = model_folder(source, log=say)
     tokenizer, notes = load_tokenizer(path, source)
     for note in notes:
