@@ -77,3 +77,58 @@ def qa_jsonl(tmp_path) -> Path:
     path = tmp_path / "qa.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
     return path
+
+
+SENTIMENT_WORDS = ("good great fine lovely superb bad awful poor dull boring movie film plot acting the a was is "
+                   "very not really story").split()
+
+
+def sentiment_rows(n: int = 48, labels: tuple = ("neg", "pos")) -> list[dict]:
+    """GLUE-schema rows (sentence, label, idx) whose label is decided by a word in the sentence: learnable."""
+    good, bad = ["good", "great", "lovely", "superb"], ["bad", "awful", "poor", "dull"]
+    rows = []
+    for i in range(n):
+        positive = i % 2 == 0
+        word = (good if positive else bad)[(i // 2) % 4]
+        filler = SENTIMENT_WORDS[10 + i % 5]
+        rows.append({"sentence": f"the {filler} was very {word}", "label": labels[1] if positive else labels[0], "idx": i})
+    return rows
+
+
+def build_bert_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {t: i for i, t in enumerate(specials + sorted(set(SENTIMENT_WORDS)))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A saved tiny BERT encoder (no classification head, like the embedded MiniLM) + WordLevel tokenizer."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    folder = tmp_path_factory.mktemp("tiny_bert")
+    tok = build_bert_tokenizer()
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def write_tsv(path: Path, rows: list[dict]) -> Path:
+    cols = list(rows[0])
+    path.write_text("\t".join(cols) + "\n" + "".join("\t".join(str(r[c]) for c in cols) + "\n" for r in rows),
+                    encoding="utf-8")
+    return path

@@ -47,7 +47,7 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
     """
     if config is None or isinstance(config, dict):
         values = {**(config or {}), **settings}
-        task = values.pop("task", "sft")
+        task = values.get("task", "sft")
         cls = TASK_CONFIGS.get(task)
         if cls is None:
             raise ConfigError(Problem(f"unknown task {task!r}", "task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
@@ -60,6 +60,10 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
         from surefit.tasks import sft
 
         out = sft.run(cfg)
+    elif cfg.task == "classify":
+        from surefit.tasks import classify
+
+        out = classify.run(cfg)
     else:  # pragma: no cover - every task in TASK_CONFIGS is dispatched above
         raise ConfigError(Problem(f"task {cfg.task!r} is not implemented", "--task"))
     return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])

@@ -16,25 +16,40 @@ from surefit.config import TASK_CONFIGS, build_config, field_kind, load_yaml
 from surefit.errors import SurefitError
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, cls: type) -> None:
-    for f in fields(cls):
-        if f.name == "task":
+def _add_config_flags(parser: argparse.ArgumentParser, classes: list[type]) -> None:
+    """One flag per setting across every task's dataclass; help shows each task's default where they differ."""
+    seen: dict[str, Any] = {}
+    for cls in classes:
+        for f in fields(cls):
+            seen.setdefault(f.name, f)
+    for name, f in seen.items():
+        if name == "task":
             continue
         base, optional, choices = field_kind(f.type)
-        names = [f"--{f.name}"]
-        if "_" in f.name:
-            names.append(f"--{f.name.replace('_', '-')}")
-        default = f.default if f.default is not MISSING else None
+        names = [f"--{name}"]
+        if "_" in name:
+            names.append(f"--{name.replace('_', '-')}")
+        defaults = {}
+        for cls in classes:
+            match = next((g for g in fields(cls) if g.name == name), None)
+            if match is not None and match.default is not MISSING:
+                defaults[cls.__dataclass_fields__["task"].default] = match.default
         help_text = f.metadata.get("help", "")
-        help_text += f" (default: {default})" if default is not None else ""
+        shown = {v for v in defaults.values()}
+        if len(shown) == 1 and None not in shown:
+            help_text += f" (default: {next(iter(shown))})"
+        elif len(shown) > 1:
+            help_text += " (default: " + ", ".join(f"{task} {value}" for task, value in defaults.items()) + ")"
+        if len(defaults) < len(classes):
+            help_text += f" [{', '.join(defaults)} only]"
         if choices:
             help_text += f" [choices: {', '.join(map(str, choices))}]"
-        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
         if base is bool:
             # `--chat_template` alone means true; `--chat_template false` is accepted too (and YAML-style values).
             kwargs.update(nargs="?", const="true", metavar="BOOL")
         else:
-            kwargs["metavar"] = f.name.upper()
+            kwargs["metavar"] = name.upper()
         parser.add_argument(*names, **kwargs)
 
 
@@ -52,14 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a model. Settings come from defaults < --config FILE.yaml < flags; "
         "the resolved config is saved to OUTPUT_DIR/config.yaml.",
     )
-    train.add_argument("--task", default=argparse.SUPPRESS, choices=sorted(TASK_CONFIGS), help="training path (default: sft)")
+    train.add_argument(
+        "--task", default=argparse.SUPPRESS, choices=sorted(TASK_CONFIGS),
+        help="training path: sft (instruction tuning of a causal LM) or classify (sequence classification); default sft",
+    )
     train.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML file of settings; flags override it")
     # Every task's flags are registered so that `--help` lists them; the chosen task's dataclass validates them.
-    seen: set[str] = set()
-    for cls in TASK_CONFIGS.values():
-        if cls.__name__ not in seen:
-            _add_config_flags(train, cls)
-            seen.add(cls.__name__)
+    _add_config_flags(train, list(TASK_CONFIGS.values()))
     return parser
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -26,42 +27,32 @@ def opt(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - "help" rea
 
 
 @dataclass
-class SFTConfig:
-    """Instruction tuning of a causal language model on input -> target rows."""
+class TrainConfig:
+    """Settings every training task shares. Each task's dataclass adds its own and may change defaults."""
 
-    task: Literal["sft"] = opt("sft", "Training path. 'sft': instruction tuning of a causal LM.")
-    # -- model
-    model: str | None = opt(
-        None,
-        "A local Hugging Face folder, a hub id (where the hub is reachable), or a .gguf file/folder. "
-        "Default: the embedded SmolLM2-135M-Instruct.",
+    task: str = opt("sft", "Training path: 'sft' (instruction tuning) or 'classify' (sequence classification).")
+    preset: str | None = opt(
+        None, "A preset name (see surefit/presets/, e.g. gtx1650-4gb, cpu) or a YAML path; applied before --config."
     )
+    # -- model
+    model: str | None = opt(None, "A local Hugging Face folder, a hub id (where the hub is reachable), or a .gguf file.")
     lora_r: int = opt(16, "LoRA rank; 0 means full fine-tuning.")
     lora_alpha: int | None = opt(None, "LoRA alpha. Default: 2 x lora_r.")
     lora_dropout: float = opt(0.05, "Dropout on the LoRA branch.")
     lora_targets: str = opt(
         "all-linear",
-        "Comma-separated module names to adapt, or 'all-linear' (every linear layer of the blocks, not the LM head).",
+        "Comma-separated module names to adapt, or 'all-linear' (every linear layer of the blocks, not the output head).",
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU."
     )
+    gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% slower.")
     # -- data
-    data: str | None = opt(None, "Training data: JSONL, JSON, CSV, TSV, Parquet, a saved datasets folder, or SQuAD JSON.")
+    data: str | None = opt(None, "Training data: JSONL, JSON, CSV, TSV, Parquet, or a saved datasets folder.")
     val_data: str | None = opt(None, "Validation data (same formats). Default: split --val_fraction off --data.")
     val_fraction: float = opt(0.1, "Fraction of --data held out for validation when --val_data is not given.")
-    input_field: str = opt("input", "Column holding the input text.")
-    target_field: str = opt("target", "Column holding the target text.")
     limit: int | None = opt(None, "Use only the first N rows of --data (and of --val_data).")
-    template: str | None = opt(
-        None, "Prompt template containing {input} once. Default: a plain instruction template (see README)."
-    )
-    chat_template: bool = opt(False, "Format prompts with the tokenizer's chat template instead of --template.")
-    max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
-    truncation_side: Literal["left", "right"] = opt(
-        "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
-    )
-    augmentation_factor: int = opt(1, "N: each training row plus N-1 augmented variants (training rows only).")
+    max_seq_length: int = opt(512, "Longest sequence in tokens.")
     # -- optimisation
     epochs: int = opt(3, "Passes over the training data.")
     batch_size: int = opt(4, "Examples per optimizer step (the effective batch).")
@@ -71,11 +62,7 @@ class SFTConfig:
     warmup_ratio: float = opt(0.05, "Fraction of optimizer steps spent warming up (then cosine decay).")
     max_grad_norm: float = opt(1.0, "Gradient clipping norm; 0 disables clipping.")
     seed: int = opt(0, "Seed for the split, augmentation, shuffling and initialisation.")
-    # -- evaluation
-    eval_batch_size: int | None = opt(None, "Batch size for evaluation and generation. Default: 2 x batch_size.")
-    max_new_tokens: int | None = opt(
-        None, "Generation length for evaluation. Default: the longest training target in tokens, plus EOS."
-    )
+    eval_batch_size: int | None = opt(None, "Batch size for evaluation. Default: 2 x the micro-batch.")
     # -- output
     output_dir: str = opt("runs/sft", "Where the config, metrics, predictions, checkpoints and final model go.")
     log_every: int = opt(10, "Write a training-loss line to metrics.jsonl every N optimizer steps.")
@@ -85,18 +72,11 @@ class SFTConfig:
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
         p: list[Problem] = []
-        _at_least(p, self, "epochs", 1)
-        _at_least(p, self, "batch_size", 1)
-        _at_least(p, self, "grad_accum", 1)
+        for name in ("epochs", "batch_size", "grad_accum", "log_every", "limit", "eval_batch_size", "lora_alpha"):
+            _at_least(p, self, name, 1)
         _at_least(p, self, "max_seq_length", 8)
-        _at_least(p, self, "augmentation_factor", 1)
         _at_least(p, self, "lora_r", 0)
-        _at_least(p, self, "log_every", 1)
         _at_least(p, self, "keep_checkpoints", 0)
-        _at_least(p, self, "limit", 1)
-        _at_least(p, self, "eval_batch_size", 1)
-        _at_least(p, self, "max_new_tokens", 1)
-        _at_least(p, self, "lora_alpha", 1)
         if not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
         if self.lr <= 0:
@@ -125,6 +105,51 @@ class SFTConfig:
                     "pass --val_data FILE or a --val_fraction above 0 (evaluation runs every epoch)",
                 )
             )
+        return p
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.batch_size // self.grad_accum
+
+    @property
+    def resolved_lora_alpha(self) -> int:
+        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_r
+
+    @property
+    def resolved_eval_batch_size(self) -> int:
+        return self.eval_batch_size or 2 * self.micro_batch_size
+
+
+@dataclass
+class SFTConfig(TrainConfig):
+    """Instruction tuning of a causal language model on input -> target rows."""
+
+    task: Literal["sft"] = opt("sft", "Training path. 'sft': instruction tuning of a causal LM.")
+    model: str | None = opt(
+        None,
+        "A local Hugging Face folder, a hub id (where the hub is reachable), or a .gguf file/folder. "
+        "Default: the embedded SmolLM2-135M-Instruct.",
+    )
+    data: str | None = opt(None, "Training data: JSONL, JSON, CSV, TSV, Parquet, a saved datasets folder, or SQuAD JSON.")
+    input_field: str = opt("input", "Column holding the input text.")
+    target_field: str = opt("target", "Column holding the target text.")
+    template: str | None = opt(
+        None, "Prompt template containing {input} once. Default: a plain instruction template (see README)."
+    )
+    chat_template: bool = opt(False, "Format prompts with the tokenizer's chat template instead of --template.")
+    max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
+    truncation_side: Literal["left", "right"] = opt(
+        "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
+    )
+    augmentation_factor: int = opt(1, "N: each training row plus N-1 augmented variants (training rows only).")
+    max_new_tokens: int | None = opt(
+        None, "Generation length for evaluation. Default: the longest training target in tokens, plus 4."
+    )
+
+    def problems(self) -> list[Problem]:
+        p = super().problems()
+        _at_least(p, self, "augmentation_factor", 1)
+        _at_least(p, self, "max_new_tokens", 1)
         if self.template is not None:
             n = self.template.count("{input}")
             if n != 1:
@@ -139,16 +164,56 @@ class SFTConfig:
                 p.append(Problem("--template and --chat_template both given", "--chat_template", "use one of them"))
         return p
 
-    @property
-    def micro_batch_size(self) -> int:
-        return self.batch_size // self.grad_accum
 
-    @property
-    def resolved_lora_alpha(self) -> int:
-        return self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_r
+@dataclass
+class ClassifyConfig(TrainConfig):
+    """Sequence classification with a pretrained encoder (or any sequence-classification model) and optional head."""
+
+    task: Literal["classify"] = opt("classify", "Training path. 'classify': sequence classification.")
+    model: str | None = opt(
+        None, "A local Hugging Face folder or a hub id. Default: the embedded all-MiniLM-L6-v2 encoder."
+    )
+    text_field: str | None = opt(None, "Column holding the text. Default: detected (sentence, text, sentence1, ...).")
+    text_pair_field: str | None = opt(None, "Column holding the second text of a pair (e.g. sentence2). Default: detected.")
+    label_field: str | None = opt(None, "Column holding the label. Default: detected (label, labels, class, ...).")
+    problem_type: Literal["auto", "single", "multi", "regression"] = opt(
+        "auto", "single-label, multi-label (list labels) or regression (float labels); 'auto' infers it and says how."
+    )
+    head: str | None = opt(
+        None, "Custom head 'package.module:Factory' or 'path/to/file.py:Factory', built on the backbone's hidden states."
+    )
+    head_args: str | None = opt(None, "JSON object of keyword arguments for the head factory, e.g. '{\"filters\": 64}'.")
+    lora_r: int = opt(0, "LoRA rank; 0 (the default here) means full fine-tuning.")
+    max_seq_length: int = opt(128, "Longest text (or text pair) in tokens; longer texts are truncated and counted.")
+    batch_size: int = opt(16, "Examples per optimizer step (the effective batch).")
+    lr: float = opt(5e-5, "Peak learning rate (AdamW).")
+    weight_decay: float = opt(0.01, "AdamW weight decay.")
+    warmup_ratio: float = opt(0.06, "Fraction of optimizer steps spent warming up (then cosine decay).")
+    output_dir: str = opt("runs/classify", "Where the config, metrics, predictions, checkpoints and final model go.")
+
+    def problems(self) -> list[Problem]:
+        p = super().problems()
+        if self.head is not None and ":" not in self.head:
+            p.append(
+                Problem(
+                    f"expected 'package.module:Factory' or 'file.py:Factory' (got {self.head!r})",
+                    "--head",
+                    "e.g. --head examples/classify/cnn_head.py:CNNHead",
+                )
+            )
+        if self.head_args is not None:
+            try:
+                args = json.loads(self.head_args)
+                if not isinstance(args, dict):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                p.append(Problem(f"not a JSON object ({e}): {self.head_args!r}", "--head_args", "e.g. '{\"filters\": 64}'"))
+        if self.head_args is not None and self.head is None:
+            p.append(Problem("--head_args given without --head", "--head_args", "pass --head too, or drop --head_args"))
+        return p
 
 
-TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig}
+TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig}
 
 
 def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
@@ -261,16 +326,44 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return {str(k).replace("-", "_"): v for k, v in data.items()}
 
 
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped with surefit."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def load_preset(name: str) -> tuple[dict[str, Any], list[Problem]]:
+    """A preset's settings by name (shipped) or path (a YAML file of the user's)."""
+    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / f"{name}.yaml"
+    if not path.is_file():
+        close = difflib.get_close_matches(name, list_presets(), n=1)
+        fix = f"did you mean '{close[0]}'? " if close else ""
+        return {}, [Problem(f"unknown preset {name!r}", "--preset", f"{fix}shipped presets: {', '.join(list_presets())}")]
+    try:
+        return load_yaml(path), []
+    except ConfigError as e:
+        return {}, e.problems
+
+
 def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
                  yaml_name: str = "config file") -> Any:
-    """Make a validated config: dataclass defaults < ``yaml_values`` < ``overrides``.
+    """Make a validated config: dataclass defaults < preset < ``yaml_values`` < ``overrides``.
 
-    Every problem (unknown keys, wrong types, bad ranges, cross-field conflicts) is collected and raised once.
+    The preset is named by ``preset`` in the overrides or the YAML. Every problem (unknown keys, wrong types, bad
+    ranges, cross-field conflicts) is collected and raised once.
     """
     problems: list[Problem] = []
     known = {f.name: f for f in fields(cls)}
     values: dict[str, Any] = {}
-    for source_name, source in ((yaml_name, yaml_values or {}), ("command line", overrides or {})):
+    preset_name = (overrides or {}).get("preset") or (yaml_values or {}).get("preset")
+    preset_values: dict[str, Any] = {}
+    if preset_name:
+        preset_values, preset_problems = load_preset(str(preset_name))
+        problems += preset_problems
+    layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}), ("command line", overrides or {}))
+    for source_name, source in layers:
         for key, raw in source.items():
             key = key.replace("-", "_")
             if key not in known:

