@@ -26,7 +26,8 @@ def run_dir(tiny_lm_dir, tmp_path_factory):
 def test_cli_run_writes_every_output(run_dir):
     for name in ["config.yaml", "metrics.jsonl", "data_report.json", "predictions/epoch_0.jsonl",
                  "predictions/epoch_1.jsonl", "predictions/epoch_2.jsonl", "final/adapter_model.safetensors",
-                 "final/adapter_config.json", "final/tokenizer.json", "checkpoints/epoch-1/adapter_model.safetensors",
+                 "final/adapter_config.json", "final/tokenizer.json", "checkpoints/epoch-1/model/adapter_model.safetensors",
+                 "checkpoints/epoch-1/manifest.json", "checkpoints/epoch-1/trainable.safetensors", "checkpoints/epoch-1/rng.pt",
                  "checkpoints/epoch-2/optimizer.pt", "checkpoints/epoch-2/trainer_state.json"]:
         assert (run_dir / name).is_file(), name
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -121,7 +122,7 @@ def test_python_api_returns_history_and_honours_keep_checkpoints(tmp_path, tiny_
                            lr=1e-2, keep_checkpoints=1, output_dir=str(tmp_path / "api"))
     assert [r["epoch"] for r in result.history] == [0, 1, 2, 3]
     assert result.final_dir == tmp_path / "api" / "final" and (result.final_dir / "adapter_config.json").is_file()
-    assert sorted(p.name for p in (tmp_path / "api" / "checkpoints").iterdir()) == ["epoch-3"]
+    assert sorted(p.name for p in (tmp_path / "api" / "checkpoints").iterdir()) == ["epoch-3"]  # --keep_checkpoints 1
     assert result.data_report["train_rows"] + result.data_report["val_rows"] == 24
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 from surefit.config import TASK_CONFIGS, build_config, field_kind, load_yaml
@@ -48,6 +49,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: list[type]) -> N
         if base is bool:
             # `--chat_template` alone means true; `--chat_template false` is accepted too (and YAML-style values).
             kwargs.update(nargs="?", const="true", metavar="BOOL")
+        elif "const" in f.metadata:  # e.g. `--resume` alone means "latest"
+            kwargs.update(nargs="?", const=f.metadata["const"], metavar=name.upper())
         else:
             kwargs["metavar"] = name.upper()
         parser.add_argument(*names, **kwargs)
@@ -83,7 +86,15 @@ def parse_train_config(argv: list[str]) -> Any:
     given = {k: v for k, v in vars(ns).items() if k not in {"command", "config"}}
     # Unknown flags join the other problems (with a did-you-mean) instead of argparse exiting on the first one.
     extra = _unknown_flags(unknown)
-    yaml_values = load_yaml(ns.config) if ns.config else {}
+    config_path = ns.config
+    if given.get("resume") and not config_path:
+        # `surefit train --resume --output_dir OUT` continues the run with the config it was started with.
+        for cls in TASK_CONFIGS.values():
+            out = Path(given.get("output_dir") or cls.__dataclass_fields__["output_dir"].default)
+            if (out / "config.yaml").is_file():
+                config_path = str(out / "config.yaml")
+                break
+    yaml_values = load_yaml(config_path) if config_path else {}
     task = given.pop("task", None) or yaml_values.get("task") or "sft"
     cls = TASK_CONFIGS.get(str(task))
     if cls is None:
@@ -91,7 +102,7 @@ def parse_train_config(argv: list[str]) -> Any:
 
         raise ConfigError(Problem(f"unknown task {task!r}", "--task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     yaml_values = {k: v for k, v in yaml_values.items() if k != "task"}
-    return build_config(cls, yaml_values, {**given, **extra}, yaml_name=str(ns.config))
+    return build_config(cls, yaml_values, {**given, **extra}, yaml_name=str(config_path))
 
 
 def _unknown_flags(unknown: list[str]) -> dict[str, Any]:

@@ -53,6 +53,10 @@ class TrainConfig:
     val_fraction: float = opt(0.1, "Fraction of --data held out for validation when --val_data is not given.")
     limit: int | None = opt(None, "Use only the first N rows of --data (and of --val_data).")
     max_seq_length: int = opt(512, "Longest sequence in tokens.")
+    on_bad_rows: Literal["error", "skip"] = opt(
+        "error", "A malformed row stops the run ('error'), or is dropped and written to OUTPUT/rejected_rows.jsonl "
+        "('skip'; the count is reported)."
+    )
     # -- optimisation
     epochs: int = opt(3, "Passes over the training data.")
     batch_size: int = opt(4, "Examples per optimizer step (the effective batch).")
@@ -66,7 +70,12 @@ class TrainConfig:
     # -- output
     output_dir: str = opt("runs/sft", "Where the config, metrics, predictions, checkpoints and final model go.")
     log_every: int = opt(10, "Write a training-loss line to metrics.jsonl every N optimizer steps.")
-    keep_checkpoints: int = opt(0, "Keep only the last K epoch checkpoints (0 keeps every one).")
+    save_every: int = opt(0, "Also save a checkpoint every N optimizer steps (0: only at each epoch end).")
+    keep_checkpoints: int = opt(0, "Keep only the newest K checkpoints (0 keeps every one).")
+    resume: str | None = opt(
+        None, "Continue the run in --output_dir from its newest usable checkpoint (--resume alone), or from PATH.",
+        const="latest",
+    )
     overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
 
     def problems(self) -> list[Problem]:
@@ -77,6 +86,9 @@ class TrainConfig:
         _at_least(p, self, "max_seq_length", 8)
         _at_least(p, self, "lora_r", 0)
         _at_least(p, self, "keep_checkpoints", 0)
+        _at_least(p, self, "save_every", 0)
+        if self.resume and self.overwrite:
+            p.append(Problem("--resume and --overwrite both given", "--overwrite", "use one: continue the run, or replace it"))
         if not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
         if self.lr <= 0:
@@ -388,5 +400,9 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save_config(cfg: Any, path: str | Path) -> None:
-    """Write the resolved config as YAML that ``--config`` reads back to the same config."""
-    Path(path).write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    """Write the resolved config as YAML that ``--config`` reads back to the same config.
+
+    ``resume`` and ``overwrite`` describe one invocation, not the run, so they are not saved.
+    """
+    values = {k: v for k, v in config_to_dict(cfg).items() if k not in ("resume", "overwrite")}
+    Path(path).write_text(yaml.safe_dump(values, sort_keys=False), encoding="utf-8")

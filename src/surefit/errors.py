@@ -69,3 +69,14 @@ def raise_if(problems: list[Problem], error_type: type[SurefitError] = SurefitEr
     """Raise ``error_type`` with every collected problem, if there are any."""
     if problems:
         raise error_type(problems)
+
+
+# Flags whose problems are not about the data; a report holding one is titled generically, not "data error".
+_NOT_DATA = ("--model", "--output_dir", "--resume", "--head", "--overwrite")
+
+
+def raise_input_problems(problems: list[Problem]) -> None:
+    """Raise the problems found while checking a run's inputs (data, model, run folder) as one report."""
+    if problems:
+        not_data = any(p.where.startswith(_NOT_DATA) for p in problems)
+        raise (SurefitError if not_data else DataError)(problems)

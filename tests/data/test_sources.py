@@ -388,7 +388,10 @@ def test_non_utf8_byte_reported_with_line_offset_and_count(tmp_path):
     assert "byte 0xE9 at byte offset 30 (line 2, byte 15 of the line)" in p.what
     assert "'é'" in p.what
     assert "2 lines in the file have invalid bytes" in p.what
-    assert p.fix == "re-save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 IN > OUT)"
+    assert p.fix == (
+        "re-save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 IN > OUT); "
+        "or pass --on_bad_rows skip to drop such rows (they are written to rejected_rows.jsonl)"
+    )
 
 
 # --- JSONL errors ---------------------------------------------------------------------------------------------------
@@ -507,7 +510,7 @@ def test_null_and_empty_target_list_rows():
         "12 rows have a null or empty 'target' (1 null, 11 empty or whitespace-only): line 1, line 2,"
     )
     assert what.endswith("line 10 and 2 more")
-    assert problems[0].fix == "fill in or remove these rows"
+    assert problems[0].fix.startswith("fill in or remove these rows; or pass --on_bad_rows skip")
 
 
 def test_nan_target_is_null_not_the_text_nan():

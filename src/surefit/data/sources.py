@@ -3,6 +3,12 @@
 Readers never raise for something the user can fix: they append :class:`Problem` s, each naming the file and line
 (or item, row, question id) and the fix, so one run reports everything wrong with a file. Every row keeps where it
 came from, so later stages can point at the exact line.
+
+Problems are of two levels. A file-level problem (missing file, binary file, unreadable JSON document, broken CSV
+quoting) means the file as a whole cannot be trusted and is always a :class:`Problem`. A row-level problem (one bad
+line, item, record or field value) is a :class:`Problem` by default (``--on_bad_rows error``); when the caller passes
+a ``rejects`` list (``--on_bad_rows skip``) each bad row becomes one :class:`Rejected` there instead and is left out,
+so nothing is dropped without being reported.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import json
 import math
 import numbers
 import os
+import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +40,28 @@ MAX_PROBLEMS_PER_KIND = 20
 # How many row locations one aggregated problem lists before saying "and N more".
 MAX_WHERES = 10
 
+# A row this large is not a training example (it would be tokenized for minutes and then truncated); refusing it
+# keeps one stray dump line from stalling or exhausting the run.
+MAX_ROW_BYTES = 16 * 2**20
+# Rejected rows keep this much of their text: enough to find and fix the row, small enough for a report file.
+MAX_RAW_CHARS = 2000
+
 _JSONL_EXTS = {".jsonl", ".ndjson"}
 _DATA_EXTS = _JSONL_EXTS | {".json", ".csv", ".tsv", ".parquet"}
+_KIND = {".jsonl": "JSONL", ".ndjson": "JSONL", ".json": "JSON", ".csv": "CSV", ".tsv": "TSV"}
+_SKIP_HINT = "or pass --on_bad_rows skip to drop such rows (they are written to rejected_rows.jsonl)"
+# Binary sniffing looks at the start of the file only, as git and file(1) do: a text file does not turn binary later.
+_SNIFF_BYTES = 8192
+_MAX_CONTROL_SHARE = 0.3
+# Control bytes never found in text files (tab, line feed, carriage return, form feed, vertical tab, backspace and
+# escape do occur in real text).
+_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\b\x1b") + b"\x7f"
+_BOMS = (
+    (b"\xff\xfe\x00\x00", "UTF-32", "little-endian"),
+    (b"\x00\x00\xfe\xff", "UTF-32", "big-endian"),
+    (b"\xff\xfe", "UTF-16", "little-endian"),
+    (b"\xfe\xff", "UTF-16", "big-endian"),
+)
 _UTF8_BOM = b"\xef\xbb\xbf"
 _ICONV_FIX = "re-save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 IN > OUT)"
 _JSONL_FIX = 'make every line one JSON object, e.g. {"input": "...", "target": "..."} (write each line with json.dumps)'
@@ -42,31 +70,76 @@ _MAX_HEADER_NAME = 64
 _SQUAD_SHAPE = "data[].paragraphs[].{context, qas[].{id, question, answers[].text}}"
 
 
-class _Capped:
-    """Collects problems of one kind for one file, keeping the first few and counting the rest."""
+@dataclass(frozen=True)
+class Rejected:
+    """One row left out under ``--on_bad_rows skip``, with why; written to ``rejected_rows.jsonl``.
 
-    def __init__(self, problems: list[Problem], source: str, unit: str):
+    Attributes:
+        where: the row's location, e.g. ``"data/train.jsonl line 7"``.
+        reason: what is wrong with it, in the words the matching :class:`Problem` would use.
+        raw: the row's text as found (the line, record or JSON item), cut to 2,000 characters; ``None`` when the row
+            has no text of its own.
+    """
+
+    where: str
+    reason: str
+    raw: str | None = None
+
+    def to_json(self) -> dict:
+        """The record written as one line of ``rejected_rows.jsonl``."""
+        return {"where": self.where, "reason": self.reason, "raw": self.raw}
+
+
+def _clip(raw: str | None) -> str | None:
+    return raw if raw is None or len(raw) <= MAX_RAW_CHARS else raw[:MAX_RAW_CHARS]
+
+
+def _raw_json(value: Any) -> str | None:
+    try:
+        return _clip(json.dumps(value, ensure_ascii=False, default=str))
+    except (ValueError, RecursionError):  # nested near the recursion limit: the reason and location still say enough
+        return None
+
+
+def _with_hint(fix: str) -> str:
+    return f"{fix}; {_SKIP_HINT}" if fix else _SKIP_HINT
+
+
+class _Capped:
+    """Collects row-level problems of one kind for one file.
+
+    In ``error`` mode (``rejects`` is None) it keeps the first few problems and counts the rest, and tells the user
+    about ``--on_bad_rows skip``. In ``skip`` mode every bad row becomes a :class:`Rejected`, uncapped: a rejected
+    row that is not listed would be a silently dropped row.
+    """
+
+    def __init__(self, problems: list[Problem], source: str, unit: str, rejects: list[Rejected] | None = None):
         self.problems = problems
         self.source = source
         self.unit = unit
+        self.rejects = rejects
         self.count = 0
         self.fix = ""
 
-    def add(self, problem: Problem) -> None:
+    def add(self, problem: Problem, raw: str | None = None) -> None:
         self.count += 1
+        if self.rejects is not None:
+            self.rejects.append(Rejected(problem.where, problem.what, _clip(raw)))
+            return
+        problem = Problem(problem.what, where=problem.where, fix=_with_hint(problem.fix))
         self.fix = problem.fix
         if self.count <= MAX_PROBLEMS_PER_KIND:
             self.problems.append(problem)
 
     def close(self) -> None:
         extra = self.count - MAX_PROBLEMS_PER_KIND
-        if extra > 0:
+        if extra > 0 and self.rejects is None:
             self.problems.append(
                 Problem(f"... and {extra} more {self.unit} with the same problem", where=self.source, fix=self.fix)
             )
 
 
-def read_rows(path: str | os.PathLike, problems: list[Problem]) -> list[Row]:
+def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list[Rejected] | None = None) -> list[Row]:
     """Read every row of one data source.
 
     The format comes from the extension (case-insensitive): ``.jsonl``/``.ndjson``, ``.json`` (a list of objects,
@@ -76,6 +149,10 @@ def read_rows(path: str | os.PathLike, problems: list[Problem]) -> list[Row]:
     Args:
         path: the file or folder, as the user gave it (it is quoted as given in every message).
         problems: every problem found is appended here; user errors never raise.
+        rejects: ``None`` (``--on_bad_rows error``): a bad row is a problem. A list (``--on_bad_rows skip``): each bad
+            row (a line that is not a JSON object, a record with the wrong cell count, a line with non-UTF-8 bytes,
+            a duplicate key, an oversized line, an unanswerable SQuAD question) is appended here instead and left
+            out. File-level problems stay problems either way, including a file whose every row was rejected.
 
     Returns:
         The rows that could be read, possibly empty. ``Row.index`` is the 0-based position among these rows.
@@ -83,6 +160,7 @@ def read_rows(path: str | os.PathLike, problems: list[Problem]) -> list[Row]:
     source = os.fspath(path)
     p = Path(source)
     before = len(problems)
+    rejected_before = len(rejects) if rejects is not None else 0
     if not p.exists():
         problems.append(_missing_path_problem(p, source))
         return []
@@ -97,21 +175,34 @@ def read_rows(path: str | os.PathLike, problems: list[Problem]) -> list[Row]:
     if ext == ".parquet":
         rows = _read_parquet(source, problems)
     else:
-        text = _read_text(p, source, problems)
-        if text is None:
+        # A .json document has no lines to drop one by one; the other text formats do.
+        decoded = _read_text(p, source, _KIND[ext], problems, by_line=ext != ".json", skip=rejects is not None)
+        if decoded is None:
             return []
         if ext in _JSONL_EXTS:
-            rows = _read_jsonl(text, source, problems)
+            rows = _read_jsonl(decoded, source, problems, rejects)
         elif ext == ".json":
-            rows = _read_json(text, source, problems)
+            rows = _read_json(decoded, source, problems, rejects)
         else:
-            rows = _read_delimited(text, source, "," if ext == ".csv" else "\t", problems)
+            rows = _read_delimited(decoded, source, "," if ext == ".csv" else "\t", problems, rejects)
     if rows is None:
         return []
     # "No rows" only when nothing else explains it: a file whose every line is broken already says why.
     if not rows and len(problems) == before:
-        problems.append(Problem(f"no rows in {source}", fix="check the file: it holds no data rows"))
+        rejected = rejects[rejected_before:] if rejects is not None else []
+        if rejected:
+            # Skipping bad rows must not turn a wholly broken file into an empty, silently "successful" run.
+            problems.append(_all_rejected_problem(source, len(rejected), rejected[0]))
+        else:
+            problems.append(Problem(f"no rows in {source}", fix="check the file: it holds no data rows"))
     return rows
+
+
+def _all_rejected_problem(source: str, n: int, first: Rejected) -> Problem:
+    return Problem(
+        f"no usable rows in {source}: all {n} row{'s' if n != 1 else ''} rejected (see rejected_rows.jsonl)",
+        fix=f"fix the rejected rows (the first: {first.where}: {first.reason})",
+    )
 
 
 # --- paths -------------------------------------------------------------------------------------------------------
@@ -177,7 +268,7 @@ def _read_folder(p: Path, source: str, problems: list[Problem]) -> list[Row]:
 def _dataset_dict_splits(p: Path) -> list[str]:
     try:
         splits = json.loads((p / "dataset_dict.json").read_text(encoding="utf-8")).get("splits", [])
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         splits = []
     if not isinstance(splits, list) or not splits:
         splits = sorted(c.name for c in p.iterdir() if c.is_dir() and _is_dataset_folder(c))
@@ -205,40 +296,138 @@ def _data_files_inside(p: Path, limit: int = 5) -> list[str]:
 # --- text and encoding -------------------------------------------------------------------------------------------
 
 
-def _read_text(p: Path, source: str, problems: list[Problem]) -> str | None:
+@dataclass(frozen=True)
+class _Text:
+    """A text file's content, decoded.
+
+    Attributes:
+        text: the content, with invalid bytes replaced (U+FFFD) so line numbers stay right.
+        bad_lines: in ``skip`` mode for line-based formats, ``{line number: (reason, raw line)}`` for each line
+            with invalid bytes; the reader rejects the rows on those lines. Empty otherwise.
+        problem: the file-level encoding problem, held back while ``bad_lines`` is used; a reader that cannot
+            attribute the bad bytes to rows (a whole JSON document in a .jsonl file) reports it instead.
+    """
+
+    text: str
+    bad_lines: dict[int, tuple[str, str]]
+    problem: Problem | None = None
+
+
+def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool) -> _Text | None:
     try:
         data = p.read_bytes()
     except OSError as e:
         problems.append(Problem(f"cannot read {source}: {e.strerror or e}", fix="check the file's permissions"))
         return None
+    binary = _binary_problem(data, source, kind)
+    if binary is not None:
+        # One problem for the file: a binary file decoded as text would list every "line" of it as broken.
+        problems.append(binary)
+        return None
     bom = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
     try:
-        return data[bom:].decode("utf-8")
+        return _Text(data[bom:].decode("utf-8"), {})
     except UnicodeDecodeError as e:
-        problems.append(_encoding_problem(data, bom + e.start, bom + e.end, source))
         # Keep reading with the bad bytes replaced, so the same report also lists the file's other problems; the
-        # encoding problem above already stops the run, so the replaced text never reaches training.
-        return data[bom:].decode("utf-8", errors="replace")
+        # encoding problem stops the run (error mode), or the rows on the bad lines are rejected (skip mode), so the
+        # replaced text never reaches training.
+        text = data[bom:].decode("utf-8", errors="replace")
+        if skip and by_line:
+            held = _encoding_problem(data, bom + e.start, bom + e.end, source, hint=False)
+            return _Text(text, _bad_lines(data), held)
+        problems.append(_encoding_problem(data, bom + e.start, bom + e.end, source, hint=by_line))
+        return _Text(text, {})
 
 
-def _encoding_problem(data: bytes, start: int, end: int, source: str) -> Problem:
+def _binary_problem(data: bytes, source: str, kind: str) -> Problem | None:
+    head = data[:_SNIFF_BYTES]
+    for bom, name, order in _BOMS:
+        if head.startswith(bom):
+            return _utf16_problem(source, name, f"{order}, it starts with a {name} byte order mark")
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        # ASCII text saved as UTF-16 without a byte order mark: every other byte is NUL.
+        for parity in (0, 1):
+            half = head[parity::2]
+            if len(half) >= 4 and half.count(0) >= 0.9 * len(half):
+                return _utf16_problem(source, "UTF-16", "no byte order mark, but every other byte is NUL")
+        return Problem(
+            f"looks like a binary file, not {kind} (NUL byte at offset {nul})",
+            where=source,
+            fix=f"check that this is the right file; a compressed, spreadsheet or other binary file must be "
+            f"exported to {kind} first",
+        )
+    control = len(head) - len(head.translate(None, _CONTROL_BYTES))
+    if head and control > _MAX_CONTROL_SHARE * len(head):
+        return Problem(
+            f"looks like a binary file, not {kind} ({control} of its first {len(head)} bytes are control bytes)",
+            where=source,
+            fix=f"check that this is the right file; a binary file must be exported to {kind} first",
+        )
+    return None
+
+
+def _utf16_problem(source: str, name: str, detail: str) -> Problem:
+    return Problem(
+        f"is {name} ({detail}); re-save as UTF-8",
+        where=source,
+        fix=f"re-save the file as UTF-8 (for example: iconv -f {name} -t UTF-8 IN > OUT)",
+    )
+
+
+def _encoding_problem(data: bytes, start: int, end: int, source: str, *, hint: bool = False) -> Problem:
     line = data.count(b"\n", 0, start) + 1
     line_start = data.rfind(b"\n", 0, start) + 1
     column = start - line_start + 1
     bad = data[start:end]
-    bad_hex = " ".join(f"0x{b:02X}" for b in bad)
     excerpt = data[max(line_start, start - 30) : end + 30].split(b"\n")[0].decode("utf-8", "backslashreplace")
     bad_lines = sum(1 for chunk in data.split(b"\n") if not _is_utf8(chunk))
-    guess = ""
-    try:
-        guess = f"; as Windows-1252 it would read {bad.decode('cp1252')!r}"
-    except UnicodeDecodeError:
-        pass
     what = (
-        f"not valid UTF-8: byte {bad_hex} at byte offset {start} (line {line}, byte {column} of the line){guess}; "
-        f"near: '{excerpt}'; {bad_lines} line{'s' if bad_lines != 1 else ''} in the file {_have(bad_lines)} invalid bytes"
+        f"not valid UTF-8: byte {_hex(bad)} at byte offset {start} (line {line}, byte {column} of the line)"
+        f"{_cp1252_guess(bad)}; near: '{excerpt}'; "
+        f"{bad_lines} line{'s' if bad_lines != 1 else ''} in the file {_have(bad_lines)} invalid bytes"
     )
-    return Problem(what, where=f"{source} line {line}", fix=_ICONV_FIX)
+    return Problem(what, where=f"{source} line {line}", fix=_with_hint(_ICONV_FIX) if hint else _ICONV_FIX)
+
+
+def _bad_lines(data: bytes) -> dict[int, tuple[str, str]]:
+    bad: dict[int, tuple[str, str]] = {}
+    for n, chunk in enumerate(data.split(b"\n"), 1):
+        try:
+            chunk.decode("utf-8")
+        except UnicodeDecodeError as e:
+            what = f"not valid UTF-8: byte {_hex(chunk[e.start : e.end])} at byte {e.start + 1} of the line"
+            what += _cp1252_guess(chunk[e.start : e.end])
+            bad[n] = (what, _clip(chunk.decode("utf-8", "backslashreplace")))
+    return bad
+
+
+def _hex(bad: bytes) -> str:
+    return " ".join(f"0x{b:02X}" for b in bad)
+
+
+def _cp1252_guess(bad: bytes) -> str:
+    try:
+        return f"; as Windows-1252 it would read {bad.decode('cp1252')!r}"
+    except UnicodeDecodeError:
+        return ""
+
+
+def _too_big(parts: list[str]) -> int | None:
+    """The UTF-8 size of a row's text when it is over :data:`MAX_ROW_BYTES`, else None."""
+    # A character is at most 4 bytes, so most rows are cleared without encoding them.
+    if sum(map(len, parts)) * 4 <= MAX_ROW_BYTES:
+        return None
+    size = sum(len(part.encode("utf-8", "replace")) for part in parts)
+    return size if size > MAX_ROW_BYTES else None
+
+
+def _too_big_what(subject: str, size: int) -> str:
+    shown = f"{size / 2**20:.1f} MiB"
+    if round(size / 2**20, 1) * 2**20 <= MAX_ROW_BYTES:
+        # Just over the limit rounds to "16.0 MiB", which would read as allowed.
+        shown += f" ({size:,} bytes)"
+    return f"{subject} is {shown}; rows over {MAX_ROW_BYTES // 2**20} MiB are refused"
 
 
 def _is_utf8(chunk: bytes) -> bool:
@@ -268,54 +457,160 @@ def _json_type(value: Any) -> str:
 # --- JSON Lines ---------------------------------------------------------------------------------------------------
 
 
-def _read_jsonl(text: str, source: str, problems: list[Problem]) -> list[Row] | None:
-    stripped = text.lstrip()
-    if stripped.startswith("["):
-        # A whole JSON array saved as .jsonl: unambiguous, and reading it beats reporting every line as broken.
+class _DuplicateKeys:
+    """``object_pairs_hook`` that builds objects as ``json`` does and remembers those that repeat a key.
+
+    ``json.loads`` silently keeps the last of two values for one key, so a row written twice over (``"target"``
+    set by two tools) would lose a value without a word. Objects are remembered by identity so a caller can ask
+    about the top level of a row only: nested objects are the row's own business.
+    """
+
+    __slots__ = ("found",)
+
+    def __init__(self) -> None:
+        self.found: dict[int, tuple[dict, str]] = {}
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict:
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            # Keeping the object alive keeps its id from being reused by another object.
+            self.found[id(obj)] = (obj, _describe_duplicate(pairs))
+        return obj
+
+    def of(self, obj: Any) -> str | None:
+        """The duplicate-key description of ``obj`` if it repeated a key, else None."""
+        hit = self.found.get(id(obj))
+        return hit[1] if hit is not None and hit[0] is obj else None
+
+
+def _describe_duplicate(pairs: list[tuple[str, Any]]) -> str:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            return f"duplicate key {key!r} (values {_short_repr(seen[key])} and {_short_repr(value)})"
+        seen[key] = value
+    return "duplicate key"
+
+
+def _short_repr(value: Any) -> str:
+    # Slice before repr: a long text's repr would be built in full only to be cut.
+    return _short(repr(value[:80] if isinstance(value, str) else value))
+
+
+_DUPLICATE_FIX = "keep one of them"
+# Besides malformed text, the parser refuses what Python cannot hold: nesting past the recursion limit
+# (RecursionError) and integers of more than 4,300 digits (ValueError). Both are the file's fault, not a crash.
+_JSON_ERRORS = (ValueError, RecursionError)
+
+
+def _loads(text: str) -> tuple[Any, _DuplicateKeys]:
+    keys = _DuplicateKeys()
+    return json.JSONDecoder(object_pairs_hook=keys).decode(text), keys
+
+
+def _read_jsonl(
+    decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None
+) -> list[Row] | None:
+    text = decoded.text
+    if re.match(r"\s*\[", text):
+        # A whole JSON array of objects saved as .jsonl: unambiguous, and reading it beats reporting every line as
+        # broken. (A lone line such as [1, 2] is a bad line, not a document.)
         try:
-            return _rows_from_json(json.loads(text), source, problems)
-        except json.JSONDecodeError:
+            value, keys = _loads(text)
+        except _JSON_ERRORS:
             pass
+        else:
+            if isinstance(value, list) and any(isinstance(item, dict) for item in value):
+                return _whole_document(value, keys, decoded, source, problems, rejects)
 
     rows: list[Row] = []
-    invalid = _Capped(problems, source, "lines")
-    not_object = _Capped(problems, source, "lines")
+    invalid = _Capped(problems, source, "lines", rejects)
+    not_object = _Capped(problems, source, "lines", rejects)
+    duplicate = _Capped(problems, source, "lines", rejects)
+    too_big = _Capped(problems, source, "lines", rejects)
+    keys = _DuplicateKeys()
+    decoder = json.JSONDecoder(object_pairs_hook=keys)
+    first = True
     for n, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             # Blank lines (often a trailing newline or two) carry no data; they are separators, not rows.
             continue
+        where = f"{source} line {n}"
+        was_first, first = first, False
+        if n in decoded.bad_lines:
+            reason, raw = decoded.bad_lines[n]
+            rejects.append(Rejected(where, reason, raw))  # bad_lines is only filled in skip mode
+            continue
+        size = _too_big([line])
+        if size is not None:
+            too_big.add(
+                Problem(
+                    _too_big_what(f"line {n}", size),
+                    where=where,
+                    fix="split the text into smaller rows, or remove the line",
+                ),
+                raw=line,
+            )
+            continue
+        # Files joined with `cat` carry each part's byte order mark into the middle of the result.
+        body = line[1:] if line.startswith("\ufeff") else line
+        if keys.found:
+            keys.found.clear()
         try:
-            value = json.loads(line)
-        except json.JSONDecodeError as e:
-            if not rows and invalid.count == 0 and not_object.count == 0:
+            value = decoder.decode(body)
+        except _JSON_ERRORS as e:
+            if was_first:
                 whole = _try_whole_document(text)
                 if whole is not None:
                     # A pretty-printed JSON document saved as .jsonl.
-                    return _rows_from_json(whole, source, problems)
-            invalid.add(Problem(f"not valid JSON: {_json_error(e, line)}", where=f"{source} line {n}", fix=_JSONL_FIX))
+                    return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
+            invalid.add(
+                Problem(f"not valid JSON: {_json_error(e, body)}", where=where, fix=_JSONL_FIX),
+                raw=line,
+            )
             continue
         if not isinstance(value, dict):
             not_object.add(
-                Problem(
-                    f"line holds a JSON {_json_type(value)}, not an object", where=f"{source} line {n}", fix=_JSONL_FIX
-                )
+                Problem(f"line holds a JSON {_json_type(value)}, not an object", where=where, fix=_JSONL_FIX), raw=line
             )
             continue
-        rows.append(Row(fields=value, where=f"{source} line {n}", index=len(rows)))
-    invalid.close()
-    not_object.close()
+        dup = keys.of(value)
+        if dup is not None:
+            duplicate.add(Problem(dup, where=where, fix=_DUPLICATE_FIX), raw=line)
+            continue
+        rows.append(Row(fields=value, where=where, index=len(rows)))
+    for capped in (invalid, not_object, duplicate, too_big):
+        capped.close()
     return rows
 
 
-def _try_whole_document(text: str) -> Any | None:
+def _whole_document(
+    value: Any,
+    keys: _DuplicateKeys,
+    decoded: _Text,
+    source: str,
+    problems: list[Problem],
+    rejects: list[Rejected] | None,
+) -> list[Row] | None:
+    if decoded.problem is not None:
+        # Rows of a whole document have no line of their own to reject, so bad bytes stop the file.
+        problems.append(decoded.problem)
+    return _rows_from_json(value, source, problems, rejects, keys)
+
+
+def _try_whole_document(text: str) -> tuple[Any, _DuplicateKeys] | None:
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+        value, keys = _loads(text)
+    except _JSON_ERRORS:
         return None
-    return value if isinstance(value, (list, dict)) else None
+    return (value, keys) if isinstance(value, (list, dict)) else None
 
 
-def _json_error(e: json.JSONDecodeError, line: str) -> str:
+def _json_error(e: Exception, line: str) -> str:
+    if isinstance(e, RecursionError):
+        return "nested too deeply to read (more than about 1,000 levels of [ ] or { })"
+    if not isinstance(e, json.JSONDecodeError):
+        return str(e)  # e.g. an integer of more than 4,300 digits, which Python refuses to convert
     detail = f"{e.msg} (column {e.colno})"
     if e.msg.startswith("Expecting property name enclosed in double quotes") and "'" in line:
         detail += "; it looks like a Python dict (single quotes): write it with json.dumps, not str()"
@@ -327,16 +622,19 @@ def _json_error(e: json.JSONDecodeError, line: str) -> str:
 # --- JSON ---------------------------------------------------------------------------------------------------------
 
 
-def _read_json(text: str, source: str, problems: list[Problem]) -> list[Row] | None:
+def _read_json(
+    decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None
+) -> list[Row] | None:
     try:
-        value = json.loads(text)
+        value, keys = _loads(decoded.text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":
             # Several top-level values one per line: JSON Lines saved as .json (common, and what `datasets`
             # accepts too). Read it as JSON Lines if every line is an object; otherwise report the real error.
             trial: list[Problem] = []
-            rows = _read_jsonl(text, source, trial)
-            if rows and not trial:
+            trial_rejects: list[Rejected] = []
+            rows = _read_jsonl(decoded, source, trial, trial_rejects)
+            if rows and not trial and not trial_rejects:
                 return rows
         problems.append(
             Problem(
@@ -346,16 +644,30 @@ def _read_json(text: str, source: str, problems: list[Problem]) -> list[Row] | N
             )
         )
         return None
-    return _rows_from_json(value, source, problems)
+    except _JSON_ERRORS as e:
+        problems.append(
+            Problem(
+                f"cannot read {source} as JSON: {_json_error(e, '')}",
+                fix="re-save the data as plain rows of text fields (json.dumps of each row)",
+            )
+        )
+        return None
+    return _rows_from_json(value, source, problems, rejects, keys)
 
 
-def _rows_from_json(value: Any, source: str, problems: list[Problem]) -> list[Row] | None:
+def _rows_from_json(
+    value: Any,
+    source: str,
+    problems: list[Problem],
+    rejects: list[Rejected] | None = None,
+    keys: _DuplicateKeys | None = None,
+) -> list[Row] | None:
     if isinstance(value, list):
-        return _rows_from_list(value, source, problems)
+        return _rows_from_list(value, source, problems, rejects, keys)
     if isinstance(value, dict):
         data = value.get("data")
         if isinstance(data, list) and data and any(isinstance(a, dict) and "paragraphs" in a for a in data):
-            return flatten_squad(value, source, problems)
+            return flatten_squad(value, source, problems, rejects=rejects)
         if value and all(isinstance(v, list) for v in value.values()):
             return _rows_from_columns(value, source, problems)
     problems.append(
@@ -388,22 +700,35 @@ def _describe_shape(value: Any) -> str:
     return f"a single JSON {kind}"
 
 
-def _rows_from_list(items: list, source: str, problems: list[Problem]) -> list[Row]:
+def _rows_from_list(
+    items: list,
+    source: str,
+    problems: list[Problem],
+    rejects: list[Rejected] | None = None,
+    keys: _DuplicateKeys | None = None,
+) -> list[Row]:
     rows: list[Row] = []
-    not_object = _Capped(problems, source, "items")
+    not_object = _Capped(problems, source, "items", rejects)
+    duplicate = _Capped(problems, source, "items", rejects)
     for i, item in enumerate(items, 1):
         where = f"{source} item {i}"
-        if isinstance(item, dict):
-            rows.append(Row(fields=item, where=where, index=len(rows)))
-        else:
+        if not isinstance(item, dict):
             not_object.add(
                 Problem(
                     f"item is a JSON {_json_type(item)}, not an object",
                     where=where,
                     fix='make every item of the list an object, e.g. {"input": "...", "target": "..."}',
-                )
+                ),
+                raw=_raw_json(item),
             )
+            continue
+        dup = keys.of(item) if keys is not None else None
+        if dup is not None:
+            duplicate.add(Problem(dup, where=where, fix=_DUPLICATE_FIX), raw=_raw_json(item))
+            continue
+        rows.append(Row(fields=item, where=where, index=len(rows)))
     not_object.close()
+    duplicate.close()
     return rows
 
 
@@ -423,7 +748,9 @@ def _rows_from_columns(columns: dict[str, list], source: str, problems: list[Pro
     return [Row(fields={k: columns[k][i] for k in keys}, where=f"{source} item {i + 1}", index=i) for i in range(n)]
 
 
-def flatten_squad(obj: dict, source: str, problems: list[Problem]) -> list[Row]:
+def flatten_squad(
+    obj: dict, source: str, problems: list[Problem], *, rejects: list[Rejected] | None = None
+) -> list[Row]:
     """Turn a SQuAD-format object into one row per answerable question.
 
     Each row has ``input`` (``"{context}\\n\\nQuestion: {question}"``), ``target`` (the first answer's text),
@@ -433,23 +760,30 @@ def flatten_squad(obj: dict, source: str, problems: list[Problem]) -> list[Row]:
         obj: the parsed file, ``{"data": [{"paragraphs": [{"context": ..., "qas": [...]}]}]}``.
         source: the file's path as shown in messages.
         problems: unanswerable questions (SQuAD v2) and malformed entries are appended here.
+        rejects: when a list (``--on_bad_rows skip``), those questions and entries are appended here instead.
 
     Returns:
         The rows of the well-formed, answerable questions.
     """
     rows: list[Row] = []
-    unanswerable = _Capped(problems, source, "questions")
-    malformed = _Capped(problems, source, "entries")
+    unanswerable = _Capped(problems, source, "questions", rejects)
+    malformed = _Capped(problems, source, "entries", rejects)
     shape_fix = f"SQuAD files need {_SQUAD_SHAPE}; fix or remove this entry"
     for a, article in enumerate(obj.get("data") or [], 1):
         paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
         if not isinstance(paragraphs, list):
-            malformed.add(Problem("'paragraphs' is not a list", where=f"{source} (article {a})", fix=shape_fix))
+            malformed.add(
+                Problem("'paragraphs' is not a list", where=f"{source} (article {a})", fix=shape_fix),
+                raw=_raw_json(article),
+            )
             continue
         for p, paragraph in enumerate(paragraphs, 1):
             place = f"article {a}, paragraph {p}"
             if not isinstance(paragraph, dict):
-                malformed.add(Problem("paragraph is not an object", where=f"{source} ({place})", fix=shape_fix))
+                malformed.add(
+                    Problem("paragraph is not an object", where=f"{source} ({place})", fix=shape_fix),
+                    raw=_raw_json(paragraph),
+                )
                 continue
             context = paragraph.get("context")
             qas = paragraph.get("qas")
@@ -459,7 +793,8 @@ def flatten_squad(obj: dict, source: str, problems: list[Problem]) -> list[Row]:
                         "paragraph needs a string 'context' and a list 'qas'",
                         where=f"{source} ({place})",
                         fix=shape_fix,
-                    )
+                    ),
+                    raw=_raw_json(paragraph),
                 )
                 continue
             for q, qa in enumerate(qas, 1):
@@ -483,7 +818,9 @@ def _squad_row(
 ) -> Row | None:
     shape_fix = f"SQuAD files need {_SQUAD_SHAPE}; fix or remove this question"
     if not isinstance(qa, dict):
-        malformed.add(Problem("question entry is not an object", where=f"{source} ({place})", fix=shape_fix))
+        malformed.add(
+            Problem("question entry is not an object", where=f"{source} ({place})", fix=shape_fix), raw=_raw_json(qa)
+        )
         return None
     # An id is only a label for reports; a file without ids still trains, so number the question instead.
     qid = qa.get("id", fallback_id)
@@ -491,13 +828,16 @@ def _squad_row(
     question = qa.get("question")
     answers = qa.get("answers")
     if not isinstance(question, str) or not isinstance(answers, list):
-        malformed.add(Problem("question needs a string 'question' and a list 'answers'", where=where, fix=shape_fix))
+        malformed.add(
+            Problem("question needs a string 'question' and a list 'answers'", where=where, fix=shape_fix),
+            raw=_raw_json(qa),
+        )
         return None
     texts: list[str] = []
     for answer in answers:
         text = answer.get("text") if isinstance(answer, dict) else None
         if not isinstance(text, str):
-            malformed.add(Problem("an answer has no string 'text'", where=where, fix=shape_fix))
+            malformed.add(Problem("an answer has no string 'text'", where=where, fix=shape_fix), raw=_raw_json(qa))
             return None
         if text not in texts:
             texts.append(text)
@@ -507,7 +847,8 @@ def _squad_row(
                 f"question {qid} has no answer (SQuAD v2 unanswerable): {question!r}",
                 where=where,
                 fix="remove unanswerable questions (or pre-filter: keep questions whose 'answers' list is non-empty)",
-            )
+            ),
+            raw=_raw_json(qa),
         )
         return None
     fields = {
@@ -524,21 +865,41 @@ def _squad_row(
 # --- CSV / TSV ----------------------------------------------------------------------------------------------------
 
 
-def _read_delimited(text: str, source: str, delimiter: str, problems: list[Problem]) -> list[Row] | None:
+def _read_delimited(
+    decoded: _Text, source: str, delimiter: str, problems: list[Problem], rejects: list[Rejected] | None = None
+) -> list[Row] | None:
     trial: list[Problem] = []
-    rows = _parse_delimited(text, source, delimiter, csv.QUOTE_MINIMAL, trial)
-    if trial and delimiter == "\t":
+    trial_rejects: list[Rejected] | None = [] if rejects is not None else None
+    rows, issues = _parse_delimited(decoded, source, delimiter, csv.QUOTE_MINIMAL, trial, trial_rejects)
+    if issues and delimiter == "\t":
         # Many TSVs (GLUE among them) never quote, and a sentence opening with '"' is text, not a quoted field.
-        # If the file only parses as unquoted, it was written unquoted.
+        # If the file only parses as unquoted, it was written unquoted. Both modes decide alike: rows rejected for
+        # their bytes are rejected either way, so only the parse's own complaints count.
         unquoted: list[Problem] = []
-        plain = _parse_delimited(text, source, delimiter, csv.QUOTE_NONE, unquoted)
-        if not unquoted:
+        unquoted_rejects: list[Rejected] | None = [] if rejects is not None else None
+        plain, unquoted_issues = _parse_delimited(
+            decoded, source, delimiter, csv.QUOTE_NONE, unquoted, unquoted_rejects
+        )
+        if not unquoted_issues:
+            if rejects is not None:
+                rejects.extend(unquoted_rejects)
             return plain
     problems.extend(trial)
+    if rejects is not None:
+        rejects.extend(trial_rejects)
     return rows
 
 
-def _parse_delimited(text: str, source: str, delimiter: str, quoting: int, problems: list[Problem]) -> list[Row] | None:
+def _parse_delimited(
+    decoded: _Text,
+    source: str,
+    delimiter: str,
+    quoting: int,
+    problems: list[Problem],
+    rejects: list[Rejected] | None,
+) -> tuple[list[Row] | None, int]:
+    """Parse one way; returns the rows and how many problems or rejects the parse itself caused (bytes aside)."""
+    text = decoded.text
     # strict=True: an unclosed quote otherwise silently swallows the rest of the file into one cell.
     # newline="\n": physical lines split on '\n' only, so line numbers agree with editors and the UTF-8 check.
     reader = csv.reader(
@@ -548,7 +909,18 @@ def _parse_delimited(text: str, source: str, delimiter: str, quoting: int, probl
     # Long documents in one cell are normal for fine-tuning data; the csv default of 128 KiB per cell is not.
     old_limit = csv.field_size_limit(min(sys.maxsize, 2**31 - 1))
     rows: list[Row] = []
-    wrong_count = _Capped(problems, source, "lines")
+    before = len(problems)
+    encoding_rejects = 0
+    wrong_count = _Capped(problems, source, "lines", rejects)
+    too_big = _Capped(problems, source, "lines", rejects)
+    lines: list[str] = []
+
+    def raw(first: int, last: int) -> str:
+        # Split only when a row is rejected: most files have none, and a copy of every line costs memory.
+        if not lines:
+            lines.extend(text.split("\n"))
+        return "\n".join(lines[first - 1 : last])
+
     try:
         header: list[str] | None = None
         last_line = 0
@@ -556,23 +928,57 @@ def _parse_delimited(text: str, source: str, delimiter: str, quoting: int, probl
             first_line, last_line = last_line + 1, reader.line_num
             if not record or (len(record) == 1 and not record[0].strip()):
                 continue
+            where = f"{source} line {first_line}"
+            bad_at = None
+            if decoded.bad_lines:
+                bad_at = next((n for n in range(first_line, last_line + 1) if n in decoded.bad_lines), None)
             if header is None:
+                if bad_at is not None:
+                    # Column names with replaced bytes would match no field; the header is the file's, not a row's.
+                    problems.append(
+                        Problem(
+                            "the header line "
+                            + decoded.bad_lines[bad_at][0].replace("not valid UTF-8:", "is not valid UTF-8:", 1),
+                            where=f"{source} line {bad_at}",
+                            fix=_ICONV_FIX,
+                        )
+                    )
+                    return None, len(problems) - before
                 header = _header(record, source, first_line, kind, problems)
                 if header is None:
-                    return None
+                    return None, len(problems) - before
+                continue
+            if bad_at is not None:
+                reason, raw_line = decoded.bad_lines[bad_at]
+                if bad_at != first_line:
+                    reason += f" (line {bad_at}, inside this record)"
+                if first_line != last_line:
+                    raw_line = _clip(raw(first_line, last_line))
+                rejects.append(Rejected(where, reason, raw_line))  # bad_lines is only filled in skip mode
+                encoding_rejects += 1
+                continue
+            size = _too_big(record)
+            if size is not None:
+                too_big.add(
+                    Problem(
+                        _too_big_what(f"the record at line {first_line}", size),
+                        where=where,
+                        fix="split the text into smaller rows, or remove the record",
+                    ),
+                    raw=_clip(raw(first_line, last_line)),
+                )
                 continue
             if len(record) != len(header):
                 wrong_count.add(
                     Problem(
                         f"expected {len(header)} cells (as in the header) but got {len(record)}",
-                        where=f"{source} line {first_line}",
+                        where=where,
                         fix=_cell_fix(kind),
-                    )
+                    ),
+                    raw=_clip(raw(first_line, last_line)),
                 )
                 continue
-            rows.append(
-                Row(fields=dict(zip(header, record, strict=True)), where=f"{source} line {first_line}", index=len(rows))
-            )
+            rows.append(Row(fields=dict(zip(header, record, strict=True)), where=where, index=len(rows)))
     except csv.Error as e:
         problems.append(
             Problem(
@@ -584,7 +990,10 @@ def _parse_delimited(text: str, source: str, delimiter: str, quoting: int, probl
     finally:
         csv.field_size_limit(old_limit)
     wrong_count.close()
-    return rows
+    too_big.close()
+    # In skip mode the row complaints went to rejects; they still mean this way of parsing fits the file less well.
+    issues = len(problems) - before + (wrong_count.count + too_big.count if rejects is not None else 0)
+    return rows, issues
 
 
 def _header(record: list[str], source: str, line: int, kind: str, problems: list[Problem]) -> list[str] | None:
@@ -688,7 +1097,12 @@ def _read_dataset_folder(source: str, problems: list[Problem]) -> list[Row] | No
 
 
 def check_text_fields(
-    rows: list[Row], fields: list[tuple[str, str]], problems: list[Problem], source: str
+    rows: list[Row],
+    fields: list[tuple[str, str]],
+    problems: list[Problem],
+    source: str,
+    *,
+    rejects: list[Rejected] | None = None,
 ) -> tuple[list[Row], list[str]]:
     """Check that every row has each field with a non-empty string value.
 
@@ -701,6 +1115,9 @@ def check_text_fields(
             the flag is named in fixes so the user knows which option to change.
         problems: every problem found is appended here.
         source: the data source as shown in messages (usually its path).
+        rejects: ``None`` (``--on_bad_rows error``): bad rows are problems. A list (``--on_bad_rows skip``): each bad
+            row is appended here once, with every reason, instead. Either way a field missing from every row is a
+            problem (the flag is wrong, not the rows), and so is a source whose every row was rejected.
 
     Returns:
         ``(rows, notes)``: the rows with no problem in any checked field, numeric values converted to strings, and
@@ -708,17 +1125,23 @@ def check_text_fields(
     """
     notes: list[str] = []
     bad: set[int] = set()
+    reasons: dict[int, list[str]] = {}
     converted: dict[int, dict[str, str]] = {}
     present: list[str] | None = None
+    # A field missing from every row is a wrong flag: the rows it drops are covered by that problem.
+    explained = False
     for field, flag in fields:
         missing: list[Row] = []
         null: list[Row] = []
         empty: list[Row] = []
         wrong: dict[str, list[Row]] = {}
         numeric: list[tuple[Row, Any]] = []
+        why: list[tuple[int, str]] = []
+        missing_at: list[int] = []
         for position, row in enumerate(rows):
             if field not in row.fields:
                 missing.append(row)
+                missing_at.append(position)
                 bad.add(position)
                 continue
             value = row.fields[field]
@@ -726,28 +1149,43 @@ def check_text_fields(
                 if not value.strip():
                     empty.append(row)
                     bad.add(position)
+                    why.append((position, f"'{field}' is empty or whitespace-only"))
             elif value is None or _is_nan(value):
                 # NaN is how pandas writes a missing cell; str() would turn it into the text "nan".
                 null.append(row)
                 bad.add(position)
+                why.append((position, f"'{field}' is null"))
             elif isinstance(value, numbers.Real) and not isinstance(value, bool):
                 numeric.append((row, value))
                 converted.setdefault(position, {})[field] = str(value)
             else:
-                wrong.setdefault(_value_type(value), []).append(row)
+                type_name = _value_type(value)
+                wrong.setdefault(type_name, []).append(row)
                 bad.add(position)
+                why.append((position, f"'{field}' is a {type_name}, not text"))
 
         if rows and len(missing) == len(rows):
             if present is None:
                 present = sorted({name for row in rows for name in row.fields})
             problems.append(_field_not_found(field, flag, present, source))
+            explained = True
+            continue
+        if numeric:
+            first_row, first_value = numeric[0]
+            notes.append(
+                f"{_count(len(numeric))} had a numeric '{field}'; converted to text "
+                f"(e.g. {first_row.where}: {first_value!r} -> {str(first_value)!r})"
+            )
+        if rejects is not None:
+            for position, reason in why + [(position, f"no '{field}' field") for position in missing_at]:
+                reasons.setdefault(position, []).append(reason)
             continue
         if missing:
             problems.append(
                 Problem(
                     f"{len(missing)} of {len(rows)} rows {_have(len(missing))} no '{field}' field: {_wheres(missing, source)}",
                     where=source,
-                    fix=f"add '{field}' to these rows or remove them",
+                    fix=_with_hint(f"add '{field}' to these rows or remove them"),
                 )
             )
         if null or empty:
@@ -761,7 +1199,7 @@ def check_text_fields(
                 Problem(
                     f"{_count(len(listed))} {_have(len(listed))} a null or empty '{field}' ({', '.join(parts)}): {_wheres(listed, source)}",
                     where=source,
-                    fix="fill in or remove these rows",
+                    fix=_with_hint("fill in or remove these rows"),
                 )
             )
         for type_name, wrong_rows in wrong.items():
@@ -769,15 +1207,11 @@ def check_text_fields(
                 Problem(
                     f"{_count(len(wrong_rows))} {_have(len(wrong_rows))} a {type_name} as '{field}', not text: {_wheres(wrong_rows, source)}",
                     where=source,
-                    fix=f"make '{field}' a single string in every row (pick or join list items; json.dumps objects), "
-                    f"or pass {flag} NAME to use another field",
+                    fix=_with_hint(
+                        f"make '{field}' a single string in every row (pick or join list items; json.dumps objects), "
+                        f"or pass {flag} NAME to use another field"
+                    ),
                 )
-            )
-        if numeric:
-            first_row, first_value = numeric[0]
-            notes.append(
-                f"{_count(len(numeric))} had a numeric '{field}'; converted to text "
-                f"(e.g. {first_row.where}: {first_value!r} -> {str(first_value)!r})"
             )
 
     kept: list[Row] = []
@@ -786,6 +1220,17 @@ def check_text_fields(
             continue
         updates = converted.get(position)
         kept.append(row.with_fields(**updates) if updates else row)
+
+    if rejects is not None:
+        # Rows read_rows already rejected from this source count too: "all N rows" means all rows of the file.
+        prefix = f"{source} "
+        earlier = [r for r in rejects if r.where == source or r.where.startswith(prefix)]
+        for position in sorted(reasons):
+            row = rows[position]
+            rejects.append(Rejected(row.where, "; ".join(reasons[position]), _raw_json(row.fields)))
+        if rows and not kept and not explained:
+            first = earlier[0] if earlier else rejects[-len(reasons)]
+            problems.append(_all_rejected_problem(source, len(earlier) + len(rows), first))
     return kept, notes
 
 

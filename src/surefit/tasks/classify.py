@@ -10,26 +10,32 @@ from __future__ import annotations
 
 import inspect
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from surefit.config import ClassifyConfig, save_config
+from surefit.config import ClassifyConfig
 from surefit.data.collate import PadCollator
 from surefit.data.labels import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.rows import Row
-from surefit.data.sources import check_text_fields, read_rows
+from surefit.data.sources import Rejected, check_text_fields, read_rows
 from surefit.data.split import leaked, normalize_key, split_rows
-from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if
+from surefit.errors import ConfigError, ModelError, Problem, raise_input_problems
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
-from surefit.tasks.sft import RUN_FILES, _quiet_libraries
-from surefit.training.checkpoint import save_checkpoint
-from surefit.training.loop import LoopSettings, MetricsLog, fit, make_accelerator
+from surefit.tasks.sft import _quiet_libraries
+from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, fit, make_accelerator
 from surefit.training.memory import enable_gradient_checkpointing
+from surefit.training.run import (
+    check_output_dir,
+    resume_command,
+    resume_point,
+    save_final,
+    start_output_dir,
+    write_rejected,
+)
 
 HF_PROBLEM_TYPES = {"single": "single_label_classification", "multi": "multi_label_classification",
                     "regression": "regression"}
@@ -49,8 +55,9 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
     report: dict[str, Any] = {"notes": []}
     sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
     loaded: dict[str, list[Row]] = {}
+    rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
     for name, path in sources:
-        rows = read_rows(path, problems)
+        rows = read_rows(path, problems, rejects=rejects)
         if cfg.limit is not None and len(rows) > cfg.limit:
             report["notes"].append(f"--limit {cfg.limit}: using the first {cfg.limit} of {len(rows)} rows of {path}")
             rows = rows[: cfg.limit]
@@ -64,12 +71,15 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
         text_fields = [(fields.text, "--text_field")] + ([(fields.pair, "--text_pair_field")] if fields.pair else [])
         for name, path in sources:
             if loaded[name]:
-                loaded[name], notes = check_text_fields(loaded[name], text_fields, problems, str(path))
+                loaded[name], notes = check_text_fields(loaded[name], text_fields, problems, str(path), rejects=rejects)
                 report["notes"] += notes
+            if rejects is not None:
+                loaded[name] = _reject_missing_labels(loaded[name], fields.label, rejects)
         spec = build_label_spec([(str(path), loaded[name]) for name, path in sources], fields.label,
                                 cfg.problem_type, problems)
-    not_data = any(p.where.startswith(("--model", "--output_dir", "--head")) for p in problems)
-    raise_if(problems, SurefitError if not_data else DataError)
+    write_rejected(cfg, rejects or [], say)
+    report["rejected_rows"] = len(rejects or [])
+    raise_input_problems(problems)
     assert fields is not None and spec is not None
     report["notes"] = fields.notes + report["notes"]
 
@@ -93,6 +103,19 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
     for note in report["notes"]:
         say(note)
     return train, val, fields, spec, report
+
+
+def _reject_missing_labels(rows: list[Row], label: str, rejects: list[Rejected]) -> list[Row]:
+    """--on_bad_rows skip: a row without a usable label is dropped and recorded. Mixed label kinds across rows stay
+    an error: no single row is at fault there."""
+    kept = []
+    for r in rows:
+        value = r.fields.get(label)
+        if value is None or (isinstance(value, float) and value != value) or (isinstance(value, str) and not value.strip()):
+            rejects.append(Rejected(r.where, f"no label in '{label}' (got {value!r})", json.dumps(r.fields, default=str)))
+        else:
+            kept.append(r)
+    return kept
 
 
 def _text_of(row: Row, fields: Fields) -> str:
@@ -325,18 +348,10 @@ def run(cfg: ClassifyConfig, say=print) -> dict[str, Any]:
             load_factory(cfg.head)
         except ConfigError as e:
             early += e.problems
-    previous = [name for name in RUN_FILES + ("columns.json",) if (out / name).exists()]
-    if previous and not cfg.overwrite:
-        early.append(Problem(f"{out} already holds a run ({', '.join(previous)}); training again would replace it",
-                             "--output_dir", "pass a new --output_dir, or --overwrite to replace the previous run"))
+    previous = check_output_dir(cfg, early)
+    resume_from = resume_point(cfg, early, say)
     train_rows, val_rows, fields, spec, report = load_data(cfg, say, early)
-    for name in previous:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    if previous:
-        say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    out = start_output_dir(cfg, previous, say)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -414,15 +429,8 @@ def run(cfg: ClassifyConfig, say=print) -> dict[str, Any]:
             m.save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
 
-    def on_epoch_end(m: Any, epoch: int, state: dict[str, Any]) -> None:
-        ckdir = out / "checkpoints"
-        save_checkpoint(ckdir / f"epoch-{epoch}", lambda d: save_model(m, d), optimizer=state["optimizer"],
-                        scheduler=state["scheduler"], state={"epoch": epoch, "step": state["step"]})
-        if cfg.keep_checkpoints:
-            done = sorted(ckdir.glob("epoch-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
-            for p in done[: -cfg.keep_checkpoints]:
-                shutil.rmtree(p)
-                say(f"removed {p} (--keep_checkpoints {cfg.keep_checkpoints})")
+    checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
+                                  export=save_model, resume_from=resume_from, resume_command=resume_command(cfg))
 
     settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                             lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
@@ -430,13 +438,9 @@ def run(cfg: ClassifyConfig, say=print) -> dict[str, Any]:
     try:
         history = fit(model, train_feats, [len(f["input_ids"]) for f in train_feats], [1] * len(train_feats),
                       loss_fn=make_loss_fn(spec.problem_type), collate=collate, settings=settings,
-                      accelerator=accelerator, evaluate=evaluate, on_epoch_end=on_epoch_end, log=log, say=say)
+                      accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say)
     finally:
         log.close()
-    final, tmp = out / "final", out / "final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    final = save_final(out, lambda d: save_model(model, d))
     say(f"saved {'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer to {final}")
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": report}

@@ -9,28 +9,31 @@ in counts, everything that happened to the data.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
-from surefit.config import SFTConfig, save_config
+from surefit.config import SFTConfig
 from surefit.data.augment import augment_rows
 from surefit.data.collate import PadCollator
 from surefit.data.encode import Example, build_prompt_format, encode_rows
 from surefit.data.rows import Row
-from surefit.data.sources import check_text_fields, read_rows
+from surefit.data.sources import Rejected, check_text_fields, read_rows
 from surefit.data.split import leaked, normalize_key, split_rows
-from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if
+from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.training.checkpoint import save_checkpoint
-from surefit.training.loop import LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
+from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing
-
-# What a run writes; a previous run's copies are only replaced with --overwrite.
-RUN_FILES = ("metrics.jsonl", "predictions", "checkpoints", "final", "data_report.json", "excluded_rows.jsonl")
+from surefit.training.run import (
+    check_output_dir,
+    resume_command,
+    resume_point,
+    save_final,
+    start_output_dir,
+    write_rejected,
+)
 
 
 def load_data(
@@ -49,18 +52,19 @@ def load_data(
     fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
     sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
     loaded: dict[str, list[Row]] = {}
+    rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
     for name, path in sources:
-        rows = read_rows(path, problems)
+        rows = read_rows(path, problems, rejects=rejects)
         if cfg.limit is not None and len(rows) > cfg.limit:
             report["notes"].append(f"--limit {cfg.limit}: using the first {cfg.limit} of {len(rows)} rows of {path}")
             rows = rows[: cfg.limit]
         if rows:
-            rows, notes = check_text_fields(rows, fields, problems, str(path))
+            rows, notes = check_text_fields(rows, fields, problems, str(path), rejects=rejects)
             report["notes"] += notes
         loaded[name] = rows
-    # The title says "data error" only when every problem is about the data.
-    not_data = any(p.where.startswith(("--model", "--output_dir")) for p in problems)
-    raise_if(problems, SurefitError if not_data else DataError)
+    write_rejected(cfg, rejects or [], say)  # before raising: an "all rows rejected" problem points at this file
+    report["rejected_rows"] = len(rejects or [])
+    raise_input_problems(problems)
 
     key = lambda r: normalize_key(str(r.fields[cfg.input_field]))  # noqa: E731
     train = loaded["train"]
@@ -146,23 +150,10 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
         source = resolve_model(cfg.model)
     except ModelError as e:
         early = e.problems
-    previous = [name for name in RUN_FILES if (out / name).exists()]
-    if previous and not cfg.overwrite:
-        early.append(
-            Problem(
-                f"{out} already holds a run ({', '.join(previous)}); training again would replace it",
-                "--output_dir",
-                "pass a new --output_dir, or --overwrite to replace the previous run",
-            )
-        )
+    previous = check_output_dir(cfg, early)
+    resume_from = resume_point(cfg, early, say)
     train_rows, val_rows, data_report = load_data(cfg, say, early)
-    for name in previous:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    if previous:
-        say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
+    out = start_output_dir(cfg, previous, say)
     path = model_folder(source, log=say)
     tokenizer, notes = load_tokenizer(path, source)
     for note in notes:
@@ -253,21 +244,8 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
         accelerator.unwrap_model(m).save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
 
-    def on_epoch_end(m: Any, epoch: int, state: dict[str, Any]) -> None:
-        ckdir = out / "checkpoints"
-        save_checkpoint(
-            ckdir / f"epoch-{epoch}",
-            lambda d: save_model(m, d),
-            optimizer=state["optimizer"],
-            scheduler=state["scheduler"],
-            state={"epoch": epoch, "step": state["step"], "record": state["record"]},
-        )
-        if cfg.keep_checkpoints:
-            done = sorted(ckdir.glob("epoch-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
-            for p in done[: -cfg.keep_checkpoints]:
-                shutil.rmtree(p)
-                say(f"removed {p} (--keep_checkpoints {cfg.keep_checkpoints})")
-
+    checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
+                                  export=save_model, resume_from=resume_from, resume_command=resume_command(cfg))
     settings = LoopSettings(
         epochs=cfg.epochs,
         batch_size=cfg.batch_size,
@@ -290,19 +268,14 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
             settings=settings,
             accelerator=accelerator,
             evaluate=evaluate,
-            on_epoch_end=on_epoch_end,
+            checkpointing=checkpointing,
             log=log,
             say=say,
         )
     finally:
         log.close()
 
-    final = out / "final"
-    tmp = out / "final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    final = save_final(out, lambda d: save_model(model, d))
     kind = "LoRA adapter (load with peft)" if cfg.lora_r else "full model (load with transformers)"
     say(f"saved {kind} and tokenizer to {final}")
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": data_report}

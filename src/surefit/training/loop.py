@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -21,6 +23,7 @@ from typing import Any
 import torch
 
 from surefit.data.sampling import micro_batches, step_batches
+from surefit.errors import Problem, SurefitError
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -48,6 +51,16 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", encoding="utf-8")
         self._t0 = time.time()
+
+    def bytes_written(self) -> int:
+        self._fh.flush()
+        return self._fh.tell()
+
+    def truncate(self, size: int) -> None:
+        """Cut the log back to ``size`` bytes (the length it had when a checkpoint was written)."""
+        self._fh.flush()
+        self._fh.truncate(size)
+        self._fh.seek(size)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {**record, "time": round(time.time() - self._t0, 3)}
@@ -77,6 +90,64 @@ def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+@dataclass
+class Checkpointing:
+    """Where and when the loop saves, and what it resumes from.
+
+    Attributes:
+        folder: ``OUTPUT/checkpoints``.
+        save_every: also save every N optimizer steps (0: only at epoch ends).
+        keep: keep the newest K checkpoints (0: all).
+        export: writes the model in its ecosystem format into a folder (epoch-end checkpoints carry it).
+        resume_from: a verified checkpoint folder to continue from, or ``None``.
+        resume_command: shown when a run is interrupted.
+        before_commit: test hook passed to :func:`~surefit.training.checkpoint.save_checkpoint`.
+    """
+
+    folder: Path
+    save_every: int = 0
+    keep: int = 0
+    export: Callable[[Any, Path], None] | None = None
+    resume_from: Path | None = None
+    resume_command: str = ""
+    before_commit: Callable[[Path], None] | None = None
+
+
+class TrainingInterrupted(SurefitError):
+    """SIGINT/SIGTERM: the current step was finished and saved; the message shows how to resume."""
+
+    exit_code = 130
+    title = "training interrupted"
+
+    def render(self) -> str:
+        return "\n".join(p.what + (f"\n  {p.fix}" if p.fix else "") for p in self.problems)
+
+
+class _StopSignal:
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one stops at once."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignal:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.requested is not None:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        print(f"\n{self.requested}: finishing the current step, then saving a checkpoint (again to stop at once)",
+              file=sys.stderr)
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
 def fit(
     model: Any,
     features: Sequence[dict[str, Any]],
@@ -88,25 +159,34 @@ def fit(
     settings: LoopSettings,
     accelerator: Any,
     evaluate: Callable[[Any, int], dict[str, Any]],
-    on_epoch_end: Callable[[Any, int, dict[str, Any]], None],
+    checkpointing: Checkpointing,
     log: MetricsLog,
     say: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
-    """Train for ``settings.epochs`` and evaluate before the first epoch and after each one.
+    """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
+
+    A checkpoint is written every ``checkpointing.save_every`` optimizer steps, at each epoch end (after its
+    evaluation) and when SIGINT/SIGTERM arrives (after the current step). Resuming restores the model's trainable
+    state, optimizer, scheduler, every RNG and the position in the epoch, so the rest of the run is the same as if it
+    had never stopped.
 
     Args:
-        model: the model to train (already on the right device via ``accelerator.prepare`` is not required).
+        model: the model to train.
         features: encoded examples the collator accepts; lengths: their token lengths; counts: supervised items
             per example (tokens for a language model, 1 for a classifier) used to normalise the loss.
         loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
         evaluate: ``(model, epoch) -> metrics``; called for epoch 0 (before training) and each epoch.
-        on_epoch_end: ``(model, epoch, epoch_record)``: checkpointing and the like.
 
     Returns:
         One record per evaluation (epoch 0 first).
+
+    Raises:
+        TrainingInterrupted: after saving, when a stop signal arrived.
     """
     from tqdm.auto import tqdm
     from transformers import get_cosine_schedule_with_warmup
+
+    from surefit.training.checkpoint import load_checkpoint, prune, save_checkpoint
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
@@ -116,73 +196,107 @@ def fit(
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
 
+    # Position and running sums of the epoch in progress; a checkpoint stores them so a resumed epoch reports the
+    # same train_loss as an uninterrupted one.
+    pos: dict[str, Any] = {"epoch": 1, "step_in_epoch": 0, "global_step": 0, "loss_sum": 0.0, "items": 0,
+                           "tokens": 0, "seconds": 0.0, "window_loss": 0.0, "window_items": 0}
     history: list[dict[str, Any]] = []
-    record = {"type": "epoch", "epoch": 0, **evaluate(model, 0)}
-    log.write(record)
-    history.append(record)
-
-    step = 0
-    for epoch in range(1, settings.epochs + 1):
-        model.train()
-        batches = step_batches(lengths, settings.batch_size, settings.seed, epoch)
-        # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
-        tty = sys.stderr.isatty()
-        bar = tqdm(
-            total=len(batches), desc=f"epoch {epoch}/{settings.epochs}", unit="step", dynamic_ncols=True,
-            mininterval=0.5 if tty else 30.0,
-        )
-        epoch_loss_sum, epoch_items, epoch_tokens, t_epoch = 0.0, 0, 0, time.perf_counter()
-        window_loss, window_items = 0.0, 0
-        for step_indices in batches:
-            t0 = time.perf_counter()
-            n_local = sum(counts[i] for i in step_indices)
-            step_loss = accumulate_step(
-                model, features, step_indices, lengths, counts,
-                micro_batch_size=settings.micro_batch_size, loss_fn=loss_fn, collate=collate, accelerator=accelerator,
-            )
-            grad_norm = None
-            if settings.max_grad_norm > 0:
-                grad_norm = float(accelerator.clip_grad_norm_(params, settings.max_grad_norm))
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            tokens = sum(lengths[i] for i in step_indices)
-            epoch_loss_sum += step_loss
-            epoch_items += n_local
-            epoch_tokens += tokens
-            window_loss += step_loss
-            window_items += n_local
-            dt = time.perf_counter() - t0
-            bar.set_postfix(loss=f"{step_loss / max(n_local, 1):.4f}", tok_s=f"{tokens / max(dt, 1e-9):.0f}", refresh=False)
-            bar.update(1)
-            if step % settings.log_every == 0:
-                log.write(
-                    {
-                        "type": "step",
-                        "step": step,
-                        "epoch": epoch,
-                        "loss": window_loss / max(window_items, 1),
-                        "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": grad_norm,
-                        "tokens_per_s": tokens / max(dt, 1e-9),
-                    }
-                )
-                window_loss, window_items = 0.0, 0
-        bar.close()
-        elapsed = time.perf_counter() - t_epoch
-        record = {
-            "type": "epoch",
-            "epoch": epoch,
-            "step": step,
-            "train_loss": epoch_loss_sum / max(epoch_items, 1),
-            "train_tokens_per_s": epoch_tokens / max(elapsed, 1e-9),
-            "time_per_epoch": elapsed,
-        }
-        record.update(evaluate(model, epoch))
+    if checkpointing.resume_from is not None:
+        state = load_checkpoint(checkpointing.resume_from, model=accelerator.unwrap_model(model), optimizer=optimizer,
+                                scheduler=scheduler)
+        history, pos = state["history"], state["position"]
+        log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
+        say(f"resumed from {checkpointing.resume_from}: epoch {pos['epoch']}, step {pos['step_in_epoch']} of "
+            f"{steps_per_epoch} (global step {pos['global_step']})")
+    else:
+        record = {"type": "epoch", "epoch": 0, **evaluate(model, 0)}
         log.write(record)
         history.append(record)
-        on_epoch_end(model, epoch, {"optimizer": optimizer, "scheduler": scheduler, "step": step, "record": record})
+
+    def checkpoint(name: str, export: bool) -> Path:
+        folder = save_checkpoint(
+            checkpointing.folder / name,
+            model=accelerator.unwrap_model(model),
+            optimizer=optimizer,
+            scheduler=scheduler,
+            state={"global_step": pos["global_step"], "position": pos, "history": history,
+                   "metrics_bytes": log.bytes_written()},
+            export=(lambda d: checkpointing.export(model, d)) if export and checkpointing.export else None,
+            before_commit=checkpointing.before_commit,
+        )
+        prune(checkpointing.folder, checkpointing.keep, say)
+        return folder
+
+    with _StopSignal() as stop:
+        while pos["epoch"] <= settings.epochs:
+            epoch = pos["epoch"]
+            model.train()
+            batches = step_batches(lengths, settings.batch_size, settings.seed, epoch)
+            # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
+            tty = sys.stderr.isatty()
+            bar = tqdm(total=len(batches), initial=pos["step_in_epoch"], desc=f"epoch {epoch}/{settings.epochs}",
+                       unit="step", dynamic_ncols=True, mininterval=0.5 if tty else 30.0)
+            for step_indices in batches[pos["step_in_epoch"] :]:
+                t0 = time.perf_counter()
+                n_local = sum(counts[i] for i in step_indices)
+                step_loss = accumulate_step(
+                    model, features, step_indices, lengths, counts,
+                    micro_batch_size=settings.micro_batch_size, loss_fn=loss_fn, collate=collate,
+                    accelerator=accelerator,
+                )
+                grad_norm = None
+                if settings.max_grad_norm > 0:
+                    grad_norm = float(accelerator.clip_grad_norm_(params, settings.max_grad_norm))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                tokens = sum(lengths[i] for i in step_indices)
+                dt = time.perf_counter() - t0
+                pos["global_step"] += 1
+                pos["step_in_epoch"] += 1
+                pos["loss_sum"] += step_loss
+                pos["items"] += n_local
+                pos["tokens"] += tokens
+                pos["seconds"] += dt
+                pos["window_loss"] += step_loss
+                pos["window_items"] += n_local
+                bar.set_postfix(loss=f"{step_loss / max(n_local, 1):.4f}", tok_s=f"{tokens / max(dt, 1e-9):.0f}",
+                                refresh=False)
+                bar.update(1)
+                if pos["global_step"] % settings.log_every == 0:
+                    log.write({"type": "step", "step": pos["global_step"], "epoch": epoch,
+                               "loss": pos["window_loss"] / max(pos["window_items"], 1),
+                               "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                               "tokens_per_s": tokens / max(dt, 1e-9)})
+                    pos["window_loss"], pos["window_items"] = 0.0, 0
+                last_of_epoch = pos["step_in_epoch"] == len(batches)
+                if stop.requested and not last_of_epoch:
+                    bar.close()
+                    folder = checkpoint(f"step-{pos['global_step']:07d}", export=False)
+                    raise TrainingInterrupted(Problem(
+                        f"stopped by {stop.requested} after epoch {epoch}, step {pos['step_in_epoch']} of "
+                        f"{len(batches)}; checkpoint saved to {folder}",
+                        fix=f"resume with: {checkpointing.resume_command}"))
+                if checkpointing.save_every and pos["global_step"] % checkpointing.save_every == 0 and not last_of_epoch:
+                    checkpoint(f"step-{pos['global_step']:07d}", export=False)
+            bar.close()
+            record = {
+                "type": "epoch",
+                "epoch": epoch,
+                "step": pos["global_step"],
+                "train_loss": pos["loss_sum"] / max(pos["items"], 1),
+                "train_tokens_per_s": pos["tokens"] / max(pos["seconds"], 1e-9),
+                "time_per_epoch": pos["seconds"],
+            }
+            record.update(evaluate(model, epoch))
+            log.write(record)
+            history.append(record)
+            pos.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, items=0, tokens=0, seconds=0.0)
+            folder = checkpoint(f"epoch-{epoch}", export=True)
+            if stop.requested and epoch < settings.epochs:
+                raise TrainingInterrupted(Problem(
+                    f"stopped by {stop.requested} at the end of epoch {epoch}; checkpoint saved to {folder}",
+                    fix=f"resume with: {checkpointing.resume_command}"))
     return history
 
 

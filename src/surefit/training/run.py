@@ -1,0 +1,107 @@
+"""The run folder (``--output_dir``): what is in it, replacing it, resuming from it, the final save. Shared by tasks."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from surefit.config import save_config
+from surefit.errors import Problem
+from surefit.training.checkpoint import latest_checkpoint, verify
+
+# What a run writes; a previous run's copies are only replaced with --overwrite.
+RUN_FILES = ("metrics.jsonl", "predictions", "checkpoints", "final", "data_report.json", "excluded_rows.jsonl",
+             "columns.json", "rejected_rows.jsonl")
+
+
+# Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
+RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size"}
+
+
+def check_output_dir(cfg: Any, problems: list[Problem]) -> list[str]:
+    """The previous run's files in ``--output_dir``; a problem unless ``--overwrite`` or ``--resume`` was given."""
+    out = Path(cfg.output_dir)
+    previous = [name for name in RUN_FILES if (out / name).exists()]
+    if previous and not cfg.overwrite and not cfg.resume:
+        problems.append(
+            Problem(
+                f"{out} already holds a run ({', '.join(previous)}); training again would replace it",
+                "--output_dir",
+                "pass a new --output_dir, --resume to continue it, or --overwrite to replace it",
+            )
+        )
+    return previous
+
+
+def resume_point(cfg: Any, problems: list[Problem], say: Callable[[str], None] = print) -> Path | None:
+    """The verified checkpoint ``--resume`` names (``latest``: the newest usable one in the run folder)."""
+    if not cfg.resume:
+        return None
+    saved = Path(cfg.output_dir) / "config.yaml"
+    if saved.is_file():
+        from surefit.config import config_to_dict, load_yaml
+
+        before = load_yaml(saved)
+        now = config_to_dict(cfg)
+        changed = [k for k, v in before.items() if k not in RESUME_MAY_CHANGE and k in now and now[k] != v]
+        for k in changed:
+            problems.append(Problem(f"the run was started with {k}={before[k]!r}; resuming with {now[k]!r} would not "
+                                    "continue the same run", f"--{k}", f"drop --{k} (or start a new run)"))
+    if cfg.resume == "latest":
+        folder = latest_checkpoint(Path(cfg.output_dir) / "checkpoints", say)
+        if folder is None:
+            problems.append(Problem(f"nothing to resume: no usable checkpoint in {Path(cfg.output_dir) / 'checkpoints'}",
+                                    "--resume", "check --output_dir, or start a new run without --resume"))
+        return folder
+    folder = Path(cfg.resume)
+    reason = verify(folder) if folder.is_dir() else "no such folder"
+    if reason:
+        problems.append(Problem(f"cannot resume from {folder}: {reason}", "--resume",
+                                "use --resume alone to pick the newest usable checkpoint"))
+        return None
+    return folder
+
+
+def start_output_dir(cfg: Any, previous: list[str], say: Callable[[str], None] = print) -> Path:
+    """Make the run folder; with ``--overwrite``, remove the previous run first; save the resolved config."""
+    out = Path(cfg.output_dir)
+    if cfg.resume:
+        return out  # the run's own config.yaml stays as it was written when the run started
+    for name in previous:
+        target = out / name
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    if previous:
+        say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, out / "config.yaml")
+    return out
+
+
+def resume_command(cfg: Any) -> str:
+    return f"surefit train --config {Path(cfg.output_dir) / 'config.yaml'} --resume"
+
+
+def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
+    """Write ``final/`` atomically (temporary folder, then rename)."""
+    final, tmp = out / "final", out / "final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def write_rejected(cfg: Any, rejects: list, say: Callable[[str], None] = print) -> None:
+    """With ``--on_bad_rows skip``: every dropped row, with its location and reason, in ``rejected_rows.jsonl``."""
+    import json
+
+    if not rejects:
+        return
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "rejected_rows.jsonl").open("w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
+    say(f"--on_bad_rows skip: {len(rejects)} rows rejected, each with its reason in {out / 'rejected_rows.jsonl'} "
+        f"(first: {rejects[0].where}: {rejects[0].reason})")

@@ -1,0 +1,57 @@
+"""Run `surefit train` and crash it on purpose at one point; used by test_resume.py in a subprocess.
+
+    python crash_run.py MODE -- surefit-train-args...
+
+MODE: mid-epoch (SIGKILL at the start of the 5th optimizer step), after-checkpoint (SIGKILL right after the 2nd
+checkpoint is written), during-write (SIGKILL while the checkpoint of step 6 is written, before it is renamed into
+place), sigint (SIGINT at the start of the 5th step: the run must finish the step, save and exit), none.
+"""
+
+import os
+import signal
+import sys
+
+import surefit.training.checkpoint as ck
+import surefit.training.loop as loop
+from surefit.cli import main
+
+mode = sys.argv[1]
+argv = sys.argv[sys.argv.index("--") + 1 :]
+calls = {"n": 0}
+
+
+def kill(sig=signal.SIGKILL):
+    os.kill(os.getpid(), sig)
+
+
+if mode in ("mid-epoch", "sigint"):
+    original_step = loop.accumulate_step
+
+    def step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            kill(signal.SIGKILL if mode == "mid-epoch" else signal.SIGINT)
+        return original_step(*a, **k)
+
+    loop.accumulate_step = step
+elif mode == "after-checkpoint":
+    original_prune = ck.prune
+
+    def prune(*a, **k):
+        original_prune(*a, **k)
+        calls["n"] += 1
+        if calls["n"] == 2:
+            kill()
+
+    ck.prune = prune
+elif mode == "during-write":
+    original_save = ck.save_checkpoint
+
+    def save(folder, **k):
+        if str(folder).endswith("step-0000006"):
+            k["before_commit"] = lambda tmp: kill()
+        return original_save(folder, **k)
+
+    ck.save_checkpoint = save
+
+sys.exit(main(["train", *argv]))

@@ -1,0 +1,126 @@
+"""Exact resume: a run killed anywhere and resumed ends with the same weights as a run never interrupted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import qa_rows
+from surefit.cli import main
+
+CRASH = Path(__file__).with_name("crash_run.py")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_lm_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    data = tmp / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(40)), encoding="utf-8")
+    # 32 training rows / batch 4 = 8 steps per epoch, 16 in all; a checkpoint every 3 steps and at epoch ends.
+    # LoRA dropout is on, so the RNG state must be restored too for the weights to match.
+    args = ["--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "2", "--batch_size", "4", "--lora_r", "8",
+            "--lr", "1e-2", "--val_fraction", "0.2", "--max_seq_length", "128", "--save_every", "3",
+            "--lora_dropout", "0.1"]
+    reference = tmp / "reference"
+    assert main(["train", *args, "--output_dir", str(reference)]) == 0
+    return tmp, args, load_file(reference / "final" / "adapter_model.safetensors"), reference
+
+
+def _crash(args, out, mode):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CRASH.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(CRASH), mode, "--", *args, "--output_dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def _assert_same(final_dir, reference):
+    got = load_file(final_dir / "adapter_model.safetensors")
+    assert got.keys() == reference.keys()
+    worst = max(float((got[k] - reference[k]).abs().max()) for k in got)
+    assert worst <= 1e-6, worst
+
+
+@pytest.mark.parametrize("mode,resumes_from", [
+    ("mid-epoch", "step-0000003"),         # killed in step 5: the last checkpoint is step 3
+    ("after-checkpoint", "step-0000006"),  # killed right after step 6 was saved
+    ("during-write", "step-0000003"),      # step 6 half-written (never renamed): back to step 3
+])
+def test_sigkill_then_resume_gives_the_uninterrupted_weights(setup, mode, resumes_from, capsys):
+    tmp, args, reference, ref_dir = setup
+    out = tmp / mode
+    proc = _crash(args, out, mode)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert not (out / "final").exists()
+    capsys.readouterr()
+    assert main(["train", "--resume", "--output_dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"resumed from {out / 'checkpoints' / resumes_from}" in said
+    _assert_same(out / "final", reference)
+    # The resumed run's metrics are the uninterrupted run's (no duplicated or lost lines), timing aside.
+    strip = lambda p: [{k: v for k, v in json.loads(x).items() if k not in ("time", "tokens_per_s", "train_tokens_per_s",  # noqa: E731
+                       "time_per_epoch")} for x in (p / "metrics.jsonl").read_text().splitlines()]
+    assert strip(out) == strip(ref_dir)
+
+
+def test_sigint_finishes_the_step_saves_and_says_how_to_resume(setup, capsys):
+    tmp, args, reference, _ = setup
+    out = tmp / "sigint"
+    proc = _crash(args, out, "sigint")
+    assert proc.returncode == 130, proc.stderr[-2000:]
+    assert "stopped by SIGINT after epoch 1, step 5 of 8" in proc.stderr
+    assert f"resume with: surefit train --config {out / 'config.yaml'} --resume" in proc.stderr
+    assert (out / "checkpoints" / "step-0000005" / "manifest.json").is_file()
+    assert main(["train", "--config", str(out / "config.yaml"), "--resume"]) == 0
+    _assert_same(out / "final", reference)
+
+
+def test_a_checkpoint_with_a_flipped_byte_falls_back_to_the_previous_one(setup, capsys):
+    tmp, args, reference, _ = setup
+    out = tmp / "flipped"
+    assert _crash(args, out, "after-checkpoint").returncode == -signal.SIGKILL
+    target = out / "checkpoints" / "step-0000006" / "trainable.safetensors"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    target.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["train", "--resume", "--output_dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "step-0000006 is unusable: trainable.safetensors does not match its checksum (corrupted)" in said
+    assert f"resumed from {out / 'checkpoints' / 'step-0000003'}" in said
+    _assert_same(out / "final", reference)
+
+
+def test_a_failed_checkpoint_write_stops_clearly_and_keeps_the_previous_one(setup, monkeypatch, capsys):
+    import surefit.training.checkpoint as ck
+
+    tmp, args, _, _ = setup
+    out = tmp / "full-disk"
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def full_disk(obj, path, *a, **k):
+        if str(path).endswith("optimizer.pt"):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second checkpoint (step 6) hits a full disk
+                raise OSError(28, "No space left on device")
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(ck.torch, "save", full_disk)
+    assert main(["train", *args, "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "could not write checkpoint" in err and "No space left on device" in err
+    assert f"the previous checkpoint {out / 'checkpoints' / 'step-0000003'} is intact" in err
+    assert ck.verify(out / "checkpoints" / "step-0000003") is None
+    assert not (out / "checkpoints" / "step-0000006.tmp").exists()
+
+
+def test_resume_refuses_settings_that_change_the_run(setup, capsys):
+    tmp, args, _, ref_dir = setup
+    assert main(["train", "--resume", "--output_dir", str(ref_dir), "--lr", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr" in err and "would not continue the same run" in err
