@@ -144,3 +144,19 @@ def test_a_previous_run_is_not_replaced_without_overwrite(run_dir, tiny_lm_dir, 
     err = capsys.readouterr().err
     assert "already holds a run" in err and "--overwrite" in err
     assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_on_bad_rows_skip_trains_on_the_good_rows_and_lists_the_rejected(tmp_path, tiny_lm_dir):
+    import surefit
+    from conftest import qa_rows
+
+    good = [json.dumps(r) for r in qa_rows(20)]
+    bad = ['{"input": "truncated', '{"input": "x", "target": null}', '[1, 2]', '{"input": "a", "input": "b", "target": "c"}']
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("\n".join(good[:10] + bad + good[10:]) + "\n", encoding="utf-8")
+    result = surefit.train(task="sft", model=str(tiny_lm_dir), data=str(data), on_bad_rows="skip", epochs=1,
+                           output_dir=str(tmp_path / "run"))
+    rejected = [json.loads(x) for x in (tmp_path / "run" / "rejected_rows.jsonl").read_text().splitlines()]
+    assert sorted(r["where"] for r in rejected) == sorted(f"{data} line {n}" for n in (11, 12, 13, 14))
+    assert result.data_report["rejected_rows"] == 4
+    assert result.data_report["train_rows"] + result.data_report["val_rows"] == 20

@@ -47,6 +47,9 @@ class TrainConfig:
         "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU."
     )
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% slower.")
+    trust_remote_code: bool = opt(
+        False, "Allow a model folder or hub repo to run its own Python code when loading. Off unless you trust it."
+    )
     # -- data
     data: str | None = opt(None, "Training data: JSONL, JSON, CSV, TSV, Parquet, or a saved datasets folder.")
     val_data: str | None = opt(None, "Validation data (same formats). Default: split --val_fraction off --data.")

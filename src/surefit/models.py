@@ -170,13 +170,13 @@ def model_folder(source: ModelSource, log=print) -> str:
     return source.path
 
 
-def load_tokenizer(path: str, source: ModelSource) -> tuple[Any, list[str]]:
+def load_tokenizer(path: str, source: ModelSource, trust_remote_code: bool = False) -> tuple[Any, list[str]]:
     """Load the tokenizer; returns it and notes about anything that was set for it (e.g. a pad token)."""
     from transformers import AutoTokenizer
 
     notes: list[str] = []
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise _load_error(source, e) from e
     if tok.eos_token_id is None:
@@ -195,13 +195,13 @@ def load_tokenizer(path: str, source: ModelSource) -> tuple[Any, list[str]]:
     return tok, notes
 
 
-def load_causal_lm(path: str, source: ModelSource) -> Any:
+def load_causal_lm(path: str, source: ModelSource, trust_remote_code: bool = False) -> Any:
     """Load a causal LM in fp32 (mixed precision is applied by autocast, so master weights stay exact)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise _load_error(source, e) from e
     return model

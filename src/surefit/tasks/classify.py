@@ -194,16 +194,17 @@ def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say=print) -> A
         if cfg.head:
             from surefit.heads import HeadModel, build_head
 
-            backbone = AutoModel.from_pretrained(path, dtype=torch.float32)
+            backbone = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
             for k, v in label_kwargs.items():
                 setattr(backbone.config, k, v)  # the saved backbone config carries the label mapping too
             head = build_head(cfg.head, json.loads(cfg.head_args or "{}"), backbone.config.hidden_size, spec.num_labels)
             n_head = sum(p.numel() for p in head.parameters())
             say(f"custom head {cfg.head}: {n_head:,} parameters on {type(backbone).__name__} hidden states")
             return HeadModel(backbone, head)
-        base_config = AutoConfig.from_pretrained(path)
+        base_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, dtype=torch.float32, ignore_mismatched_sizes=True, **label_kwargs
+            path, dtype=torch.float32, ignore_mismatched_sizes=True, trust_remote_code=cfg.trust_remote_code,
+            **label_kwargs
         )
     except (OSError, ValueError) as e:
         raise ModelError(Problem(f"cannot load a classifier from {path}: {type(e).__name__}: {e}", "--model")) from e
@@ -354,7 +355,7 @@ def run(cfg: ClassifyConfig, say=print) -> dict[str, Any]:
     out = start_output_dir(cfg, previous, say)
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise ModelError(Problem(f"cannot load the tokenizer of {source.name}: {type(e).__name__}: {e}", "--model")) from e
     model = build_model(cfg, path, spec, say)

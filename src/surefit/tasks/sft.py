@@ -155,7 +155,7 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
     train_rows, val_rows, data_report = load_data(cfg, say, early)
     out = start_output_dir(cfg, previous, say)
     path = model_folder(source, log=say)
-    tokenizer, notes = load_tokenizer(path, source)
+    tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:
         say(note)
     fmt = build_prompt_format(tokenizer, cfg.template, cfg.chat_template)
@@ -194,7 +194,7 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
     (out / "data_report.json").write_text(json.dumps(data_report, indent=2, default=str), encoding="utf-8")
 
     # -- model
-    model = load_causal_lm(path, source)
+    model = load_causal_lm(path, source, cfg.trust_remote_code)
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model, lora=cfg.lora_r > 0)
         say("gradient checkpointing on: activations are recomputed in the backward pass")

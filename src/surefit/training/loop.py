@@ -203,7 +203,7 @@ def fit(
     history: list[dict[str, Any]] = []
     if checkpointing.resume_from is not None:
         state = load_checkpoint(checkpointing.resume_from, model=accelerator.unwrap_model(model), optimizer=optimizer,
-                                scheduler=scheduler)
+                                scheduler=scheduler, scaler=getattr(accelerator, "scaler", None))
         history, pos = state["history"], state["position"]
         log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
         say(f"resumed from {checkpointing.resume_from}: epoch {pos['epoch']}, step {pos['step_in_epoch']} of "
@@ -219,6 +219,7 @@ def fit(
             model=accelerator.unwrap_model(model),
             optimizer=optimizer,
             scheduler=scheduler,
+            scaler=getattr(accelerator, "scaler", None),  # fp16 loss scaling state (None otherwise)
             state={"global_step": pos["global_step"], "position": pos, "history": history,
                    "metrics_bytes": log.bytes_written()},
             export=(lambda d: checkpointing.export(model, d)) if export and checkpointing.export else None,
