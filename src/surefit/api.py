@@ -64,6 +64,54 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
         from surefit.tasks import classify
 
         out = classify.run(cfg)
+    elif cfg.task == "custom":
+        from surefit.tasks import custom
+
+        out = custom.run(cfg)
     else:  # pragma: no cover - every task in TASK_CONFIGS is dispatched above
         raise ConfigError(Problem(f"task {cfg.task!r} is not implemented", "--task"))
     return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])
+
+
+def inspect_data(data: str, model: str | None = None, model_args: str | None = None,
+                 max_memory_gb: float | None = None, say=print) -> str:
+    """Describe every array of a tensor dataset; with a model factory, each input's first layer and any mismatch.
+
+    Returns:
+        The report text (also passed to ``say``).
+    """
+    import json as _json
+
+    from surefit.data.tensors import load_tensor_data
+    from surefit.doctor.shapes import diagnose, trace
+    from surefit.heads import load_factory
+
+    tensors = load_tensor_data(data, max_memory_gb)
+    lines = [tensors.describe()]
+    if model:
+        from surefit.config import CustomConfig
+        from surefit.tasks.custom import Caller, forward_protocol
+
+        args = _json.loads(model_args or "{}")
+        net = load_factory(model, flag="--model")(**args)
+        mode, passed, problems = forward_protocol(net, list(tensors.arrays))
+        lines += [f"problem: {p.what}" for p in problems]
+        caller = Caller(CustomConfig(data=data, model=model, loss="cross_entropy"), mode, passed)
+        batch = tensors.batch(list(range(min(2, len(tensors)))))
+        net.eval()
+        tr = trace(net, batch, lambda: caller.forward(net, batch))
+        lines.append(f"model {type(net).__name__}: forward({'batch' if mode == 'single' else ', '.join(passed)})")
+        for key in tensors.arrays:
+            use = tr.uses.get(key)
+            if use is None:
+                status = "passed but not consumed by a layer before the pass ended" if key in passed else "not passed"
+                lines.append(f"  {key}: {status}")
+            else:
+                verdict = "" if use.agrees is None else " - shapes agree" if use.agrees else f" - MISMATCH: expects {use.expects}"
+                lines.append(f"  {key} {list(use.shape)} {use.dtype} -> first consumed by {use.module} ({use.layer}){verdict}")
+        message = diagnose(tr, batch, args)
+        if message:
+            lines.append(message)
+    text = "\n".join(lines)
+    say(text)
+    return text

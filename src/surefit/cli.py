@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="training path: sft (instruction tuning of a causal LM) or classify (sequence classification); default sft",
     )
     train.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML file of settings; flags override it")
+    inspect = sub.add_parser("inspect", allow_abbrev=False, help="describe tensor data, and which layer consumes each input",
+                             description="Name, shape, dtype, value range and footprint of every array; with --model, "
+                             "which layer first consumes each input and whether the shapes agree.")
+    inspect.add_argument("--data", required=True, help="a folder of shards, or a dataset factory module:make")
+    inspect.add_argument("--model", "--model-factory", dest="model", help="model factory module:build or file.py:build")
+    inspect.add_argument("--model_args", "--model-args", dest="model_args", help="JSON keyword arguments for the factory")
+    inspect.add_argument("--max_memory_gb", "--max-memory-gb", dest="max_memory_gb", type=float, default=None,
+                         help="RAM the data may take while scanning")
     # Every task's flags are registered so that `--help` lists them; the chosen task's dataclass validates them.
     _add_config_flags(train, list(TASK_CONFIGS.values()))
     return parser
@@ -136,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
             from surefit.api import train
 
             train(cfg)
+            return 0
+        if command == "inspect":
+            from surefit.api import inspect_data
+
+            ns = parser.parse_args(argv)
+            inspect_data(ns.data, ns.model, ns.model_args, ns.max_memory_gb)
             return 0
         parser.parse_args(argv)  # unknown command: argparse prints usage and exits 2
         return 2

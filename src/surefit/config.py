@@ -30,7 +30,7 @@ def opt(default: Any, help: str, **meta: Any) -> Any:  # noqa: A002 - "help" rea
 class TrainConfig:
     """Settings every training task shares. Each task's dataclass adds its own and may change defaults."""
 
-    task: str = opt("sft", "Training path: 'sft' (instruction tuning) or 'classify' (sequence classification).")
+    task: str = opt("sft", "Training path: 'sft' (instruction tuning), 'classify' (sequence classification), 'custom'.")
     preset: str | None = opt(
         None, "A preset name (see surefit/presets/, e.g. gtx1650-4gb, cpu) or a YAML path; applied before --config."
     )
@@ -228,7 +228,54 @@ class ClassifyConfig(TrainConfig):
         return p
 
 
-TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig}
+@dataclass
+class CustomConfig(TrainConfig):
+    """Any ``nn.Module`` built by a factory, trained on named tensors."""
+
+    task: Literal["custom"] = opt("custom", "Training path. 'custom': any nn.Module on tensor data.")
+    model: str | None = opt(
+        None, "Model factory 'package.module:build' or 'path/to/file.py:build' returning an nn.Module (required)."
+    )
+    model_args: str | None = opt(None, "JSON object of keyword arguments for the model factory, e.g. '{\"vocab\": 271}'.")
+    data: str | None = opt(
+        None, "A folder of shards (.npy, .npz, .safetensors, .pt) of named arrays, or a factory 'module:make'."
+    )
+    val_data: str | None = opt(None, "Validation shards (same forms). Default: split --val_fraction off --data.")
+    loss: Literal["auto", "cross_entropy", "mse", "bce"] = opt(
+        "auto", "'auto': the model returns its loss; otherwise it returns logits and this loss is applied to 'labels'."
+    )
+    labels_key: str = opt("labels", "The batch key holding the targets (for --loss and the label checks).")
+    max_memory_gb: float | None = opt(
+        None, "RAM the data may take: shards are streamed so that only the batch (and small shard caches) are held."
+    )
+    lora_r: int = opt(0, "LoRA is not available for custom models: full training (0).")
+    batch_size: int = opt(32, "Examples per optimizer step (the effective batch).")
+    lr: float = opt(1e-3, "Peak learning rate (AdamW).")
+    weight_decay: float = opt(0.01, "AdamW weight decay.")
+    output_dir: str = opt("runs/custom", "Where the config, metrics, checkpoints and final model go.")
+
+    def problems(self) -> list[Problem]:
+        p = super().problems()
+        if self.model is None:
+            p.append(Problem("no model factory given", "--model", "pass --model package.module:build or file.py:build"))
+        elif ":" not in self.model:
+            p.append(Problem(f"expected 'package.module:build' or 'file.py:build' (got {self.model!r})", "--model",
+                             "e.g. --model examples/custom/projection_model.py:build"))
+        if self.model_args is not None:
+            try:
+                if not isinstance(json.loads(self.model_args), dict):
+                    raise ValueError("not an object")
+            except ValueError as e:
+                p.append(Problem(f"not a JSON object ({e}): {self.model_args!r}", "--model_args", "e.g. '{\"vocab\": 271}'"))
+        if self.lora_r:
+            p.append(Problem(f"LoRA is not available for --task custom (got --lora_r {self.lora_r})", "--lora_r",
+                             "drop --lora_r (custom models train in full)"))
+        if self.max_memory_gb is not None and self.max_memory_gb <= 0:
+            p.append(Problem(f"must be > 0 (got {self.max_memory_gb})", "--max_memory_gb"))
+        return p
+
+
+TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}
 
 
 def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:

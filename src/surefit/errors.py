@@ -27,6 +27,7 @@ class Problem:
 
     def render(self) -> str:
         text = f"{self.where}: {self.what}" if self.where else self.what
+        text = text.replace("\n", "\n     ")  # continuation lines stay under their number
         if self.fix:
             text += f"\n     fix: {self.fix}"
         return text

@@ -23,8 +23,8 @@ from torch import nn
 from surefit.errors import ConfigError, Problem
 
 
-def load_factory(spec: str) -> Any:
-    """Resolve ``module:Name`` or ``file.py:Name`` to the object it names."""
+def load_factory(spec: str, flag: str = "--head") -> Any:
+    """Resolve ``module:Name`` or ``file.py:Name`` to the object it names; problems name ``flag``."""
     target, _, name = spec.rpartition(":")
     try:
         if target.endswith(".py"):
@@ -40,13 +40,13 @@ def load_factory(spec: str) -> Any:
             module = importlib.import_module(target)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module; show its cause
         raise ConfigError(
-            Problem(f"cannot import {target!r}: {type(e).__name__}: {e}", "--head", "check the module path and that it imports")
+            Problem(f"cannot import {target!r}: {type(e).__name__}: {e}", flag, "check the module path and that it imports")
         ) from e
     factory = getattr(module, name, None)
     if factory is None:
         public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
         raise ConfigError(
-            Problem(f"{target!r} has no attribute {name!r}", "--head", f"callables it defines: {', '.join(public) or 'none'}")
+            Problem(f"{target!r} has no attribute {name!r}", flag, f"callables it defines: {', '.join(public) or 'none'}")
         )
     return factory
 

@@ -162,6 +162,7 @@ def fit(
     checkpointing: Checkpointing,
     log: MetricsLog,
     say: Callable[[str], None] = print,
+    on_epoch: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
 
@@ -176,6 +177,8 @@ def fit(
             per example (tokens for a language model, 1 for a classifier) used to normalise the loss.
         loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
         evaluate: ``(model, epoch) -> metrics``; called for epoch 0 (before training) and each epoch.
+        on_epoch: called with each epoch's complete record (training and evaluation figures) before it is logged;
+            it may add keys.
 
     Returns:
         One record per evaluation (epoch 0 first).
@@ -290,6 +293,8 @@ def fit(
                 "time_per_epoch": pos["seconds"],
             }
             record.update(evaluate(model, epoch))
+            if on_epoch is not None:
+                on_epoch(record)
             log.write(record)
             history.append(record)
             pos.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, items=0, tokens=0, seconds=0.0)
