@@ -160,3 +160,13 @@ def test_on_bad_rows_skip_trains_on_the_good_rows_and_lists_the_rejected(tmp_pat
     assert sorted(r["where"] for r in rejected) == sorted(f"{data} line {n}" for n in (11, 12, 13, 14))
     assert result.data_report["rejected_rows"] == 4
     assert result.data_report["train_rows"] + result.data_report["val_rows"] == 20
+
+
+def test_gradient_checkpointing_with_lora_trains_the_same(tmp_path, tiny_lm_dir, qa_jsonl):
+    import surefit
+
+    common = dict(task="sft", model=str(tiny_lm_dir), data=str(qa_jsonl), epochs=1, lr=1e-2, lora_dropout=0.0)
+    on = surefit.train(gradient_checkpointing=True, output_dir=str(tmp_path / "on"), **common)
+    off = surefit.train(output_dir=str(tmp_path / "off"), **common)
+    assert on.history[-1]["train_loss"] == pytest.approx(off.history[-1]["train_loss"], abs=1e-5)
+    assert on.history[-1]["eval_loss"] == pytest.approx(off.history[-1]["eval_loss"], abs=1e-5)
