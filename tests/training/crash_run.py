@@ -4,7 +4,7 @@
 
 MODE: mid-epoch (SIGKILL at the start of the 5th optimizer step), after-checkpoint (SIGKILL right after the 2nd
 checkpoint is written), during-write (SIGKILL while the checkpoint of step 6 is written, before it is renamed into
-place), sigint (SIGINT at the start of the 5th step: the run must finish the step, save and exit), none.
+place), sigint / sigterm (that signal at the start of the 5th step: the run must finish the step, save and exit).
 """
 
 import os
@@ -24,13 +24,13 @@ def kill(sig=signal.SIGKILL):
     os.kill(os.getpid(), sig)
 
 
-if mode in ("mid-epoch", "sigint"):
+if mode in ("mid-epoch", "sigint", "sigterm"):
     original_step = loop.accumulate_step
 
     def step(*a, **k):
         calls["n"] += 1
         if calls["n"] == 5:
-            kill(signal.SIGKILL if mode == "mid-epoch" else signal.SIGINT)
+            kill({"mid-epoch": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}[mode])
         return original_step(*a, **k)
 
     loop.accumulate_step = step

@@ -67,14 +67,17 @@ def test_sigkill_then_resume_gives_the_uninterrupted_weights(setup, mode, resume
     assert strip(out) == strip(ref_dir)
 
 
-def test_sigint_finishes_the_step_saves_and_says_how_to_resume(setup, capsys):
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_stop_signal_finishes_the_step_saves_and_says_how_to_resume(setup, capsys, sig):
     tmp, args, reference, _ = setup
-    out = tmp / "sigint"
-    proc = _crash(args, out, "sigint")
+    out = tmp / sig
+    proc = _crash(args, out, sig.lower())
     assert proc.returncode == 130, proc.stderr[-2000:]
-    assert "stopped by SIGINT after epoch 1, step 5 of 8" in proc.stderr
+    assert f"stopped by {sig} after epoch 1, step 5 of 8" in proc.stderr
     assert f"resume with: surefit train --config {out / 'config.yaml'} --resume" in proc.stderr
-    assert (out / "checkpoints" / "step-0000005" / "manifest.json").is_file()
+    state = json.loads((out / "checkpoints" / "step-0000005" / "trainer_state.json").read_text())
+    assert state["position"]["epoch"] == 1 and state["position"]["step_in_epoch"] == 5 and state["micro_step"] == 0
+    assert state["plan"]["micro_batch_size"] == 4 and state["plan"]["grad_accum"] == 1
     assert main(["train", "--config", str(out / "config.yaml"), "--resume"]) == 0
     _assert_same(out / "final", reference)
 

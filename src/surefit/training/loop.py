@@ -223,8 +223,14 @@ def fit(
             optimizer=optimizer,
             scheduler=scheduler,
             scaler=getattr(accelerator, "scaler", None),  # fp16 loss scaling state (None otherwise)
-            state={"global_step": pos["global_step"], "position": pos, "history": history,
-                   "metrics_bytes": log.bytes_written()},
+            # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
+            # saving), so the micro-step of the position is always 0.
+            state={"global_step": pos["global_step"], "position": pos, "micro_step": 0, "history": history,
+                   "metrics_bytes": log.bytes_written(),
+                   "plan": {"batch_size": settings.batch_size, "micro_batch_size": settings.micro_batch_size,
+                            "grad_accum": settings.batch_size // settings.micro_batch_size,
+                            "mixed_precision": str(accelerator.mixed_precision),
+                            "processes": accelerator.num_processes}},
             export=(lambda d: checkpointing.export(model, d)) if export and checkpointing.export else None,
             before_commit=checkpointing.before_commit,
         )
