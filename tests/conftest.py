@@ -83,15 +83,19 @@ SENTIMENT_WORDS = ("good great fine lovely superb bad awful poor dull boring mov
                    "very not really story").split()
 
 
-def sentiment_rows(n: int = 48, labels: tuple = ("neg", "pos")) -> list[dict]:
-    """GLUE-schema rows (sentence, label, idx) whose label is decided by a word in the sentence: learnable."""
+def sentiment_rows(n: int = 48, labels: tuple = ("neg", "pos"), template: str = "the {filler} was very {word}") -> list[dict]:
+    """GLUE-schema rows (sentence, label, idx) whose label is decided by a word in the sentence: learnable.
+
+    Use another ``template`` for a validation set: the doctor rightly refuses validation rows that are in training.
+    """
     good, bad = ["good", "great", "lovely", "superb"], ["bad", "awful", "poor", "dull"]
     rows = []
     for i in range(n):
         positive = i % 2 == 0
         word = (good if positive else bad)[(i // 2) % 4]
         filler = SENTIMENT_WORDS[10 + i % 5]
-        rows.append({"sentence": f"the {filler} was very {word}", "label": labels[1] if positive else labels[0], "idx": i})
+        rows.append({"sentence": template.format(filler=filler, word=word), "label": labels[1] if positive else labels[0],
+                     "idx": i})
     return rows
 
 

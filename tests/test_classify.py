@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def glue_files(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("glue")
-    return write_tsv(tmp / "train.tsv", sentiment_rows(64)), write_tsv(tmp / "dev.tsv", sentiment_rows(16))
+    dev = sentiment_rows(16, template="the {filler} is really {word}")
+    return write_tsv(tmp / "train.tsv", sentiment_rows(64)), write_tsv(tmp / "dev.tsv", dev)
 
 
 @pytest.fixture(scope="module")

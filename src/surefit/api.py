@@ -35,6 +35,26 @@ class RunResult:
         return self.history
 
 
+def _config(config: Any, settings: dict[str, Any]) -> Any:
+    """A validated task config from a config object, a mapping, or settings by name (which override)."""
+    if config is None or isinstance(config, dict):
+        values = {**(config or {}), **settings}
+        task = values.get("task", "sft")
+        cls = TASK_CONFIGS.get(task)
+        if cls is None:
+            raise ConfigError(Problem(f"unknown task {task!r}", "task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
+        return build_config(cls, None, values, yaml_name="arguments")
+    if settings:
+        return build_config(type(config), None, {**config.__dict__, **settings}, yaml_name="arguments")
+    return config
+
+
+def _task_module(task: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"surefit.tasks.{task}")
+
+
 def train(config: Any = None, /, **settings: Any) -> RunResult:
     """Train a model.
 
@@ -44,33 +64,29 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
 
     Raises:
         ConfigError, DataError, ModelError: with every problem found, each naming where and how to fix it.
+        DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
-    if config is None or isinstance(config, dict):
-        values = {**(config or {}), **settings}
-        task = values.get("task", "sft")
-        cls = TASK_CONFIGS.get(task)
-        if cls is None:
-            raise ConfigError(Problem(f"unknown task {task!r}", "task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
-        cfg = build_config(cls, None, values, yaml_name="arguments")
-    else:
-        cfg = config
-        if settings:
-            cfg = build_config(type(cfg), None, {**cfg.__dict__, **settings}, yaml_name="arguments")
-    if cfg.task == "sft":
-        from surefit.tasks import sft
-
-        out = sft.run(cfg)
-    elif cfg.task == "classify":
-        from surefit.tasks import classify
-
-        out = classify.run(cfg)
-    elif cfg.task == "custom":
-        from surefit.tasks import custom
-
-        out = custom.run(cfg)
-    else:  # pragma: no cover - every task in TASK_CONFIGS is dispatched above
-        raise ConfigError(Problem(f"task {cfg.task!r} is not implemented", "--task"))
+    cfg = _config(config, settings)
+    out = _task_module(cfg.task).run(cfg)
     return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])
+
+
+def doctor(config: Any = None, /, **settings: Any) -> Any:
+    """Build a run's setup exactly as ``train`` would (data, encoding, model, collator) and return the doctor's
+    report, without training and without writing to the run's ``--output_dir``."""
+    import dataclasses
+    import tempfile
+
+    from surefit.doctor.gate import DoctorOnly
+
+    cfg = _config(config, settings)
+    with tempfile.TemporaryDirectory(prefix="surefit-doctor-") as tmp:
+        cfg = dataclasses.replace(cfg, output_dir=tmp, overwrite=True, resume=None)
+        try:
+            _task_module(cfg.task).run(cfg, doctor_only=True)
+        except DoctorOnly as done:
+            return done.report
+    raise RuntimeError("the task returned without running the doctor")  # pragma: no cover
 
 
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,

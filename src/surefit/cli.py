@@ -75,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="training path: sft (instruction tuning of a causal LM) or classify (sequence classification); default sft",
     )
     train.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML file of settings; flags override it")
+    doctor = sub.add_parser("doctor", allow_abbrev=False, help="check a training setup before step 1 (same flags as train)",
+                            description="Build the run's setup exactly as `surefit train` would and report every "
+                            "problem found; exit code 1 if any is an error. Takes the same flags as `train`.")
+    doctor.add_argument("--list", action="store_true", help="list every finding code and what it catches")
     inspect = sub.add_parser("inspect", allow_abbrev=False, help="describe tensor data, and which layer consumes each input",
                              description="Name, shape, dtype, value range and footprint of every array; with --model, "
                              "which layer first consumes each input and whether the shapes agree.")
@@ -145,6 +149,17 @@ def main(argv: list[str] | None = None) -> int:
 
             train(cfg)
             return 0
+        if command == "doctor":
+            if "--list" in argv:
+                from surefit.doctor import CODES
+
+                print("\n".join(f"{code:26} {what}" for code, what in CODES.items()))
+                return 0
+            cfg = parse_train_config(argv[1:])
+            from surefit.api import doctor
+
+            report = doctor(cfg)
+            return 1 if report.has_errors else 0
         if command == "inspect":
             from surefit.api import inspect_data
 

@@ -80,6 +80,7 @@ class TrainConfig:
         const="latest",
     )
     overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
+    force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""

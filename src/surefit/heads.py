@@ -58,14 +58,16 @@ class HeadModel(nn.Module):
     sequence-classification model, so the loop, evaluation and the doctor treat both the same.
     """
 
-    def __init__(self, backbone: nn.Module, head: nn.Module):
+    def __init__(self, backbone: nn.Module, head: nn.Module, problem_type: str = "single"):
         super().__init__()
         self.backbone = backbone
         self.head = head
+        self.problem_type = problem_type
         self._accepts = set(inspect.signature(backbone.forward).parameters)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                token_type_ids: torch.Tensor | None = None) -> Any:
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> Any:
+        """Logits, and with ``labels`` the mean loss over the batch (as a transformers classifier returns it)."""
         from transformers.modeling_outputs import SequenceClassifierOutput
 
         kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
@@ -73,7 +75,13 @@ class HeadModel(nn.Module):
             kwargs["token_type_ids"] = token_type_ids
         out = self.backbone(**kwargs)
         pooled = getattr(out, "pooler_output", None)
-        return SequenceClassifierOutput(logits=self.head(out.last_hidden_state, attention_mask, pooled))
+        logits = self.head(out.last_hidden_state, attention_mask, pooled)
+        loss = None
+        if labels is not None:
+            from surefit.tasks.classify import loss_from_logits
+
+            loss = loss_from_logits(logits, labels, self.problem_type) / labels.shape[0]
+        return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
 def build_head(spec: str, head_args: dict[str, Any], hidden_size: int, num_labels: int) -> nn.Module:

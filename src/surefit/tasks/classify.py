@@ -22,6 +22,8 @@ from surefit.data.labels import Fields, LabelSpec, build_label_spec, detect_fiel
 from surefit.data.rows import Row
 from surefit.data.sources import Rejected, check_text_fields, read_rows
 from surefit.data.split import leaked, normalize_key, split_rows
+from surefit.doctor import check
+from surefit.doctor.gate import gate
 from surefit.errors import ConfigError, ModelError, Problem, raise_input_problems
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
@@ -200,7 +202,7 @@ def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say=print) -> A
             head = build_head(cfg.head, json.loads(cfg.head_args or "{}"), backbone.config.hidden_size, spec.num_labels)
             n_head = sum(p.numel() for p in head.parameters())
             say(f"custom head {cfg.head}: {n_head:,} parameters on {type(backbone).__name__} hidden states")
-            return HeadModel(backbone, head)
+            return HeadModel(backbone, head, spec.problem_type)
         base_config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
         model = AutoModelForSequenceClassification.from_pretrained(
             path, dtype=torch.float32, ignore_mismatched_sizes=True, trust_remote_code=cfg.trust_remote_code,
@@ -322,7 +324,7 @@ HEADLINE = {"single": ("eval_accuracy", "eval_macro_f1"), "multi": ("eval_micro_
 # ------------------------------------------------------------------------------------------------------------ run
 
 
-def run(cfg: ClassifyConfig, say=print) -> dict[str, Any]:
+def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     """Train a classifier, evaluating before the first epoch and after each; save under ``cfg.output_dir``."""
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
@@ -400,6 +402,9 @@ def run(cfg: ClassifyConfig, say=print) -> dict[str, Any]:
 
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id,
                           stack_keys=("labels",) if spec.problem_type == "multi" else ())
+    doctor_report = check(model, tokenizer, train_feats, val_feats, collate, args={"batch_size": cfg.micro_batch_size},
+                   task="classify")
+    gate(doctor_report, cfg, say, out, doctor_only)
     log = MetricsLog(out / "metrics.jsonl")
     (out / "predictions").mkdir(exist_ok=True)
     first, second = HEADLINE[spec.problem_type]

@@ -21,6 +21,8 @@ from torch import nn
 
 from surefit.config import CustomConfig
 from surefit.data.tensors import TensorData, load_tensor_data
+from surefit.doctor import check
+from surefit.doctor.gate import gate
 from surefit.doctor.shapes import diagnose, trace
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_input_problems
 from surefit.heads import load_factory
@@ -167,10 +169,35 @@ def check_before_step_1(model: nn.Module, caller: Caller, data: TensorData, cfg:
     return problems
 
 
+class _AsCalled(nn.Module):
+    """The model as surefit calls it (``forward(batch)`` protocol), for the doctor, which calls ``forward(**batch)``."""
+
+    def __init__(self, model: nn.Module, caller: Caller):
+        super().__init__()
+        self.model = model
+        self._caller = caller
+
+    def forward(self, **batch: torch.Tensor) -> Any:
+        return self._caller.forward(self.model, batch)
+
+
+class _Rows:
+    """Single examples of a TensorData (the doctor reads items one by one, like a torch Dataset)."""
+
+    def __init__(self, data: TensorData, keys: list[str]):
+        self.data, self.keys = data, keys
+
+    def __len__(self) -> int:
+        return min(len(self.data), 64)  # the doctor samples a few items; 64 bounds any scan it makes
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[0] for k, v in self.data.batch([i]).items() if k in self.keys}
+
+
 # ------------------------------------------------------------------------------------------------------------ run
 
 
-def run(cfg: CustomConfig, say=print) -> dict[str, Any]:
+def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     """Train the factory's model on tensor shards; report avg_train_loss, avg_valid_loss, time_per_epoch."""
     from accelerate.utils import set_seed
     from safetensors.torch import save_model
@@ -229,6 +256,13 @@ def run(cfg: CustomConfig, say=print) -> dict[str, Any]:
         problems = check_before_step_1(model, caller, data, cfg, model_args, say)
     if problems:
         raise DataError(problems)
+    # The doctor sees what reaches the forward: with --loss the labels go to surefit's loss instead, unless the
+    # forward takes them too.
+    takes_labels = cfg.labels_key in forward_protocol(model, [cfg.labels_key])[1]
+    rows = _Rows(data, [k for k in keys if k in caller.passed or (k == cfg.labels_key and takes_labels)])
+    checked = _AsCalled(model, caller) if mode == "single" else model
+    doctor_report = check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size}, task="custom")
+    gate(doctor_report, cfg, say, None, doctor_only)
 
     # Split by index when there is no validation folder: tensor rows are independent examples.
     n = len(data)

@@ -19,6 +19,8 @@ from surefit.data.encode import Example, build_prompt_format, encode_rows
 from surefit.data.rows import Row
 from surefit.data.sources import Rejected, check_text_fields, read_rows
 from surefit.data.split import leaked, normalize_key, split_rows
+from surefit.doctor import check
+from surefit.doctor.gate import gate
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
@@ -131,7 +133,7 @@ def _apply_lora(model: Any, cfg: SFTConfig, say=print) -> Any:
     return model
 
 
-def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
+def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     """Train, evaluating every epoch (and before the first), and save everything under ``cfg.output_dir``.
 
     Returns:
@@ -208,6 +210,12 @@ def run(cfg: SFTConfig, say=print) -> dict[str, Any]:
     )
 
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
+    # Generation pads on the left (eval/generate.py does it by hand); the saved tokenizer says so too.
+    tokenizer.padding_side = "left"
+    doctor_report = check(model, tokenizer, [e.features() for e in train_ex], [e.features() for e in val_ex], collate,
+                   args={"batch_size": cfg.micro_batch_size, "max_length": cfg.max_seq_length, "generation": True},
+                   task="sft")
+    gate(doctor_report, cfg, say, out, doctor_only)
     eval_bs = cfg.resolved_eval_batch_size
     eos_ids = sorted({tokenizer.eos_token_id} | _extra_eos(model))
     log = MetricsLog(out / "metrics.jsonl")

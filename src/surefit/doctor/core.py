@@ -1,0 +1,343 @@
+"""The doctor's framework: findings, the report, the registry of codes, and the normalised setup checks read.
+
+A check is a plain function ``(setup: Setup) -> list[Finding]`` registered with :func:`register`. Checks are
+independent: each reads the :class:`Setup` (model, tokenizer, datasets, collator, settings) and never changes it.
+The expensive material (a handful of items including the longest, their collated batch, one forward pass) is
+computed once, lazily, by :class:`Setup` and shared; an exception there is kept and turned into a finding, never
+shown raw.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["error", "warning", "info"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem (or note) about a training setup.
+
+    Attributes:
+        code: stable identifier from :data:`CODES`, e.g. ``"labels-not-padded"``.
+        severity: ``"error"`` (training would crash or silently learn the wrong thing), ``"warning"``, ``"info"``.
+        message: what is wrong, with the offending value.
+        fix: what to do, in the user's terms.
+        where: the place: column, row, layer name, batch key.
+    """
+
+    code: str
+    severity: Severity
+    message: str
+    fix: str = ""
+    where: str = ""
+
+
+_MARK = {"error": "✗", "warning": "!", "info": "i"}
+
+
+@dataclass
+class Report:
+    """Every finding of one check run, errors first."""
+
+    findings: list[Finding] = field(default_factory=list)
+    checks_run: int = 0
+
+    @property
+    def has_errors(self) -> bool:
+        return any(f.severity == "error" for f in self.findings)
+
+    def codes(self) -> list[str]:
+        return [f.code for f in self.findings]
+
+    def __str__(self) -> str:
+        if not self.findings:
+            return f"✓ no problems found ({self.checks_run} checks)"
+        errors = sum(f.severity == "error" for f in self.findings)
+        lines = [f"doctor: {errors} error{'s' if errors != 1 else ''}, {len(self.findings) - errors} other finding"
+                 f"{'s' if len(self.findings) - errors != 1 else ''} ({self.checks_run} checks)"]
+        for i, f in enumerate(self.findings, 1):
+            where = f" {f.where}:" if f.where else ""
+            lines.append(f"{_MARK[f.severity]} {i}. [{f.code}]{where} {f.message}")
+            if f.fix:
+                lines.append(f"     fix: {f.fix}")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps({"has_errors": self.has_errors, "findings": [f.__dict__ for f in self.findings]}, indent=2)
+
+
+# Every code the doctor can report, with what it catches (README and `surefit doctor --list` print this).
+CODES: dict[str, str] = {
+    "labels-not-padded": "the collator leaves ragged `labels` (LM collator with pre-built labels, padding collator "
+                         "with token labels)",
+    "eos-masked": "pad == eos and the collator masks pad ids in labels: the model never learns to stop",
+    "eos-missing": "causal-LM training sequences do not end with EOS",
+    "no-supervised-tokens": "examples or batches whose labels are all -100 (loss NaN), e.g. answer truncated away",
+    "labels-preshifted": "labels already shifted left for a model that shifts internally",
+    "ragged-batch": "default collate over variable-length items",
+    "label-out-of-range": "class id outside [0, num_labels), including -1",
+    "label-dtype": "label dtype does not fit the loss (float for cross-entropy, integer for BCE / regression)",
+    "label-not-numeric": "string labels reaching tensors",
+    "label-one-hot": "one-hot labels given to a single-label cross-entropy",
+    "input-dim-mismatch": "an input's feature dimension differs from what the first consuming layer expects",
+    "unexpected-columns": "batch keys the forward does not accept",
+    "no-labels": "nothing reaches the model as labels, so it cannot return a loss",
+    "token-id-out-of-range": "token ids >= embedding rows (tokens added without resizing)",
+    "sequence-too-long": "sequences longer than the model's position limit",
+    "no-max-length": "truncation requested but neither the tokenizer nor the settings give a maximum length",
+    "token-type-out-of-range": "token_type_ids >= the model's type vocabulary",
+    "no-pad-token": "padding needed and the tokenizer has no pad token",
+    "classifier-no-pad-id": "a decoder-only classifier without config.pad_token_id and batches > 1",
+    "double-bos": "sequences start with two BOS tokens",
+    "generation-right-padding": "batched generation with a decoder-only model and right padding",
+    "missing-attention-mask": "padded inputs without an attention mask",
+    "lora-targets-missing": "LoRA target modules not present in the model",
+    "unpicklable-worker-data": "workers > 0 and the dataset or collator cannot be pickled",
+    "empty-dataset": "a split with no rows",
+    "split-leakage": "validation rows (normalised) also in training",
+    "fp16-master-weights": "trainable fp16 parameters under fp16 mixed precision",
+    "memory-over-budget": "the estimated peak exceeds the device memory budget",
+    "dataset-item-failed": "the dry run could not read an item from the dataset",
+    "collate-failed": "the dry run could not collate a batch",
+    "forward-failed": "the dry run's forward pass or loss failed",
+}
+
+
+CheckFn = Callable[["Setup"], list[Finding]]
+REGISTRY: list[tuple[str, CheckFn]] = []
+
+
+def register(*codes: str) -> Callable[[CheckFn], CheckFn]:
+    """Register a check that may report the given codes."""
+    for c in codes:
+        if c not in CODES:
+            raise ValueError(f"unknown finding code {c!r}")
+
+    def deco(fn: CheckFn) -> CheckFn:
+        REGISTRY.append((",".join(codes), fn))
+        return fn
+
+    return deco
+
+
+# ------------------------------------------------------------------------------------------------------------ setup
+
+
+ARG_KEYS = ("batch_size", "fp16", "bf16", "num_workers", "multiprocessing_context", "remove_unused_columns",
+            "max_length", "generation", "memory_gb", "tokenize")
+
+
+def normalise_args(args: Any) -> dict[str, Any]:
+    """A TrainingArguments or a mapping -> a plain dict with the keys in :data:`ARG_KEYS` (missing ones absent)."""
+    if args is None:
+        return {}
+    if isinstance(args, Mapping):
+        unknown = set(args) - set(ARG_KEYS)
+        if unknown:
+            raise TypeError(f"unknown doctor args {sorted(unknown)}; known: {', '.join(ARG_KEYS)}")
+        return dict(args)
+    # transformers.TrainingArguments (or anything shaped like it)
+    out: dict[str, Any] = {}
+    mapping = {"per_device_train_batch_size": "batch_size", "fp16": "fp16", "bf16": "bf16",
+               "dataloader_num_workers": "num_workers", "remove_unused_columns": "remove_unused_columns",
+               "generation_max_length": "max_length", "predict_with_generate": "generation"}
+    for src, dst in mapping.items():
+        if hasattr(args, src) and getattr(args, src) is not None:
+            out[dst] = getattr(args, src)
+    return out
+
+
+class Setup:
+    """What the checks read: the user's objects, plus lazily computed samples, batch and forward pass.
+
+    Attributes:
+        model, tokenizer, train_dataset, eval_dataset, data_collator, peft_config, task: as given.
+        args: normalised settings (see :func:`normalise_args`).
+    """
+
+    SAMPLE = 4  # items in the dry run: the first few plus the longest
+
+    def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
+                 data_collator: Callable | None = None, args: Any = None, peft_config: Any = None,
+                 task: str | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.data_collator = data_collator
+        self.args = normalise_args(args)
+        self.peft_config, self.task = peft_config, task
+        self._cache: dict[str, Any] = {}
+
+    # -- basic facts
+    @property
+    def collator(self) -> Callable:
+        if self.data_collator is not None:
+            return self.data_collator
+        from torch.utils.data import default_collate
+
+        return default_collate
+
+    @property
+    def config(self) -> Any:
+        m = self.base_model
+        return getattr(m, "config", None)
+
+    @property
+    def base_model(self) -> Any:
+        m = self.model
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        return getattr(m, "module", m)
+
+    @property
+    def is_decoder_only(self) -> bool:
+        """A decoder-only transformer (GPT/Llama family), whatever head it carries."""
+        cfg = self.config
+        if cfg is None or getattr(cfg, "is_encoder_decoder", False):
+            return False
+        return getattr(cfg, "model_type", "") not in ENCODER_TYPES
+
+    @property
+    def is_causal_lm(self) -> bool:
+        name = type(self.base_model).__name__
+        return name.endswith(("ForCausalLM", "LMHeadModel")) or self.task == "sft"
+
+    def forward_params(self) -> tuple[set[str], bool]:
+        """The forward's parameter names and whether it takes ``**kwargs``."""
+        params = inspect.signature(self.base_model.forward).parameters.values()
+        names = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+        return names, any(p.kind is p.VAR_KEYWORD for p in params)
+
+    # -- data access
+    @staticmethod
+    def length(ds: Any) -> int | None:
+        try:
+            return len(ds)
+        except TypeError:
+            return None
+
+    def item(self, ds: Any, i: int) -> Any:
+        return ds[i]
+
+    def sample_indices(self, ds: Any) -> list[int]:
+        """The first few items and the longest one (by ``input_ids`` length), where the dataset can say."""
+        n = self.length(ds) or 0
+        idx = list(range(min(self.SAMPLE - 1, n)))
+        longest = self.longest_index(ds)
+        if longest is not None and longest not in idx:
+            idx.append(longest)
+        return idx
+
+    def longest_index(self, ds: Any) -> int | None:
+        key = "longest_index"
+        if key in self._cache:
+            return self._cache[key]
+        best = None
+        try:
+            column = ds["input_ids"] if hasattr(ds, "column_names") else None
+        except Exception:  # noqa: BLE001
+            column = None
+        if column is not None:
+            lengths = [len(x) for x in column]
+            best = max(range(len(lengths)), key=lengths.__getitem__) if lengths else None
+        elif isinstance(ds, list) and ds and isinstance(ds[0], Mapping) and "input_ids" in ds[0]:
+            best = max(range(len(ds)), key=lambda i: len(ds[i].get("input_ids", [])))
+        self._cache[key] = best
+        return best
+
+    def samples(self) -> tuple[list[tuple[int, Any]], Exception | None]:
+        """``[(index, item)]`` from the training set for the dry run, and the error if reading one failed."""
+        if "samples" not in self._cache:
+            items: list[tuple[int, Any]] = []
+            error = None
+            if self.train_dataset is not None:
+                for i in self.sample_indices(self.train_dataset):
+                    try:
+                        items.append((i, self.item(self.train_dataset, i)))
+                    except Exception as e:  # noqa: BLE001 - reported as dataset-item-failed
+                        error = e
+                        self._cache["failed_index"] = i
+                        break
+            self._cache["samples"] = (items, error)
+        return self._cache["samples"]
+
+    def batch_items(self) -> list[Any]:
+        """The items :meth:`batch` hands to the collator, in batch-row order (empty when reading one failed)."""
+        items, error = self.samples()
+        if not items or error is not None:
+            return []
+        size = max(2, min(len(items), int(self.args.get("batch_size") or len(items))))
+        return [it for _, it in items[:size]]
+
+    def batch(self) -> tuple[Any, Exception | None]:
+        """The collated dry-run batch (at most ``args['batch_size']`` items), or the collate error."""
+        if "batch" not in self._cache:
+            items = self.batch_items()
+            batch, err = None, None
+            if items:
+                try:
+                    batch = self.collator(items)
+                except Exception as e:  # noqa: BLE001 - reported as collate-failed or explained
+                    err = e
+            self._cache["batch"] = (batch, err)
+        return self._cache["batch"]
+
+    def forward(self) -> tuple[Any, Exception | None]:
+        """One forward pass on the dry-run batch (keys the forward accepts), under no_grad."""
+        if "forward" not in self._cache:
+            import torch
+
+            batch, err = self.batch()
+            out, ferr = None, None
+            if batch is not None and isinstance(batch, Mapping):
+                names, var_kw = self.forward_params()
+                inputs = {k: v for k, v in batch.items() if var_kw or k in names}
+                was = getattr(self.model, "training", False)
+                try:
+                    self.model.eval()
+                    with torch.no_grad():
+                        out = self.model(**inputs)
+                except Exception as e:  # noqa: BLE001 - explained or reported as forward-failed
+                    ferr = e
+                finally:
+                    self.model.train(was)
+            self._cache["forward"] = (out, ferr)
+        return self._cache["forward"]
+
+
+ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
+                 "mpnet", "camembert", "ernie", "t5", "bart", "mbart"}
+
+
+def describe(value: Any) -> str:
+    """Shape and dtype of a tensor, or type and length of anything else, for messages."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, (list, tuple)):
+        inner = f" of {type(value[0]).__name__}" if value else ""
+        return f"{type(value).__name__}[{len(value)}]{inner}"
+    return type(value).__name__
+
+
+def run_checks(setup: Setup, only: Sequence[str] | None = None) -> Report:
+    """Run every registered check (or those reporting codes in ``only``) and collect the findings."""
+    findings: list[Finding] = []
+    n = 0
+    for codes, fn in REGISTRY:
+        if only and not set(codes.split(",")) & set(only):
+            continue
+        n += 1
+        try:
+            findings += fn(setup)
+        except Exception as e:  # noqa: BLE001 - a check that crashes must not hide the others' findings
+            findings.append(Finding("forward-failed" if "forward" in codes else codes.split(",")[0], "warning",
+                                    f"the check for {codes} could not run: {type(e).__name__}: {e}"))
+    order = {"error": 0, "warning": 1, "info": 2}
+    findings.sort(key=lambda f: order[f.severity])
+    return Report(findings, n)
