@@ -55,8 +55,11 @@ def check_trainer(trainer: Any) -> Report:
 # A raw error's text -> the codes whose findings can explain it, most specific first.
 _PATTERNS: list[tuple[str, tuple[str, ...]]] = [
     (r"expected sequence of length \d+ at dim \d+ \(got \d+\)", ("labels-not-padded", "ragged-batch")),
+    (r"each element in list of batch should be of equal size", ("ragged-batch", "labels-not-padded")),
+    (r"Target size \(.*\) must be the same as input size", ("label-dtype", "label-one-hot")),
+    (r"Expected input batch_size \(\d+\) to match target batch_size", ("label-one-hot",)),
     (r"stack expects each tensor to be equal size", ("ragged-batch", "labels-not-padded")),
-    (r"Unable to create tensor.*padding", ("labels-not-padded", "ragged-batch")),
+    (r"Unable to create tensor.*padding", ("labels-not-padded", "ragged-batch", "label-not-numeric")),
     (r"mat1 and mat2 shapes cannot be multiplied", ("input-dim-mismatch",)),
     (r"got an unexpected keyword argument '(\w+)'", ("unexpected-columns",)),
     (r"only integer tensors of a single element can be converted to an index", ("label-not-numeric",

@@ -297,6 +297,9 @@ class Setup:
                 names, var_kw = self.forward_params()
                 inputs = {k: v for k, v in batch.items() if var_kw or k in names}
                 was = getattr(self.model, "training", False)
+                # transformers writes a guessed config.problem_type on the first forward with labels; the doctor
+                # must not change the model it checks.
+                problem_type = getattr(self.config, "problem_type", None)
                 try:
                     self.model.eval()
                     with torch.no_grad():
@@ -305,6 +308,8 @@ class Setup:
                     ferr = e
                 finally:
                     self.model.train(was)
+                    if self.config is not None and hasattr(self.config, "problem_type"):
+                        self.config.problem_type = problem_type
             self._cache["forward"] = (out, ferr)
         return self._cache["forward"]
 
