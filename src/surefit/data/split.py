@@ -126,3 +126,22 @@ def leaked(train: list[Row], val: list[Row], key: Callable[[Row], str]) -> list[
             matches += [v for v in by_origin.get(origin, []) if all(v is not m for m in matches)]
         pairs.extend((t, v) for v in matches)
     return pairs
+
+
+def split_or_check(train: list[Row], val: list[Row] | None, val_fraction: float, seed: int,
+                   key: Callable[[Row], str], what: str = "input") -> tuple[list[Row], list[Row], list[str]]:
+    """Hold out validation rows (when no validation file was given) or check the given one for overlap.
+
+    With a validation file the user chose both sets: their rows are not dropped, but an overlap, which inflates the
+    validation score, is reported in the notes (the doctor also reports it before training).
+    """
+    if val is None:
+        return split_rows(train, val_fraction, seed, key)
+    notes = []
+    overlap = leaked(train, val, key)
+    if overlap:
+        notes.append(
+            f"warning: {len(overlap)} validation rows have the same {what} as a training row "
+            f"(e.g. {overlap[0][1].where} = {overlap[0][0].where}); validation scores will be optimistic"
+        )
+    return train, val, notes

@@ -21,17 +21,17 @@ from surefit.data.collate import PadCollator
 from surefit.data.labels import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.rows import Row
 from surefit.data.sources import Rejected, check_text_fields, read_rows
-from surefit.data.split import leaked, normalize_key, split_rows
+from surefit.data.split import normalize_key, split_or_check
 from surefit.doctor import check
 from surefit.doctor.gate import gate
 from surefit.errors import ConfigError, ModelError, Problem, raise_input_problems
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
-from surefit.tasks.sft import _quiet_libraries
 from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, fit, make_accelerator
 from surefit.training.memory import enable_gradient_checkpointing
 from surefit.training.run import (
     check_output_dir,
+    quiet_libraries,
     resume_command,
     resume_point,
     save_final,
@@ -86,18 +86,9 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
     report["notes"] = fields.notes + report["notes"]
 
     key = lambda r: normalize_key(_text_of(r, fields))  # noqa: E731
-    train = loaded["train"]
-    if cfg.val_data:
-        val = loaded["validation"]
-        overlap = leaked(train, val, key)
-        if overlap:
-            report["notes"].append(
-                f"warning: {len(overlap)} validation rows have the same text as a training row "
-                f"(e.g. {overlap[0][1].where} = {overlap[0][0].where}); validation scores will be optimistic"
-            )
-    else:
-        train, val, notes = split_rows(train, cfg.val_fraction, cfg.seed, key)
-        report["notes"] += notes
+    train, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed, key,
+                                       "text")
+    report["notes"] += notes
     report["notes"].append(spec.how)
     report["notes"].append(spec.summary())
     report.update(train_rows=len(train), val_rows=len(val), problem_type=spec.problem_type,
@@ -329,7 +320,7 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
-    _quiet_libraries()
+    quiet_libraries()
     out = Path(cfg.output_dir)
     set_seed(cfg.seed)
 

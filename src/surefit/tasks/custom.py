@@ -27,9 +27,15 @@ from surefit.doctor.shapes import diagnose, trace
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_input_problems
 from surefit.heads import load_factory
 from surefit.tasks.classify import _render_table
-from surefit.tasks.sft import _quiet_libraries
 from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, fit, make_accelerator
-from surefit.training.run import check_output_dir, resume_command, resume_point, save_final, start_output_dir
+from surefit.training.run import (
+    check_output_dir,
+    quiet_libraries,
+    resume_command,
+    resume_point,
+    save_final,
+    start_output_dir,
+)
 
 # ------------------------------------------------------------------------------------------------------------ protocol
 
@@ -202,7 +208,7 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
     from accelerate.utils import set_seed
     from safetensors.torch import save_model
 
-    _quiet_libraries()
+    quiet_libraries()
     set_seed(cfg.seed)
     early: list[Problem] = []
     factory = None

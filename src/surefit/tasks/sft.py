@@ -18,7 +18,7 @@ from surefit.data.collate import PadCollator
 from surefit.data.encode import Example, build_prompt_format, encode_rows
 from surefit.data.rows import Row
 from surefit.data.sources import Rejected, check_text_fields, read_rows
-from surefit.data.split import leaked, normalize_key, split_rows
+from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.doctor import check
 from surefit.doctor.gate import gate
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
@@ -30,6 +30,7 @@ from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing
 from surefit.training.run import (
     check_output_dir,
+    quiet_libraries,
     resume_command,
     resume_point,
     save_final,
@@ -69,19 +70,9 @@ def load_data(
     raise_input_problems(problems)
 
     key = lambda r: normalize_key(str(r.fields[cfg.input_field]))  # noqa: E731
-    train = loaded["train"]
-    if cfg.val_data:
-        val = loaded["validation"]
-        overlap = leaked(train, val, key)
-        if overlap:
-            # The user chose both files; we do not drop their rows, but an inflated validation score must not be silent.
-            report["notes"].append(
-                f"warning: {len(overlap)} validation rows have the same input as a training row "
-                f"(e.g. {overlap[0][1].where} = {overlap[0][0].where}); validation scores will be optimistic"
-            )
-    else:
-        train, val, notes = split_rows(train, cfg.val_fraction, cfg.seed, key)
-        report["notes"] += notes
+    train, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed, key,
+                                       "input")
+    report["notes"] += notes
     # Augment AFTER the split and only the training side: a variant of a validation row in training is a leak.
     train, stats = augment_rows(train, cfg.augmentation_factor, cfg.seed, cfg.input_field)
     report["notes"].append(stats.summary())
@@ -141,7 +132,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     """
     from accelerate.utils import set_seed
 
-    _quiet_libraries()
+    quiet_libraries()
     out = Path(cfg.output_dir)
     set_seed(cfg.seed)
 
@@ -287,18 +278,6 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     kind = "LoRA adapter (load with peft)" if cfg.lora_r else "full model (load with transformers)"
     say(f"saved {kind} and tokenizer to {final}")
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": data_report}
-
-
-def _quiet_libraries() -> None:
-    """Library progress bars (weight loading, shard writing) and deprecation chatter drown the run's own report."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*is deprecated.*", category=FutureWarning)
 
 
 def _extra_eos(model: Any) -> set[int]:

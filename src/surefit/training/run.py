@@ -105,3 +105,15 @@ def write_rejected(cfg: Any, rejects: list, say: Callable[[str], None] = print) 
         fh.writelines(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in rejects)
     say(f"--on_bad_rows skip: {len(rejects)} rows rejected, each with its reason in {out / 'rejected_rows.jsonl'} "
         f"(first: {rejects[0].where}: {rejects[0].reason})")
+
+
+def quiet_libraries() -> None:
+    """Library progress bars (weight loading, shard writing) and deprecation chatter drown the run's own report."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*is deprecated.*", category=FutureWarning)
