@@ -197,3 +197,25 @@ def test_gtx1650_preset_runs_with_accumulation_and_checkpointing_and_matches_pla
     plain = surefit.train(batch_size=16, grad_accum=1, output_dir=str(tmp_path / "plain"), **common)
     assert preset.history[-1]["train_loss"] == pytest.approx(plain.history[-1]["train_loss"], abs=1e-5)
     assert preset.history[-1]["eval_loss"] == pytest.approx(plain.history[-1]["eval_loss"], abs=1e-5)
+
+
+def test_doctor_gate_refuses_leaky_validation_force_overrides_and_doctor_exit_codes(tmp_path, tiny_bert_dir, capsys):
+    train = write_tsv(tmp_path / "train.tsv", sentiment_rows(32))
+    leaky = write_tsv(tmp_path / "dev.tsv", sentiment_rows(8))  # the same sentences as training
+    clean = write_tsv(tmp_path / "dev2.tsv", sentiment_rows(8, template="the {filler} is really {word}"))
+    base = ["--task", "classify", "--model", str(tiny_bert_dir), "--data", str(train), "--epochs", "1"]
+
+    assert main(["doctor", *base, "--val_data", str(leaky)]) == 1
+    assert "[split-leakage]" in capsys.readouterr().out
+    assert main(["doctor", *base, "--val_data", str(clean)]) == 0
+    assert "no problems found" in capsys.readouterr().out
+
+    out = tmp_path / "refused"
+    assert main(["train", *base, "--val_data", str(leaky), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "the doctor found errors; training did not start" in err and "[split-leakage]" in err and "--force" in err
+    assert not (out / "metrics.jsonl").exists()
+
+    assert main(["train", *base, "--val_data", str(leaky), "--output_dir", str(tmp_path / "forced"), "--force"]) == 0
+    assert "--force: training despite 1 doctor error (split-leakage)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "forced" / "doctor.json").read_text())["has_errors"] is True
