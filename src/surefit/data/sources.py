@@ -1275,3 +1275,21 @@ def _wheres(rows: list[Row], source: str) -> str:
     shown = [r.where[len(prefix) :] if r.where.startswith(prefix) else r.where for r in rows[:MAX_WHERES]]
     more = f" and {len(rows) - MAX_WHERES} more" if len(rows) > MAX_WHERES else ""
     return ", ".join(shown) + more
+
+
+def read_splits(data: str, val_data: str | None, limit: int | None, problems: list[Problem],
+                rejects: list[Rejected] | None, notes: list[str]) -> dict[str, list[Row]]:
+    """``{"train": rows, "validation": rows}`` (validation only when a file is given), each cut to ``limit`` rows.
+
+    A cut is noted in ``notes`` (never silent); every problem of both files goes to ``problems``.
+    """
+    loaded: dict[str, list[Row]] = {}
+    for name, path in (("train", data), ("validation", val_data)):
+        if path is None:
+            continue
+        rows = read_rows(path, problems, rejects=rejects)
+        if limit is not None and len(rows) > limit:
+            notes.append(f"--limit {limit}: using the first {limit} of {len(rows)} rows of {path}")
+            rows = rows[:limit]
+        loaded[name] = rows
+    return loaded

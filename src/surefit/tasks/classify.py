@@ -20,7 +20,7 @@ from surefit.config import ClassifyConfig
 from surefit.data.collate import PadCollator
 from surefit.data.labels import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.rows import Row
-from surefit.data.sources import Rejected, check_text_fields, read_rows
+from surefit.data.sources import Rejected, check_text_fields, read_splits
 from surefit.data.split import normalize_key, split_or_check
 from surefit.doctor import check
 from surefit.doctor.gate import gate
@@ -56,14 +56,8 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
     problems = list(problems or [])
     report: dict[str, Any] = {"notes": []}
     sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
-    loaded: dict[str, list[Row]] = {}
     rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
-    for name, path in sources:
-        rows = read_rows(path, problems, rejects=rejects)
-        if cfg.limit is not None and len(rows) > cfg.limit:
-            report["notes"].append(f"--limit {cfg.limit}: using the first {cfg.limit} of {len(rows)} rows of {path}")
-            rows = rows[: cfg.limit]
-        loaded[name] = rows
+    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
     fields: Fields | None = None
     if loaded["train"]:
         fields = detect_fields(loaded["train"], str(cfg.data), problems, text_field=cfg.text_field,

@@ -17,7 +17,7 @@ from surefit.data.augment import augment_rows
 from surefit.data.collate import PadCollator
 from surefit.data.encode import Example, build_prompt_format, encode_rows
 from surefit.data.rows import Row
-from surefit.data.sources import Rejected, check_text_fields, read_rows
+from surefit.data.sources import Rejected, check_text_fields, read_splits
 from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.doctor import check
 from surefit.doctor.gate import gate
@@ -53,18 +53,12 @@ def load_data(
     problems = list(problems or [])
     report: dict[str, Any] = {"notes": []}
     fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
-    sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
-    loaded: dict[str, list[Row]] = {}
     rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
-    for name, path in sources:
-        rows = read_rows(path, problems, rejects=rejects)
-        if cfg.limit is not None and len(rows) > cfg.limit:
-            report["notes"].append(f"--limit {cfg.limit}: using the first {cfg.limit} of {len(rows)} rows of {path}")
-            rows = rows[: cfg.limit]
-        if rows:
-            rows, notes = check_text_fields(rows, fields, problems, str(path), rejects=rejects)
+    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
+    for name, path in (("train", cfg.data), ("validation", cfg.val_data)):
+        if loaded.get(name):
+            loaded[name], notes = check_text_fields(loaded[name], fields, problems, str(path), rejects=rejects)
             report["notes"] += notes
-        loaded[name] = rows
     write_rejected(cfg, rejects or [], say)  # before raising: an "all rows rejected" problem points at this file
     report["rejected_rows"] = len(rejects or [])
     raise_input_problems(problems)
