@@ -28,7 +28,7 @@ from surefit.errors import ConfigError, ModelError, Problem, raise_input_problem
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
 from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, fit, make_accelerator
-from surefit.training.memory import enable_gradient_checkpointing
+from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.run import (
     check_output_dir,
     quiet_libraries,
@@ -395,8 +395,9 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     first, second = HEADLINE[spec.problem_type]
 
     def evaluate(m: Any, epoch: int) -> dict[str, Any]:
-        logits, loss = predict_logits(m, val_feats, collate, cfg.resolved_eval_batch_size, accelerator,
-                                      spec.problem_type)
+        logits, loss = shrink_on_oom(
+            lambda bs: predict_logits(m, val_feats, collate, bs, accelerator, spec.problem_type),
+            cfg.resolved_eval_batch_size, "evaluation", say)
         metrics, preds = scores(logits, val_feats, spec)
         with (out / "predictions" / f"epoch_{epoch}.jsonl").open("w", encoding="utf-8") as fh:
             for row, pred in zip(val_rows, preds, strict=True):

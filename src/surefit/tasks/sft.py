@@ -27,7 +27,7 @@ from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
 from surefit.training.loss import causal_lm_loss_sum
-from surefit.training.memory import enable_gradient_checkpointing
+from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.run import (
     check_output_dir,
     quiet_libraries,
@@ -215,16 +215,22 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
             collate=collate,
             batch_size=eval_bs,
             accelerator=accelerator,
+            say=say,
         )
-        generated = greedy_generate(
-            accelerator.unwrap_model(m),
-            [e.prompt_ids for e in val_ex],
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=eos_ids,
-            max_new_tokens=max_new,
-            batch_size=eval_bs,
-            device=accelerator.device,
-            autocast=accelerator.autocast,
+        generated = shrink_on_oom(
+            lambda bs: greedy_generate(
+                accelerator.unwrap_model(m),
+                [e.prompt_ids for e in val_ex],
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_ids=eos_ids,
+                max_new_tokens=max_new,
+                batch_size=bs,
+                device=accelerator.device,
+                autocast=accelerator.autocast,
+            ),
+            eval_bs,
+            "generation",
+            say,
         )
         preds = [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
         golds = [_golds(e.row, cfg.target_field) for e in val_ex]

@@ -24,6 +24,7 @@ import torch
 
 from surefit.data.sampling import micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
+from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -202,12 +203,14 @@ def fit(
     # Position and running sums of the epoch in progress; a checkpoint stores them so a resumed epoch reports the
     # same train_loss as an uninterrupted one.
     pos: dict[str, Any] = {"epoch": 1, "step_in_epoch": 0, "global_step": 0, "loss_sum": 0.0, "items": 0,
-                           "tokens": 0, "seconds": 0.0, "window_loss": 0.0, "window_items": 0}
+                           "tokens": 0, "seconds": 0.0, "window_loss": 0.0, "window_items": 0, "examples": 0}
+    guard = OOMGuard()
     history: list[dict[str, Any]] = []
     if checkpointing.resume_from is not None:
         state = load_checkpoint(checkpointing.resume_from, model=accelerator.unwrap_model(model), optimizer=optimizer,
                                 scheduler=scheduler, scaler=getattr(accelerator, "scaler", None))
         history, pos = state["history"], state["position"]
+        guard.load(state.get("oom", {}))
         log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
         say(f"resumed from {checkpointing.resume_from}: epoch {pos['epoch']}, step {pos['step_in_epoch']} of "
             f"{steps_per_epoch} (global step {pos['global_step']})")
@@ -226,6 +229,7 @@ def fit(
             # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
             # saving), so the micro-step of the position is always 0.
             state={"global_step": pos["global_step"], "position": pos, "micro_step": 0, "history": history,
+                   "oom": guard.state(),
                    "metrics_bytes": log.bytes_written(),
                    "plan": {"batch_size": settings.batch_size, "micro_batch_size": settings.micro_batch_size,
                             "grad_accum": settings.batch_size // settings.micro_batch_size,
@@ -252,7 +256,7 @@ def fit(
                 step_loss = accumulate_step(
                     model, features, step_indices, lengths, counts,
                     micro_batch_size=settings.micro_batch_size, loss_fn=loss_fn, collate=collate,
-                    accelerator=accelerator,
+                    accelerator=accelerator, guard=guard, say=say,
                 )
                 grad_norm = None
                 if settings.max_grad_norm > 0:
@@ -267,6 +271,7 @@ def fit(
                 pos["loss_sum"] += step_loss
                 pos["items"] += n_local
                 pos["tokens"] += tokens
+                pos["examples"] += len(step_indices)
                 pos["seconds"] += dt
                 pos["window_loss"] += step_loss
                 pos["window_items"] += n_local
@@ -277,7 +282,7 @@ def fit(
                     log.write({"type": "step", "step": pos["global_step"], "epoch": epoch,
                                "loss": pos["window_loss"] / max(pos["window_items"], 1),
                                "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                               "tokens_per_s": tokens / max(dt, 1e-9)})
+                               "tokens_per_s": tokens / max(dt, 1e-9), "oom_splits": guard.splits})
                     pos["window_loss"], pos["window_items"] = 0.0, 0
                 last_of_epoch = pos["step_in_epoch"] == len(batches)
                 if stop.requested and not last_of_epoch:
@@ -297,13 +302,15 @@ def fit(
                 "train_loss": pos["loss_sum"] / max(pos["items"], 1),
                 "train_tokens_per_s": pos["tokens"] / max(pos["seconds"], 1e-9),
                 "time_per_epoch": pos["seconds"],
+                "examples_seen": pos["examples"],
+                "oom_splits": guard.splits,
             }
             record.update(evaluate(model, epoch))
             if on_epoch is not None:
                 on_epoch(record)
             log.write(record)
             history.append(record)
-            pos.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, items=0, tokens=0, seconds=0.0)
+            pos.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, items=0, tokens=0, seconds=0.0, examples=0)
             folder = checkpoint(f"epoch-{epoch}", export=True)
             if stop.requested and epoch < settings.epochs:
                 raise TrainingInterrupted(Problem(
@@ -323,30 +330,49 @@ def accumulate_step(
     loss_fn: LossFn,
     collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
     accelerator: Any,
+    guard: OOMGuard | None = None,
+    say: Callable[[str], None] = print,
 ) -> float:
     """Forward and backward every micro-batch of one optimizer step; gradients are left in ``.grad``.
 
     The gradient equals that of (sum of per-item losses over the whole step, on all processes) / (their count), so
-    it does not depend on how the step is split into micro-batches.
+    it does not depend on how the step is split into micro-batches. That is also what makes out-of-memory recovery
+    exact: a micro-batch that runs out of memory is split in halves and the step is redone from zero gradients
+    (an error mid-backward can leave half-accumulated gradients, so they are discarded rather than trusted).
 
     Returns:
         The step's loss sum on this process (divide by the step's item count for the mean).
     """
+    guard = guard or OOMGuard(inject=set())
     world = accelerator.num_processes
     n_global = sum(counts[i] for i in step_indices)
     if world > 1:
         n_global = int(accelerator.reduce(torch.tensor(n_global, device=accelerator.device), "sum"))
-    step_loss = 0.0
-    parts = micro_batches(step_indices, micro_batch_size, lengths)
-    for j, part in enumerate(parts):
-        batch = _to_device(collate([features[i] for i in part]), accelerator.device)
-        # Gradients are only all-reduced on the last micro-batch of a step.
-        sync = nullcontext() if j == len(parts) - 1 else accelerator.no_sync(model)
-        with sync, accelerator.autocast():
-            loss_sum, _ = loss_fn(model, batch)
-        accelerator.backward(loss_sum * (world / max(n_global, 1)))
-        step_loss += loss_sum.item()  # note: a device->host sync, once per micro-batch
-    return step_loss
+    parts = guard.plan(micro_batches(step_indices, micro_batch_size, lengths), lengths)
+    while True:
+        step_loss, failed, batch = 0.0, None, None
+        for j, part in enumerate(parts):
+            try:
+                guard.tick()
+                batch = _to_device(collate([features[i] for i in part]), accelerator.device)
+                # Gradients are only all-reduced on the last micro-batch of a step.
+                sync = nullcontext() if j == len(parts) - 1 else accelerator.no_sync(model)
+                with sync, accelerator.autocast():
+                    loss_sum, _ = loss_fn(model, batch)
+                accelerator.backward(loss_sum * (world / max(n_global, 1)))
+                step_loss += loss_sum.item()  # note: a device->host sync, once per micro-batch
+            except Exception as e:  # noqa: BLE001 - out-of-memory is recovered below; anything else is re-raised
+                if not is_oom(e):
+                    raise
+                failed = j
+                break
+        if failed is None:
+            return step_loss
+        # Outside the except block: the exception and the frames holding this micro-batch's activations are gone.
+        batch = None
+        model.zero_grad(set_to_none=True)
+        free_memory()
+        parts = guard.plan(parts[:failed] + guard.failed(parts[failed], lengths, say) + parts[failed + 1 :], lengths)
 
 
 @torch.no_grad()
@@ -359,18 +385,28 @@ def evaluate_loss(
     collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
     batch_size: int,
     accelerator: Any,
+    say: Callable[[str], None] = print,
 ) -> float:
-    """Mean loss per supervised item over the whole set (token-weighted, not a mean of batch means)."""
+    """Mean loss per supervised item over the whole set (token-weighted, not a mean of batch means).
+
+    Out of memory shrinks only this evaluation's batch (halving until it fits); training is unaffected.
+    """
     was_training = model.training
     model.eval()
-    total, items = 0.0, 0
     order = sorted(range(len(features)), key=lambda i: -lengths[i])
-    for start in range(0, len(order), batch_size):
-        part = order[start : start + batch_size]
-        batch = _to_device(collate([features[i] for i in part]), accelerator.device)
-        with accelerator.autocast():
-            loss_sum, n = loss_fn(model, batch)
-        total += loss_sum.item()
-        items += n
-    model.train(was_training)
-    return total / max(items, 1)
+
+    def run(bs: int) -> float:
+        total, items = 0.0, 0
+        for start in range(0, len(order), bs):
+            part = order[start : start + bs]
+            batch = _to_device(collate([features[i] for i in part]), accelerator.device)
+            with accelerator.autocast():
+                loss_sum, n = loss_fn(model, batch)
+            total += loss_sum.item()
+            items += n
+        return total / max(items, 1)
+
+    try:
+        return shrink_on_oom(run, batch_size, "evaluation", say)
+    finally:
+        model.train(was_training)
