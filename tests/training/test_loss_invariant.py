@@ -90,3 +90,16 @@ def test_averaging_micro_batch_means_would_break_the_invariant(tiny):
         (model(**collate([f])).loss / len(feats)).backward()
     naive = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert any(not torch.allclose(reference[n], naive[n], atol=1e-6, rtol=1e-4) for n in reference)
+
+
+def test_supervised_only_logits_give_the_same_gradients_as_full_logits(tiny):
+    """The LM head runs only where labels are supervised; the gradients must equal the full-logits loss's."""
+    feats = _examples()
+    batch = PadCollator(pad_token_id=0)(feats)
+    full = copy.deepcopy(tiny)
+    loss_sum, n = causal_lm_loss_sum(tiny, batch)
+    (loss_sum / n).backward()
+    full(**batch).loss.backward()  # transformers: full-vocabulary logits at every position
+    grads = {k: p.grad for k, p in tiny.named_parameters()}
+    for name, p in full.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-4), name
