@@ -136,3 +136,28 @@ def write_tsv(path: Path, rows: list[dict]) -> Path:
     path.write_text("\t".join(cols) + "\n" + "".join("\t".join(str(r[c]) for c in cols) + "\n" for r in rows),
                     encoding="utf-8")
     return path
+
+
+class OneProcess:
+    """The accelerate surface the loop's accumulate_step / evaluate_loss use, for a single CPU process."""
+
+    num_processes = 1
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def no_sync(self, model):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()

@@ -5,29 +5,10 @@ import copy
 import pytest
 import torch
 
+from conftest import OneProcess
 from surefit.data.collate import PadCollator
 from surefit.training.loop import accumulate_step
 from surefit.training.loss import causal_lm_loss_sum, count_supervised_tokens
-
-
-class _OneProcess:
-    """The accelerate surface accumulate_step uses, for a single CPU process."""
-
-    num_processes = 1
-    device = torch.device("cpu")
-
-    def no_sync(self, model):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def autocast(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
 
 
 def _examples(n=8, seed=0):
@@ -66,7 +47,7 @@ def _grads(model, feats, micro):
     lengths = [len(f["input_ids"]) for f in feats]
     counts = [sum(1 for t in f["labels"][1:] if t != -100) for f in feats]
     loss = accumulate_step(model, feats, list(range(len(feats))), lengths, counts, micro_batch_size=micro,
-                           loss_fn=causal_lm_loss_sum, collate=PadCollator(pad_token_id=0), accelerator=_OneProcess())
+                           loss_fn=causal_lm_loss_sum, collate=PadCollator(pad_token_id=0), accelerator=OneProcess())
     return loss / sum(counts), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

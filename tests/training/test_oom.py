@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import qa_rows, sentiment_rows, write_tsv
+from conftest import OneProcess, qa_rows, sentiment_rows, write_tsv
 from surefit.cli import main
 from surefit.data.collate import PadCollator
 from surefit.training.loop import accumulate_step, evaluate_loss
@@ -56,22 +56,6 @@ def test_classification_with_injected_ooms_ends_with_the_same_weights(tmp_path, 
     assert _epochs(tmp_path / "oom")[-1]["examples_seen"] == _epochs(tmp_path / "plain")[-1]["examples_seen"] == 32
 
 
-class _OneProcess:
-    num_processes = 1
-    device = torch.device("cpu")
-
-    def no_sync(self, model):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def autocast(self):
-        import contextlib
-
-        return contextlib.nullcontext()
-
-    def backward(self, loss):
-        loss.backward()
 
 
 def _setup():
@@ -94,7 +78,7 @@ def test_smaller_micro_batch_is_kept_for_later_batches_of_that_size():
     model, feats, loss_fn, seen = _setup()
     lengths = [len(f["input_ids"]) for f in feats]
     guard = OOMGuard(inject=set())
-    kw = dict(micro_batch_size=8, loss_fn=loss_fn, collate=PadCollator(0, stack_keys=()), accelerator=_OneProcess(),
+    kw = dict(micro_batch_size=8, loss_fn=loss_fn, collate=PadCollator(0, stack_keys=()), accelerator=OneProcess(),
               guard=guard, say=lambda *_: None)
     accumulate_step(model, [{"input_ids": f["input_ids"]} for f in feats], list(range(8)), lengths, [1] * 8, **kw)
     first = list(seen)
@@ -110,9 +94,9 @@ def test_evaluation_oom_shrinks_only_the_evaluation_batch():
     feats = [{"input_ids": f["input_ids"]} for f in feats]
     lengths = [len(f["input_ids"]) for f in feats]
     value = evaluate_loss(model, feats, lengths, loss_fn=loss_fn, collate=PadCollator(0), batch_size=8,
-                          accelerator=_OneProcess(), say=said.append)
+                          accelerator=OneProcess(), say=said.append)
     reference = evaluate_loss(model, feats, lengths, loss_fn=loss_fn, collate=PadCollator(0), batch_size=2,
-                              accelerator=_OneProcess(), say=said.append)
+                              accelerator=OneProcess(), say=said.append)
     assert value == pytest.approx(reference)
     assert said == ["out of memory during evaluation: retrying with batch size 4 (training is unaffected)",
                     "out of memory during evaluation: retrying with batch size 2 (training is unaffected)"]
