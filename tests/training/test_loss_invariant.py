@@ -84,3 +84,55 @@ def test_supervised_only_logits_give_the_same_gradients_as_full_logits(tiny):
     grads = {k: p.grad for k, p in tiny.named_parameters()}
     for name, p in full.named_parameters():
         assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_head_gives_the_same_loss_and_gradients_as_full_logits(tied):
+    """Above ``chunk_values`` the head and loss run in recomputed chunks: same loss, same gradients (tied or not)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from surefit.training import loss as loss_mod
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(cfg)
+    feats = _examples()
+    batch = PadCollator(pad_token_id=0)(feats)
+    full = copy.deepcopy(model)
+    calls = []
+    real = loss_mod._chunk_loss
+    loss_mod._chunk_loss = lambda *a: calls.append(a[0].shape[0]) or real(*a)
+    try:
+        loss_sum, n = causal_lm_loss_sum(model, batch, chunk_values=64 * 5)  # 5 tokens per chunk
+    finally:
+        loss_mod._chunk_loss = real
+    assert sum(calls) == n and max(calls) == 5 and len(calls) == -(-n // 5)  # really chunked
+    assert isinstance(model.lm_head, torch.nn.Linear)  # the head is put back
+    (loss_sum / n).backward()
+    hf = full(**batch).loss
+    hf.backward()
+    assert torch.allclose(loss_sum / n, hf, atol=1e-5)
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    for name, p in full.named_parameters():
+        assert torch.allclose(grads[name], p.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_chunked_head_through_peft_trains_only_the_adapters(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    feats = _examples()
+    batch = PadCollator(pad_token_id=0)(feats)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    a = get_peft_model(copy.deepcopy(tiny), lora)
+    b = copy.deepcopy(a)
+    la, n = causal_lm_loss_sum(a, batch, chunk_values=64 * 3)
+    lb, _ = causal_lm_loss_sum(b, batch, chunk_values=10**9)  # one piece
+    assert torch.allclose(la, lb, atol=1e-4)
+    la.backward()
+    lb.backward()
+    ga = {k: p.grad for k, p in a.named_parameters() if p.grad is not None}
+    gb = {k: p.grad for k, p in b.named_parameters() if p.grad is not None}
+    assert ga.keys() == gb.keys() and all("lora_" in k for k in ga)
+    for k in ga:
+        assert torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4), k

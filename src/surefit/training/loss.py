@@ -38,32 +38,90 @@ def _params_of(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
-def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
+# Logits of at most this many values (supervised tokens x vocabulary) are computed in one piece; beyond it the LM head
+# and the loss run in chunks whose logits are recomputed in the backward pass. 2**26 values are 256 MiB in fp32:
+# a 152k vocabulary gets ~440 supervised tokens per chunk, SmolLM2's 49k about 1,350.
+CHUNK_VALUES = 2**26
+
+
+def _lm_head_owner(model: Any) -> tuple[Any, str] | None:
+    """The module holding a plain ``nn.Linear`` output layer, and its attribute name (None if there is no such).
+
+    Models that transform logits after the head (Gemma's soft-capping, Cohere's logit scale) or whose head is
+    wrapped (e.g. a LoRA adapter on ``lm_head``) are left alone: the chunked path would compute different logits.
+    """
+    from torch import nn
+
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    cfg = getattr(inner, "config", None)
+    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        return None
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return None
+    name = next((n for n, m in inner.named_children() if m is head), None)
+    return (inner, name) if name else None
+
+
+def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor) -> torch.Tensor:
+    # fp32 for the softmax: bf16 log-probabilities over a large vocabulary lose about 2 digits.
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum")
+
+
+def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values: int = CHUNK_VALUES) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over supervised positions, and how many there are.
 
     The LM head runs only at positions whose next token is supervised (``logits_to_keep`` with a boolean mask), so a
     prompt-heavy batch (SQuAD: ~4% of tokens carry loss) never materialises full-vocabulary logits for the prompt.
-    Models whose forward lacks ``logits_to_keep`` get full logits, then the same selection.
+    When even the supervised logits would be large (more than ``chunk_values`` values: long completions, big
+    vocabularies), the model returns the supervised hidden states instead (its head is swapped for an identity
+    during the forward only) and the head and loss run in chunks under activation checkpointing, so at most one
+    chunk of logits exists at a time, in the forward and in the backward. Models whose forward lacks
+    ``logits_to_keep`` get full logits, then the same selection.
 
     Args:
-        model: a causal LM (possibly wrapped by peft or DDP); it is called through its own ``forward``.
+        model: a causal LM (possibly wrapped by peft or DDP); it is called through its own ``forward`` (DDP's
+            gradient synchronisation and peft's adapters depend on that).
         batch: ``input_ids``, ``attention_mask``, ``labels`` (-100 where there is no loss), shape ``[B, T]``.
+        chunk_values: logits size above which the head runs in chunks.
 
     Returns:
         ``(loss_sum, n_tokens)``; ``loss_sum`` is a float32 scalar tensor.
     """
+    from torch.utils.checkpoint import checkpoint
+
     labels = batch["labels"]
     target_mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]: position t predicts token t+1
     targets = labels[:, 1:][target_mask]
     n = int(targets.numel())
     kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False}
-    if "logits_to_keep" in _base_forward_params(model):
-        keep = torch.zeros_like(labels, dtype=torch.bool)
-        keep[:, :-1] = target_mask
-        logits = model(**kwargs, logits_to_keep=keep).logits  # [n, V], in (batch, position) order
-        logits = logits.reshape(-1, logits.shape[-1])
-    else:
+    if "logits_to_keep" not in _base_forward_params(model):
         logits = model(**kwargs).logits[:, :-1][target_mask]
-    # fp32 for the softmax: bf16 log-probabilities over a large vocabulary lose about 2 digits.
-    loss = F.cross_entropy(logits.float(), targets, reduction="sum")
+        return F.cross_entropy(logits.float(), targets, reduction="sum"), n
+    keep = torch.zeros_like(labels, dtype=torch.bool)
+    keep[:, :-1] = target_mask
+    owner = _lm_head_owner(model) if n else None
+    if owner is None or n * owner[0].get_output_embeddings().out_features <= chunk_values:
+        logits = model(**kwargs, logits_to_keep=keep).logits  # [n, V], in (batch, position) order
+        return _chunk_loss_from_logits(logits, targets), n
+    inner, name = owner
+    head = getattr(inner, name)
+    setattr(inner, name, torch.nn.Identity())
+    try:
+        hidden = model(**kwargs, logits_to_keep=keep).logits  # the head's input: [n, hidden]
+    finally:
+        setattr(inner, name, head)
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    step = max(1, chunk_values // head.out_features)
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    for i in range(0, n, step):
+        loss = loss + checkpoint(_chunk_loss, hidden[i : i + step], head.weight, head.bias, targets[i : i + step],
+                                 use_reentrant=False)
     return loss, n
+
+
+def _chunk_loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    # fp32 for the softmax: bf16 log-probabilities over a large vocabulary lose about 2 digits.
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="sum")
