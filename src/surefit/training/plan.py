@@ -1,0 +1,573 @@
+"""The memory planner: fit a run into the memory there is, before step 1, without changing what it learns.
+
+It picks the micro-batch (and so the gradient accumulation), gradient checkpointing, and the storage dtype of
+frozen weights, from two sources:
+
+* an analytic estimate: weights, gradients of the trainable parameters, AdamW states, activations per token (with
+  and without checkpointing) and the logits at supervised positions (chunked, see ``training/loss.py``);
+* a measurement of the real worst case: the activations autograd saves for the longest training example are
+  counted exactly (a saved-tensors hook; this works on a CPU too), and on a GPU the longest micro-batch of the chosen
+  plan is run forward and backward and its peak read from the allocator. A plan whose measured peak does not fit
+  steps down and is measured again.
+
+What it never changes is the update: micro x accumulation x processes = ``--batch_size``. The loss is normalised by
+the whole step's supervised tokens (``training/loop.py``), so a step of 7 examples as micro-batches 3 + 3 + 1 is the
+same update as one batch of 7; the planner says how the step is cut. The out-of-memory guard stays on as the net
+under the plan (a plan is an estimate; fragmentation and other processes are not in it).
+
+Why not the alternatives: Hugging Face's ``auto_find_batch_size`` restarts on OOM and leaves accumulation as it was
+(the effective batch changes); Lightning's batch-size finder tries the first batches, not the longest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from surefit.errors import Problem, SurefitError
+from surefit.training.loss import CHUNK_VALUES
+from surefit.training.memory import free_memory, is_oom
+
+GB = 2**30  # budgets are quoted the way GPU memory is: "4 GB" means 4 GiB
+# Of a budget, the planner fills at most this share: the allocator's fragmentation and the CUDA context (a few
+# hundred MB that torch does not count) live in the rest.
+FILL = 0.9
+
+
+class MemoryPlanError(SurefitError):
+    title = "the run does not fit in memory"
+
+
+@dataclass
+class Plan:
+    """What the planner chose and why; printed at the start and saved as ``OUTPUT/memory_plan.json``."""
+
+    batch_size: int
+    processes: int
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: bool
+    precision: str
+    frozen_dtype: str | None
+    eval_batch_size: int
+    budget_gb: float | None
+    budget_source: str
+    estimate: dict[str, int] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)
+    changes: list[str] = field(default_factory=list)
+
+    @property
+    def estimated_bytes(self) -> int:
+        return sum(self.estimate.values())
+
+    def cut(self) -> str:
+        """How one process's share of a step is cut into micro-batches, e.g. ``3 + 3 + 1``."""
+        share = math.ceil(self.batch_size / self.processes)
+        sizes = [min(self.micro_batch_size, share - i) for i in range(0, share, self.micro_batch_size)]
+        return " + ".join(map(str, sizes))
+
+    def render(self) -> str:
+        lines = [f"memory plan ({self.budget_source}):"]
+        share = math.ceil(self.batch_size / self.processes)
+        exact = self.micro_batch_size * self.grad_accum * self.processes == self.batch_size
+        if exact:
+            lines.append(f"  batch {self.batch_size} = micro-batch {self.micro_batch_size} x accumulation "
+                         f"{self.grad_accum}" + (f" x {self.processes} processes" if self.processes > 1 else ""))
+        else:
+            each = f"{self.processes} processes x up to {share} examples, " if self.processes > 1 else ""
+            lines.append(f"  batch {self.batch_size} = {each}cut as {self.cut()} (micro-batch {self.micro_batch_size}, "
+                         f"accumulation {self.grad_accum}): the same update, the loss is normalised by the step's "
+                         "tokens")
+        lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
+                     f"{self.precision}" + (f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype
+                                            else "") + f"; evaluation batch {self.eval_batch_size}")
+        parts = " + ".join(f"{k} {_gb(v)}" for k, v in self.estimate.items() if v)
+        lines.append(f"  estimate {_gb(self.estimated_bytes)} = {parts}")
+        if self.measured:
+            m = self.measured
+            lines.append(f"  measured: {m['how']}")
+        if self.budget_gb:
+            peak = self.measured.get("peak_bytes", self.estimated_bytes)
+            lines.append(f"  headroom {_gb(self.budget_gb * GB - peak)} of {self.budget_gb:g} GB")
+        lines += [f"  changed: {c}" for c in self.changes]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["estimated_bytes"] = self.estimated_bytes
+        return d
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
+
+
+def _gb(n: float) -> str:
+    v = n / GB
+    if abs(v) >= 0.1 or v == 0:
+        return f"{v:.2f} GB"
+    return f"{v * 1024:.0f} MB" if abs(v) * 1024 >= 1 else f"{n / 1024:.0f} KB"
+
+
+# --------------------------------------------------------------------------------------------------- the budget
+
+
+def resolve_budget(setting: str | float | None, device: torch.device) -> tuple[float | None, str]:
+    """``--gpu_memory_gb`` as GB and where it came from. ``auto`` (and unset on a GPU): what the device reports."""
+    if setting not in (None, "auto"):
+        return float(setting), f"budget {float(setting):g} GB from --gpu_memory_gb"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        fraction = _memory_fraction(index)
+        free, _ = torch.cuda.mem_get_info(index)
+        usable = min(total * fraction, free + torch.cuda.memory_reserved(index))
+        name = torch.cuda.get_device_name(index)
+        how = f"{name}, {total / GB:.1f} GB" + (f" capped at {fraction:g}" if fraction < 1 else "")
+        return usable / GB, f"budget {usable / GB:.2f} GB: what {how} has free"
+    if setting == "auto":
+        return None, "no budget: --gpu_memory_gb auto on a CPU (nothing to read); the plan is the settings as given"
+    return None, "no budget on a CPU (set --gpu_memory_gb to plan for a GPU); the plan is the settings as given"
+
+
+def _memory_fraction(index: int) -> float:
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    try:
+        return float(getter(index)) if getter else 1.0
+    except Exception:  # noqa: BLE001 - older torch: no cap readable
+        return 1.0
+
+
+# ------------------------------------------------------------------------------------------------- the estimate
+
+
+@dataclass
+class Footprint:
+    """Sizes that do not depend on the batch, and activation bytes per token (measured or from the config)."""
+
+    weights: int  # bytes of parameters and buffers as stored
+    trainable: int  # trainable values (gradients and AdamW states are kept in fp32 for them)
+    trainable_bytes: int
+    act_per_token: float  # bytes autograd keeps per token, all layers, no checkpointing
+    ckpt_per_token: float  # the same with checkpointing: one hidden state per layer + one layer recomputed
+    vocab: int  # 0 when there is no LM head
+    act_source: str
+    layers: int = 0
+    kv_width: int = 0  # key (or value) width per layer, for the generation cache
+
+    def at(self, micro: int, seq: int, supervised: int, ckpt: bool) -> dict[str, int]:
+        weights = self.weights
+        acts = micro * seq * (self.ckpt_per_token if ckpt else self.act_per_token)
+        # Supervised positions only, at most one chunk at a time; fp32 logits, their softmax and its gradient.
+        chunk = max(1, CHUNK_VALUES // self.vocab) if self.vocab else 0
+        logits = min(supervised, chunk) * self.vocab * 4 * 3 if self.vocab else 0
+        return {"weights": weights, "gradients": self.trainable_bytes, "AdamW states": self.trainable * 8,
+                "activations": int(acts), "logits": int(logits)}
+
+
+def _dims(model: Any) -> dict[str, int]:
+    cfg = getattr(getattr(model, "module", model), "config", None)
+    out: dict[str, int] = {}
+    for key, names in {"hidden": ("hidden_size", "d_model", "n_embd", "dim"),
+                       "layers": ("num_hidden_layers", "n_layer", "num_layers"),
+                       "inter": ("intermediate_size", "ffn_dim", "n_inner"),
+                       "heads": ("num_attention_heads", "n_head"),
+                       "kv": ("num_key_value_heads",),
+                       "vocab": ("vocab_size",)}.items():
+        for source in (cfg, getattr(cfg, "text_config", None)):
+            v = next((getattr(source, n) for n in names if source is not None and isinstance(getattr(source, n, None), int)), None)
+            if v:
+                out[key] = v
+                break
+    return out
+
+
+def analytic_act_per_token(model: Any, mixed: bool) -> float | None:
+    """Bytes per token autograd keeps in a transformer block stack, from the model config (None without one).
+
+    Per layer and token: the norms' outputs, q/k/v, the attention output and o_proj's input, the MLP's gate, up,
+    activation and product (4 x intermediate), and the inputs LoRA's dropout copies: ~ 10 h + 2 kv + 5 i values.
+    """
+    d = _dims(model)
+    if not {"hidden", "layers"} <= d.keys():
+        return None
+    h, layers = d["hidden"], d["layers"]
+    inter = d.get("inter", 4 * h)
+    kv = h * d.get("kv", d.get("heads", 1)) // max(d.get("heads", 1), 1)
+    values = 10 * h + 2 * kv + 5 * inter
+    return values * layers * (2.2 if mixed else 4.0)  # mixed: a few fp32 tensors (norm statistics, softmax)
+
+
+def measure_saved_bytes(model: Any, run_forward: Callable[[], Any]) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward pass of one forward (exact, any device)."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+        except Exception:  # noqa: BLE001 - e.g. tensors without storage; they cost nothing
+            pass
+        return t
+
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run_forward()
+    del out
+    return sum(n for (ptr, _), n in seen.items() if ptr not in params)
+
+
+def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None) -> Footprint:
+    """Sizes of ``model`` as it will train; ``measured_act``: (saved bytes, tokens) of a measured forward."""
+    params = list(model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    trainable = [p for p in params if p.requires_grad]
+    n_train = sum(p.numel() for p in trainable)
+    d = _dims(model)
+    analytic = analytic_act_per_token(model, mixed)
+    if measured_act and measured_act[1]:
+        per_token = measured_act[0] / measured_act[1]  # measured under the run's autocast
+        source = "measured (saved tensors of the longest example)"
+    elif analytic:
+        per_token, source = analytic, "from the model config"
+    else:
+        per_token, source = 0.0, "unknown (no config, no measurement)"
+    layers = d.get("layers", 0)
+    hidden = d.get("hidden", 0)
+    ckpt = (layers * hidden * (2 if mixed else 4) + per_token / max(layers, 1)) if layers else per_token
+    vocab = d.get("vocab", 0) if hasattr(getattr(model, "module", model), "get_output_embeddings") and \
+        _has_lm_head(model) else 0
+    return Footprint(weights=weights, trainable=n_train, trainable_bytes=n_train * 4, act_per_token=per_token,
+                     ckpt_per_token=ckpt, vocab=vocab, act_source=source, layers=layers,
+                     kv_width=hidden * d.get("kv", d.get("heads", 1)) // max(d.get("heads", 1), 1))
+
+
+def _has_lm_head(model: Any) -> bool:
+    inner = getattr(model, "module", model)
+    try:
+        head = inner.get_output_embeddings()
+    except Exception:  # noqa: BLE001
+        return False
+    return isinstance(head, torch.nn.Linear)
+
+
+# ----------------------------------------------------------------------------------------------------- the plan
+
+
+def micro_candidates(share: int, cap: int) -> list[int]:
+    """Micro-batch sizes worth trying, largest first: for each accumulation count, the smallest micro that does it."""
+    out = sorted({math.ceil(share / k) for k in range(1, share + 1)}, reverse=True)
+    return [m for m in out if m <= cap]
+
+
+@dataclass
+class Workload:
+    """What the planner fits: the run's examples, as the loop will see them."""
+
+    lengths: Sequence[int]  # tokens per training example
+    supervised: Sequence[int]  # loss-carrying items per training example
+    eval_lengths: Sequence[int] = ()
+    generate_lengths: Sequence[int] = ()  # prompt + new tokens, when evaluation generates
+    # Runs forward + backward of the given training examples and returns nothing; used by the measured probe.
+    train_step: Callable[[list[int]], None] | None = None
+    # Runs a forward (no grad) of the given training examples, for the saved-tensor count.
+    forward: Callable[[list[int]], Any] | None = None
+
+
+def make_plan(
+    model: Any,
+    work: Workload,
+    *,
+    batch_size: int,
+    processes: int,
+    requested_micro: int,
+    gradient_checkpointing: bool,
+    precision: str,
+    eval_batch_size: int,
+    budget: tuple[float | None, str],
+    lora: bool,
+    device: torch.device,
+    probe: Callable[[int, bool], int] | None = None,
+) -> Plan:
+    """Choose micro-batch, accumulation, checkpointing and frozen-weight dtype for the budget.
+
+    The choices that change the model are applied to it: checkpointing on or off, and frozen weights stored in
+    16 bits under mixed precision with LoRA.
+
+    Args:
+        model: the model as it will train (adapters applied).
+        work: the examples (lengths and supervised counts) and how to run them.
+        batch_size: the effective (global) batch, which is kept.
+        requested_micro: the largest micro-batch the settings allow (``batch_size / grad_accum``).
+        gradient_checkpointing: on by request (the planner may also turn it on, and says so).
+        precision: the compute precision in force ("fp32", "bf16", "fp16").
+        budget: (GB or None, where it came from), see :func:`resolve_budget`.
+        lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
+        probe: ``(micro, checkpointing) -> peak bytes`` of the longest micro-batch, forward and backward; raises an
+            out-of-memory error if it does not fit. Default: measured on a GPU, none on a CPU.
+
+    Raises:
+        MemoryPlanError: when not even one example of the longest length fits; the message gives the estimate and
+            what to change.
+    """
+    budget_gb, source = budget
+    share = math.ceil(batch_size / processes)
+    mixed = precision in ("bf16", "fp16")
+    frozen_half = bool(lora and mixed)
+    if frozen_half:
+        store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16)
+    longest = max(work.lengths) if work.lengths else 1
+    order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
+    measured_act = None
+    if work.forward is not None and order:
+        measured_act = (measure_saved_bytes(model, lambda: work.forward([order[0]])), work.lengths[order[0]])
+    fp = footprint(model, mixed=mixed, measured_act=measured_act)
+
+    def sup(micro: int) -> int:
+        return sum(sorted(work.supervised, reverse=True)[:micro])
+
+    def estimate(micro: int, ckpt: bool) -> dict[str, int]:
+        return fp.at(micro, longest, sup(micro), ckpt)
+
+    changes: list[str] = []
+    cap = max(1, min(requested_micro, share))
+    candidates = micro_candidates(share, cap)
+    target = budget_gb * GB * FILL if budget_gb else math.inf
+
+    def fits(micro: int, ckpt: bool) -> bool:
+        return sum(estimate(micro, ckpt).values()) <= target
+
+    ckpt_options = [True] if gradient_checkpointing else [False, True]
+    chosen: tuple[int, bool] | None = None
+    if not budget_gb:
+        chosen = (cap, gradient_checkpointing)
+    else:
+        plain = next((m for m in candidates if fits(m, ckpt_options[0])), None)
+        with_ckpt = next((m for m in candidates if fits(m, True)), None)
+        # Recomputation costs about a third more compute; a micro-batch a quarter the size costs more than that on a
+        # GPU (and splits the step into 4x the launches), so checkpointing wins only when it buys a 2x larger batch.
+        if plain is not None and (with_ckpt is None or plain * 2 > with_ckpt or gradient_checkpointing):
+            chosen = (plain, ckpt_options[0])
+        elif with_ckpt is not None:
+            chosen = (with_ckpt, True)
+    probe = probe if probe is not None else (_gpu_probe(work, order) if device.type == "cuda" and budget_gb else None)
+    measured: dict[str, Any] = {}
+    if measured_act:
+        measured["saved_activations"] = {"bytes": measured_act[0], "tokens": measured_act[1]}
+    # Measured probe: step down (smaller micro, then checkpointing) until the real peak fits.
+    if chosen is not None and probe is not None:
+        ladder = [(m, c) for c in ckpt_options for m in candidates]
+        start = ladder.index(chosen) if chosen in ladder else 0
+        chosen = None
+        for micro, ckpt in ladder[start:]:
+            est = sum(estimate(micro, ckpt).values())
+            set_checkpointing(model, ckpt, lora)
+            try:
+                peak = run_with_restored_rng(probe, micro, ckpt)
+            except Exception as e:  # noqa: BLE001 - only out-of-memory moves down the ladder
+                if not is_oom(e):
+                    raise
+                peak = None
+            free_memory()
+            opt_states = fp.trainable * 8  # AdamW states do not exist yet at the probe
+            if peak is not None and peak + opt_states <= (budget_gb or math.inf) * GB * FILL:
+                chosen = (micro, ckpt)
+                measured.update(peak_bytes=peak + opt_states, how=(
+                    f"peak {_gb(peak + opt_states)} (forward + backward of the longest micro-batch, {micro} x "
+                    f"{longest} tokens, + AdamW states {_gb(opt_states)}), estimate {_gb(est)}"))
+                break
+            changes.append(f"micro-batch {micro}{' with checkpointing' if ckpt else ''} measured "
+                           + ("out of memory" if peak is None else f"{_gb(peak + opt_states)} (over the budget)"))
+    if chosen is None:
+        one = estimate(1, True)
+        shown = " + ".join(f"{k} {_gb(v)}" for k, v in one.items() if v)
+        raise MemoryPlanError(Problem(
+            f"one example of {longest} tokens does not fit in {budget_gb:g} GB even with gradient checkpointing: "
+            f"estimate {_gb(sum(one.values()))} = {shown}",
+            "--gpu_memory_gb",
+            "shorten --max_seq_length, train LoRA adapters (--lora_r 16) instead of the full model, compute in "
+            "bf16/fp16 (--precision), or use a larger GPU"))
+    micro, ckpt = chosen
+    set_checkpointing(model, ckpt, lora)
+    accum = math.ceil(share / micro)
+    if micro < requested_micro and budget_gb:
+        changes.append(f"micro-batch {requested_micro} -> {micro} (accumulation {accum}) to fit the budget; the "
+                       f"effective batch stays {batch_size}")
+    if ckpt and not gradient_checkpointing:
+        changes.append("gradient checkpointing turned on to fit the budget (activations recomputed: ~30% slower)")
+    if frozen_half:
+        changes.append(f"frozen weights stored in {precision} (autocast computes with them in {precision} anyway: "
+                       "the same numbers, half the memory, no cast per step)")
+    eval_bs = eval_batch_size
+    if budget_gb:
+        eval_bs = _fit_eval(fp, work, eval_batch_size, target, mixed)
+        if eval_bs < eval_batch_size:
+            changes.append(f"evaluation batch {eval_batch_size} -> {eval_bs} to fit the budget")
+    if not measured.get("how") and measured_act:
+        measured["how"] = (f"{_gb(measured_act[0])} of activations saved for the backward pass of the longest "
+                           f"example ({measured_act[1]} tokens; counted, not estimated), scaled to the micro-batch")
+    return Plan(batch_size=batch_size, processes=processes, micro_batch_size=micro, grad_accum=accum,
+                gradient_checkpointing=ckpt, precision=precision,
+                frozen_dtype={"bf16": "bf16", "fp16": "fp16"}[precision] if frozen_half else None,
+                eval_batch_size=eval_bs, budget_gb=budget_gb, budget_source=source,
+                estimate=estimate(micro, ckpt), measured=measured, changes=changes)
+
+
+def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixed: bool) -> int:
+    """The largest evaluation batch (<= requested) whose forward and generation cache fit next to the weights."""
+    fixed = fp.at(1, 1, 0, False)
+    base = fixed["weights"] + fixed["gradients"] + fixed["AdamW states"]  # training state stays resident
+    seq = max([*work.eval_lengths, *work.generate_lengths, 1])
+    width = 2 if mixed else 4
+    # Per token: the generation KV cache (2 x kv width per layer), and one layer's transient activations.
+    per_token = fp.layers * 2 * fp.kv_width * width + (fp.act_per_token / max(fp.layers, 1))
+    for bs in range(requested, 0, -1):
+        need = base + bs * seq * per_token + bs * fp.vocab * 4 * 2  # + last-position logits while generating
+        if need <= target:
+            return bs
+    return 1
+
+
+def _gpu_probe(work: Workload, order: list[int]) -> Callable[[int, bool], int] | None:
+    if work.train_step is None:
+        return None
+
+    def probe(micro: int, ckpt: bool) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        work.train_step(order[:micro])
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated()
+
+    return probe
+
+
+# --------------------------------------------------------------------------------------------------- applying it
+
+
+def set_checkpointing(model: Any, on: bool, lora: bool) -> None:
+    """Turn activation recomputation on or off (no-op for models without transformers' switch)."""
+    from surefit.training.memory import enable_gradient_checkpointing
+
+    inner = getattr(model, "module", model)
+    if not hasattr(inner, "gradient_checkpointing_enable"):
+        return
+    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"
+    if bool(getattr(inner, flag, False)) == on:
+        return
+    if on:
+        enable_gradient_checkpointing(inner, lora)
+    else:
+        inner.gradient_checkpointing_disable()
+
+
+def store_frozen_in(model: Any, dtype: torch.dtype) -> int:
+    """Store frozen ``nn.Linear`` weights in ``dtype`` (autocast would cast them to it at every matmul anyway).
+
+    Embeddings, norms and everything trainable stay as they are: the residual stream and the adapters keep fp32.
+    A weight shared with a trainable or non-Linear module (tied embeddings) is left alone. Returns bytes saved.
+    """
+    shared: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            shared[id(p)] = shared.get(id(p), 0) + 1
+    saved = 0
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(m, torch.nn.Linear) and w is not None and not w.requires_grad and w.dtype == torch.float32 \
+                and shared.get(id(w), 0) == 1 and w.numel() * 4 > 0:
+            before = w.numel() * w.element_size()
+            m.weight.data = w.data.to(dtype)
+            if m.bias is not None and not m.bias.requires_grad:
+                m.bias.data = m.bias.data.to(dtype)
+            saved += before - m.weight.numel() * m.weight.element_size()
+    return saved
+
+
+def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn`` (a probe) and put every RNG back, so a planned run draws the same dropout masks as an unplanned one."""
+    import random
+
+    import numpy as np
+
+    state = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        return fn(*args)
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+        torch.set_rng_state(state[2])
+        if state[3] is not None:
+            torch.cuda.set_rng_state_all(state[3])
+
+
+# ------------------------------------------------------------------------------------------------ for the tasks
+
+
+def _precision_name(accelerator: Any) -> str:
+    """accelerate calls fp32 "no"; users set and read "fp32"."""
+    name = str(accelerator.mixed_precision)
+    return "fp32" if name == "no" else name
+
+
+def plan_run(
+    cfg: Any,
+    model: Any,
+    accelerator: Any,
+    *,
+    features: Sequence[dict[str, Any]],
+    lengths: Sequence[int],
+    counts: Sequence[int],
+    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    loss_fn: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]],
+    eval_lengths: Sequence[int] = (),
+    generate_lengths: Sequence[int] = (),
+    lora: bool = False,
+    say: Callable[[str], None] = print,
+    out: Path | None = None,
+) -> Plan:
+    """Plan a task's run from its config and examples; print the plan and save ``OUTPUT/memory_plan.json``.
+
+    The model is moved to the accelerator's device first (the probe runs there). Probes put every RNG back.
+    """
+    model.to(accelerator.device)
+
+    def batch(indices: list[int]) -> dict[str, torch.Tensor]:
+        b = collate([features[i] for i in indices])
+        return {k: v.to(accelerator.device) for k, v in b.items()}
+
+    def forward(indices: list[int]) -> Any:
+        was = model.training
+        model.train()
+        try:
+            with accelerator.autocast():
+                return loss_fn(model, batch(indices))[0]
+        finally:
+            model.train(was)
+
+    def train_step(indices: list[int]) -> None:
+        loss = forward(indices)
+        loss.backward()
+        del loss
+        model.zero_grad(set_to_none=True)
+
+    work = Workload(lengths=lengths, supervised=counts, eval_lengths=eval_lengths, generate_lengths=generate_lengths,
+                    train_step=train_step, forward=forward)
+    budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
+    plan = run_with_restored_rng(
+        lambda: make_plan(model, work, batch_size=cfg.batch_size, processes=accelerator.num_processes,
+                          requested_micro=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
+                          precision=_precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
+                          budget=budget, lora=lora, device=accelerator.device))
+    say(plan.render())
+    if out is not None and accelerator.is_main_process:
+        plan.save(out / "memory_plan.json")
+    return plan

@@ -1,0 +1,169 @@
+"""The memory planner: it fits the budget by cutting steps smaller, never by changing the effective batch."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from surefit.training.plan import (
+    GB,
+    MemoryPlanError,
+    Workload,
+    make_plan,
+    measure_saved_bytes,
+    micro_candidates,
+    store_frozen_in,
+)
+
+
+@pytest.fixture()
+def tiny():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
+def _work(n=16, length=40):
+    return Workload(lengths=[length - i % 7 for i in range(n)], supervised=[3 + i % 4 for i in range(n)])
+
+
+def _plan(model, budget_gb, batch_size=8, work=None, **kw):
+    args = dict(batch_size=batch_size, processes=1, requested_micro=batch_size, gradient_checkpointing=False,
+                precision="fp32", eval_batch_size=8, budget=(budget_gb, "test"), lora=False,
+                device=torch.device("cpu"))
+    args.update(kw)
+    return make_plan(model, work or _work(), **args)
+
+
+def test_micro_candidates_are_the_smallest_micro_for_each_accumulation():
+    assert micro_candidates(8, 8) == [8, 4, 3, 2, 1]
+    assert micro_candidates(7, 7) == [7, 4, 3, 2, 1]  # 7 = 4 + 3, 3 + 3 + 1, ...
+    assert micro_candidates(8, 4) == [4, 3, 2, 1]  # never above the requested micro-batch
+
+
+def test_planner_keeps_the_effective_batch_at_every_budget(tiny):
+    unlimited = _plan(copy.deepcopy(tiny), None)
+    assert (unlimited.micro_batch_size, unlimited.grad_accum) == (8, 1)
+    full = unlimited.estimated_bytes
+    seen = set()
+    for fraction in (1.5, 0.8, 0.6, 0.45, 0.35):
+        plan = _plan(copy.deepcopy(tiny), full * fraction / GB)
+        share = plan.batch_size
+        # micro x accumulation covers the batch exactly once: the last micro-batch may be smaller, never missing
+        assert plan.batch_size == 8
+        assert plan.micro_batch_size * plan.grad_accum >= share > plan.micro_batch_size * (plan.grad_accum - 1)
+        assert plan.estimated_bytes <= full * fraction * 0.9 or plan.micro_batch_size == 1
+        seen.add((plan.micro_batch_size, plan.gradient_checkpointing))
+        if plan.micro_batch_size < 8:
+            assert any("effective batch stays 8" in c for c in plan.changes)
+    assert len(seen) >= 3  # the budgets really moved the plan
+
+
+def test_planner_turns_on_checkpointing_when_that_keeps_a_larger_micro_batch(tiny):
+    fp_plan = _plan(copy.deepcopy(tiny), None)
+    parts = fp_plan.estimate
+    # a budget that fits everything but the activations of more than ~one example
+    fixed = parts["weights"] + parts["gradients"] + parts["AdamW states"]
+    budget = (fixed + parts["activations"] / 8 * 1.5 + parts["logits"]) / 0.9 / GB
+    plan = _plan(copy.deepcopy(tiny), budget)
+    assert plan.gradient_checkpointing and plan.micro_batch_size >= 2
+    assert any("checkpointing turned on" in c for c in plan.changes)
+    assert "gradient checkpointing on" in plan.render()
+
+
+def test_planner_refuses_when_one_example_cannot_fit_and_says_what_to_change(tiny):
+    with pytest.raises(MemoryPlanError) as e:
+        _plan(copy.deepcopy(tiny), 1e-6)
+    text = e.value.render()
+    assert "one example of 40 tokens does not fit" in text and "--gpu_memory_gb" in text
+    assert "--max_seq_length" in text and "estimate" in text
+
+
+def test_measured_probe_steps_down_until_it_fits_and_leaves_the_rng_alone(tiny):
+    tried = []
+
+    def probe(micro, ckpt):
+        tried.append((micro, ckpt))
+        torch.rand(100)  # a probe consumes random numbers (dropout); the planner must put them back
+        if micro > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return 1000
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    plan = _plan(copy.deepcopy(tiny), 10.0, probe=probe)
+    assert torch.equal(torch.rand(3), expected)
+    assert tried[:3] == [(8, False), (4, False), (3, False)] and (plan.micro_batch_size, plan.grad_accum) == (2, 4)
+    assert "peak" in plan.measured["how"] and plan.measured["peak_bytes"] >= 1000
+    assert sum("measured out of memory" in c for c in plan.changes) == 3
+
+
+def test_saved_activations_are_counted_exactly():
+    lin = torch.nn.Linear(100, 50)
+    x = torch.randn(4, 100)
+
+    def forward():
+        return torch.relu(lin(x)).sum()
+
+    # linear saves its input (4 x 100) for the weight gradient; relu saves its output (4 x 50); parameters excluded
+    assert measure_saved_bytes(lin, forward) == (4 * 100 + 4 * 50) * 4
+
+
+def test_frozen_weights_in_bf16_compute_the_same_numbers_under_autocast(tiny):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    a = get_peft_model(copy.deepcopy(tiny), lora)
+    torch.manual_seed(1)
+    for n, p in a.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_()  # nonzero adapters, so the LoRA branch takes part
+    b = copy.deepcopy(a)
+    saved = store_frozen_in(b, torch.bfloat16)
+    assert saved > 0
+    dtypes = {n: p.dtype for n, p in b.named_parameters()}
+    assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
+    assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n or "norm" in n or "embed" in n)
+    ids = torch.randint(1, 64, (2, 12))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        la = a(input_ids=ids).logits.float()
+        lb = b(input_ids=ids).logits.float()
+    assert torch.equal(la, lb)
+
+
+def test_a_planned_run_trains_the_same_weights_and_saves_its_plan(tiny_lm_dir, tmp_path):
+    """End to end: a budget that halves the micro-batch gives the same training losses as no budget."""
+    from conftest import qa_rows
+
+    from surefit.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(30)), encoding="utf-8")
+
+    def run(name, *extra):
+        out = tmp_path / name
+        argv = ["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
+                "--augmentation_factor", "1", "--lora_r", "4", "--batch_size", "8", "--max_seq_length", "96",
+                "--lr", "1e-2", "--val_fraction", "0.2", "--log_every", "1", "--output_dir", str(out),
+                # dropout masks are drawn per micro-batch, so they differ when the step is cut differently
+                "--lora_dropout", "0", *extra]
+        assert main(argv) == 0
+        steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return json.loads((out / "memory_plan.json").read_text()), [r["loss"] for r in steps if r["type"] == "step"]
+
+    plan, losses = run("free")
+    assert plan["micro_batch_size"] == 8 and plan["budget_gb"] is None
+    parts = plan["estimate"]
+    fixed = parts["weights"] + parts["gradients"] + parts["AdamW states"] + parts["logits"]
+    budget = (fixed + parts["activations"] * 0.45) / 0.9 / GB  # room for less than half the activations
+    tight, tight_losses = run("tight", "--gpu_memory_gb", f"{budget:.9f}")
+    assert tight["micro_batch_size"] < 8 and tight["batch_size"] == 8
+    assert tight["micro_batch_size"] * tight["grad_accum"] >= 8
+    assert len(tight_losses) == len(losses) == math.ceil(24 / 8)
+    assert max(abs(x - y) for x, y in zip(losses, tight_losses, strict=True)) < 1e-5
