@@ -1,6 +1,6 @@
 import random
 
-from surefit.data.sampling import micro_batches, step_batches
+from surefit.data.sampling import deal, micro_batches, step_batches
 
 
 def test_every_example_exactly_once_per_epoch_last_batch_kept():
@@ -35,3 +35,27 @@ def test_micro_batches_split_a_step_without_loss():
     lengths = [5, 50, 7, 48, 30]
     parts = micro_batches([0, 1, 2, 3, 4], 2, lengths)
     assert parts == [[1, 3], [4, 2], [0]]
+
+
+def test_deal_gives_every_example_of_a_step_to_exactly_one_process():
+    rng = random.Random(0)
+    lengths = [rng.randint(5, 300) for _ in range(64)]
+    for n in (1, 2, 3, 7, 13, 16):
+        step = rng.sample(range(64), n)
+        for processes in (1, 2, 3, 4):
+            shares = deal(step, lengths, processes)
+            assert len(shares) == processes
+            assert sorted(i for s in shares for i in s) == sorted(step)
+            sizes = [len(s) for s in shares]
+            assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+            assert shares == deal(list(step), lengths, processes)  # every process computes the same deal
+
+
+def test_deal_balances_tokens_and_leaves_processes_empty_only_when_the_step_is_too_small():
+    lengths = [100, 90, 80, 70, 60, 50, 40, 30]
+    shares = deal(list(range(8)), lengths, 2)
+    tokens = [sum(lengths[i] for i in s) for s in shares]
+    assert [len(s) for s in shares] == [4, 4] and tokens == [260, 260], shares  # a cut in halves: 340 vs 180
+    assert deal([3], lengths, 2) == [[3], []]
+    assert deal([], lengths, 2) == [[], []]
+

@@ -1,7 +1,9 @@
 """Length-grouped batches: each optimizer step gets examples of similar length, so little compute goes to padding.
 
 Every example appears exactly once per epoch (the last batch may be smaller: nothing is dropped). The order depends
-only on (seed, epoch), so a resumed run sees the same batches.
+only on (seed, epoch), so a resumed run sees the same batches. With several processes the steps are the same (the
+batch size is the global one) and :func:`deal` splits each step among the processes, so a run of N processes is the
+same run as one process.
 """
 
 from __future__ import annotations
@@ -38,3 +40,22 @@ def micro_batches(step: list[int], micro_batch_size: int, lengths: list[int]) ->
     """Split one step's indices into micro-batches of similar length (the step's examples, each exactly once)."""
     ordered = sorted(step, key=lambda i: -lengths[i])
     return [ordered[j : j + micro_batch_size] for j in range(0, len(ordered), micro_batch_size)]
+
+
+def deal(step: list[int], lengths: list[int], processes: int) -> list[list[int]]:
+    """Deal one step's examples to ``processes`` processes: each example to exactly one, the counts differing by at
+    most one (the first ``len(step) % processes`` processes take one more), the tokens as even as a greedy deal gets.
+
+    Longest first, each example goes to the process with the fewest tokens so far among those below their count
+    (ties: the lower process index). The deal depends only on the step and the lengths, so every process computes
+    the same one without talking to the others. A step with fewer examples than processes leaves some empty.
+    """
+    n = len(step)
+    quota = [n // processes + (1 if r < n % processes else 0) for r in range(processes)]
+    shares: list[list[int]] = [[] for _ in range(processes)]
+    tokens = [0] * processes
+    for i in sorted(step, key=lambda i: (-lengths[i], i)):
+        r = min((r for r in range(processes) if len(shares[r]) < quota[r]), key=lambda r: (tokens[r], r))
+        shares[r].append(i)
+        tokens[r] += lengths[i]
+    return shares

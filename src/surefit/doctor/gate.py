@@ -1,4 +1,8 @@
-"""The doctor in front of training: `surefit train` runs the checks first and refuses to start on an error."""
+"""The doctor in front of training: `surefit train` runs the checks first and refuses to start on an error.
+
+With several processes the doctor runs once, on the main process (the others pass ``None`` for the report), and
+its verdict is shared, so every process starts training, or stops with the same exit code, together.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from typing import Any
 
 from surefit.doctor.core import Report
 from surefit.errors import Problem, SurefitError
+from surefit.training.distributed import is_main_process, share_from_main
 
 
 class DoctorRefused(SurefitError):
@@ -22,14 +27,31 @@ class DoctorOnly(Exception):
         self.report = report
 
 
-def gate(report: Report, cfg: Any, say: Callable[[str], None], out: Path | None, doctor_only: bool) -> None:
-    """Print the report, save it, and stop (doctor only) or refuse to train on errors unless ``--force``."""
+def run_doctor(make_report: Callable[[], Report]) -> Report | None:
+    """``make_report()`` on the main process; ``None`` on the others (pass it to :func:`gate` either way)."""
+    return make_report() if is_main_process() else None
+
+
+def gate(report: Report | None, cfg: Any, say: Callable[[str], None], out: Path | None, doctor_only: bool) -> None:
+    """Print the report, save it, and stop (doctor only) or refuse to train on errors unless ``--force``.
+
+    ``report`` is ``None`` on a process other than the main one: it waits for the main process's verdict.
+    """
+    if report is None:
+        verdict = share_from_main(None)
+        if verdict == "doctor only":
+            raise DoctorOnly(Report())
+        if verdict == "refused":
+            raise DoctorRefused([Problem("the main process's doctor found errors (listed in its output)", "--force")])
+        return
     say(str(report))
     if out is not None and not doctor_only:
         (out / "doctor.json").write_text(report.to_json(), encoding="utf-8")
+    errors = [f for f in report.findings if f.severity == "error"]
+    refused = bool(errors) and not doctor_only and not getattr(cfg, "force", False)
+    share_from_main("doctor only" if doctor_only else "refused" if refused else "train")
     if doctor_only:
         raise DoctorOnly(report)
-    errors = [f for f in report.findings if f.severity == "error"]
     if not errors:
         return
     if getattr(cfg, "force", False):
