@@ -1,0 +1,408 @@
+"""The run's pictures and page: ``OUTPUT/curves.png`` and ``OUTPUT/report.html``.
+
+Both are built only from files the run folder already holds (``metrics.jsonl``, ``config.yaml``, ``doctor.json``,
+``memory_plan.json``, the checkpoints' ``trainer_state.json``, ``predictions/epoch_N.jsonl``), so ``surefit report
+--run OUTPUT`` rebuilds them for a finished run, an interrupted one, or one still training.
+
+The page is one self-contained file: inline CSS, the curves embedded as a base64 ``data:`` URI, no script and no
+external resource, so it can be mailed or opened offline. Everything taken from the run's data is HTML-escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CURVES = "curves.png"
+REPORT = "report.html"
+# Task metrics drawn per epoch, in this order, when the records hold them: sft (eval_f1, eval_em), classification
+# single-label (accuracy, macro-F1), multi-label (micro/macro-F1, subset accuracy), regression (Pearson). The
+# custom task has none. (Regression's MSE is its evaluation loss, already in the loss panel.)
+TASK_METRICS = ("eval_f1", "eval_em", "eval_accuracy", "eval_macro_f1", "eval_micro_f1", "eval_subset_accuracy",
+                "eval_pearson")
+SAMPLE_ROWS = 10
+_CELL_CHARS = 400
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+
+
+def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(step records, epoch records)`` of ``metrics.jsonl``; a torn last line (a crash mid-write) is skipped."""
+    path = Path(run_dir) / "metrics.jsonl"
+    steps: list[dict[str, Any]] = []
+    epochs: list[dict[str, Any]] = []
+    if not path.is_file():
+        return steps, epochs
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        if rec.get("type") == "step" and _num(rec.get("step")) is not None:
+            steps.append(rec)
+        elif rec.get("type") == "epoch" and _num(rec.get("epoch")) is not None:
+            epochs.append(rec)
+    return steps, epochs
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v)
+
+
+def task_metrics(epochs: list[dict[str, Any]]) -> list[str]:
+    """The task metrics the epoch records hold (empty for the custom task)."""
+    return [k for k in TASK_METRICS if any(_num(r.get(k)) is not None for r in epochs)]
+
+
+# ------------------------------------------------------------------------------------------------------ curves
+
+
+def write_curves(run_dir: str | Path) -> Path:
+    """Draw ``curves.png``: training loss per step, train/eval loss per epoch, and the task metric per epoch.
+
+    Uses matplotlib's Agg canvas directly (no pyplot), so it needs no display and leaves the caller's matplotlib
+    backend alone. The file is replaced atomically: a reader never sees half a PNG.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    run_dir = Path(run_dir)
+    steps, epochs = read_metrics(run_dir)
+    metrics = task_metrics(epochs)
+    panels = 3 if metrics else 2
+    fig = Figure(figsize=(5.2 * panels, 4.0), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+
+    ax = axes[0]
+    xs = [r["step"] for r in steps if _num(r.get("loss")) is not None]
+    ys = [r["loss"] for r in steps if _num(r.get("loss")) is not None]
+    if xs:
+        ax.plot(xs, ys, color="#1f77b4", linewidth=1.4, label="training loss (logged steps)")
+    ends = [r for r in epochs if r["epoch"] >= 1 and _num(r.get("train_loss")) is not None and "step" in r]
+    if ends:
+        ax.plot([r["step"] for r in ends], [r["train_loss"] for r in ends], "o", color="#ff7f0e",
+                label="epoch mean")
+        for r in ends:
+            ax.axvline(r["step"], color="#cccccc", linewidth=0.8, zorder=0)
+    if not xs and not ends:
+        ax.text(0.5, 0.5, "no training step logged yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title="training loss", xlabel="optimizer step", ylabel="loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    ax = axes[1]
+    for key, label, style in (("train_loss", "train", "o-"), ("eval_loss", "evaluation", "s-")):
+        pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=label)
+    if not epochs:
+        ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set(title="loss per epoch (epoch 0 = before training)", xlabel="epoch", ylabel="loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+    if metrics:
+        ax = axes[2]
+        for key in metrics:
+            pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
+            ax.plot(*zip(*pts, strict=True), "o-", label=key.removeprefix("eval_"))
+        values = [r[k] for r in epochs for k in metrics if _num(r.get(k)) is not None and not math.isnan(r[k])]
+        if values and -1.0 <= min(values) and max(values) <= 1.0:  # scores: show them on their whole scale
+            ax.set_ylim(min(0.0, min(values)) - 0.03, 1.03)
+        ax.set(title="evaluation metrics", xlabel="epoch", ylabel="score")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    config = _read_config(run_dir)
+    fig.suptitle(f"{run_dir.name}  ({config.get('task', '?')})", fontsize=11)
+    target = run_dir / CURVES
+    tmp = run_dir / f".{CURVES}.tmp"
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, target)
+    return target
+
+
+# ------------------------------------------------------------------------------------------------------ the page
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _fmt(v: Any) -> str:
+    """A number as a reader wants it (4 decimals, or scientific for tiny/huge); anything else as text."""
+    if v is None:
+        return ""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, int):
+        return f"{v:,}" if abs(v) >= 10_000 else str(v)
+    if isinstance(v, float):
+        if math.isnan(v) or math.isinf(v):
+            return str(v)
+        if v == 0 or 1e-3 <= abs(v) < 1e6:
+            return f"{v:.4f}"
+        return f"{v:.3e}"
+    return str(v)
+
+
+def _clip(text: str, limit: int = _CELL_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _value_html(value: Any, key: str = "", depth: int = 0) -> str:
+    """Any JSON value as HTML: mappings become nested tables, lists of mappings tables, the rest escaped text."""
+    if isinstance(value, dict) and depth < 3:
+        if not value:
+            return '<span class="muted">(empty)</span>'
+        return _kv_table(value, depth + 1, parent=key)
+    if isinstance(value, list) and value and all(isinstance(x, dict) for x in value) and depth < 3:
+        cols = list(dict.fromkeys(k for x in value for k in x))
+        return _table(cols, [[x.get(c) for c in cols] for x in value])
+    if isinstance(value, list) and not value:
+        return '<span class="muted">(none)</span>'
+    if isinstance(value, list):
+        return _e(_clip(" | ".join(_fmt(x) if not isinstance(x, dict | list) else json.dumps(x) for x in value)))
+    if isinstance(value, dict):
+        return _e(_clip(json.dumps(value)))
+    text = _fmt(value)
+    if isinstance(value, int) and not isinstance(value, bool) and (key.endswith("bytes") or key == "estimate"):
+        text += f" ({_human_bytes(value)})"
+    return _e(_clip(text))
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _kv_table(mapping: dict[str, Any], depth: int = 0, parent: str = "") -> str:
+    """A key | value table; ``None`` shows as null (as in config.yaml)."""
+    rows = "".join(
+        f"<tr><th>{_e(k)}</th><td>"
+        + ("null" if v is None else _value_html(v, parent if parent == "estimate" else str(k), depth))
+        + "</td></tr>"
+        for k, v in mapping.items()
+    )
+    return f'<table class="kv">{rows}</table>'
+
+
+def _table(columns: list[str], rows: list[list[Any]], classes: str = "") -> str:
+    head = "".join(f"<th>{_e(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{_value_html(v, depth=3)}</td>" for v in row) + "</tr>" for row in rows)
+    return f'<table class="grid {classes}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def _section(anchor: str, title: str, body: str) -> str:
+    return f'<section id="{anchor}"><h2>{_e(title)}</h2>\n{body}\n</section>\n'
+
+
+def _note(text: str) -> str:
+    return f'<p class="muted">{_e(text)}</p>'
+
+
+def _status(run_dir: Path, config: dict[str, Any], epochs: list[dict[str, Any]]) -> str:
+    done = max((int(r["epoch"]) for r in epochs), default=None)
+    planned = config.get("epochs")
+    if (run_dir / "final").is_dir() and (planned is None or done == planned):
+        return f"finished: {done} of {planned} epochs, model saved in final/"
+    if done is None:
+        return "no evaluation logged yet (the run stopped before training, or is starting)"
+    return f"interrupted or still running: last evaluation after epoch {done} of {planned}"
+
+
+def _plan_section(run_dir: Path, config: dict[str, Any]) -> str:
+    plan = _read_json(run_dir / "memory_plan.json")
+    if isinstance(plan, dict):
+        return _note("from memory_plan.json") + _kv_table(plan)
+    newest: tuple[int, str, dict[str, Any]] | None = None
+    for state_file in sorted((run_dir / "checkpoints").glob("*/trainer_state.json")):
+        state = _read_json(state_file)
+        if isinstance(state, dict) and isinstance(state.get("plan"), dict):
+            step = int(_num(state.get("global_step")) or 0)
+            if newest is None or step >= newest[0]:
+                newest = (step, state_file.parent.name, state["plan"])
+    if newest is not None:
+        return _note(f"no memory_plan.json; the plan in force at checkpoint {newest[1]}") + _kv_table(newest[2])
+    keys = ("batch_size", "grad_accum", "precision", "gradient_checkpointing", "eval_batch_size")
+    fallback = {k: config[k] for k in keys if k in config}
+    if "batch_size" in fallback and fallback.get("grad_accum"):
+        fallback = {"batch_size": fallback["batch_size"],
+                    "micro_batch_size": int(fallback["batch_size"]) // int(fallback["grad_accum"]), **fallback}
+    if not fallback:
+        return _note("no memory_plan.json, checkpoint or config.yaml to read it from")
+    return _note("no memory_plan.json or checkpoint; the settings from config.yaml") + _kv_table(fallback)
+
+
+def _doctor_section(run_dir: Path) -> str:
+    report = _read_json(run_dir / "doctor.json")
+    if not isinstance(report, dict):
+        return _note("no doctor report saved in this run folder (doctor.json is absent)")
+    findings = [f for f in report.get("findings") or [] if isinstance(f, dict)]
+    if not findings:
+        return '<p class="ok">no findings: every check passed</p>'
+    errors = sum(f.get("severity") == "error" for f in findings)
+    head = (f'<p class="{"bad" if errors else "ok"}">{len(findings)} finding{"s" if len(findings) != 1 else ""}, '
+            f"{errors} error{'s' if errors != 1 else ''}</p>")
+    cols = ["severity", "code", "where", "message", "fix"]
+    return head + _table(cols, [[f.get(c, "") for c in cols] for f in findings])
+
+
+def _metrics_section(epochs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> str:
+    if not epochs:
+        return _note("no epoch record in metrics.jsonl yet")
+    first = ["epoch", "step", "train_loss", "eval_loss", *task_metrics(epochs)]
+    scalar = [k for r in epochs for k, v in r.items() if _num(v) is not None and k not in ("time",)]
+    cols = [c for c in first if c in scalar] + [c for c in dict.fromkeys(scalar) if c not in first]
+    out = _table(cols, [[r.get(c) for c in cols] for r in epochs], "metrics")
+    out += _note(f"{len(epochs)} epoch records (epoch 0 = before training) and {len(steps)} step records in "
+                 "metrics.jsonl")
+    last = epochs[-1]
+    if isinstance(last.get("eval_per_class_f1"), dict):
+        out += f"<h3>per-class F1 after epoch {_e(last['epoch'])}</h3>" + _kv_table(last["eval_per_class_f1"])
+    matrix, labels = last.get("eval_confusion_matrix"), last.get("labels")
+    if isinstance(matrix, list) and isinstance(labels, list) and len(matrix) == len(labels):
+        out += f"<h3>confusion matrix after epoch {_e(last['epoch'])} (rows: gold, columns: predicted)</h3>"
+        out += _table(["gold \\ predicted", *map(str, labels)],
+                      [[labels[i], *row] for i, row in enumerate(matrix) if isinstance(row, list)], "matrix")
+    return out
+
+
+def _predictions_section(run_dir: Path) -> str:
+    files = []
+    for p in (run_dir / "predictions").glob("epoch_*.jsonl"):
+        suffix = p.stem.removeprefix("epoch_")
+        if suffix.isdigit():
+            files.append((int(suffix), p))
+    if not files:
+        return _note("no predictions/epoch_N.jsonl in this run folder (the custom task writes none)")
+    epoch, path = max(files)
+    rows: list[dict[str, Any]] = []
+    total = 0
+    with path.open(encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            total += 1
+            if len(rows) < SAMPLE_ROWS:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    rows.append(rec)
+    if not rows:
+        return _note(f"predictions/{path.name} holds no rows")
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    body = _note(f"the first {len(rows)} of {total} rows of predictions/{path.name} (after epoch {epoch})")
+    return body + _table(cols, [[r.get(c) for c in cols] for r in rows], "predictions")
+
+
+_CSS = """
+body{font-family:-apple-system,"Segoe UI",Roboto,"DejaVu Sans",sans-serif;margin:24px auto;max-width:1160px;
+color:#1d1d1f;background:#fff;padding:0 16px;line-height:1.4}
+h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;border-bottom:2px solid #e3e6ea;padding-bottom:4px;margin-top:32px}
+h3{font-size:15px;margin:18px 0 6px}
+table{border-collapse:collapse;font-size:13px;margin:6px 0}
+th,td{border:1px solid #d7dbe0;padding:4px 8px;text-align:left;vertical-align:top}
+thead th{background:#eef2f7}table.kv>tbody>tr>th,table.kv>tr>th{background:#f6f8fa;font-weight:600;white-space:nowrap}
+table.metrics td,table.matrix td{text-align:right;font-variant-numeric:tabular-nums}
+table.predictions td{white-space:pre-wrap;word-break:break-word;max-width:520px}
+.muted{color:#5f6b7a;font-size:13px}.ok{color:#17703a;font-weight:600}.bad{color:#b3261e;font-weight:600}
+nav a{margin-right:14px;font-size:14px}.cols{display:flex;flex-wrap:wrap;gap:0 18px;align-items:flex-start}img.curves{max-width:100%;border:1px solid #e3e6ea}
+"""
+
+SECTIONS = (("config", "Configuration"), ("memory-plan", "Memory plan"), ("doctor", "Doctor findings"),
+            ("metrics", "Metrics"), ("curves", "Curves"), ("predictions", "Sample predictions"))
+
+
+def render_report(run_dir: str | Path) -> str:
+    """The report page of a run folder, as one self-contained HTML string (reads ``curves.png`` if present)."""
+    run_dir = Path(run_dir)
+    config = _read_config(run_dir)
+    steps, epochs = read_metrics(run_dir)
+    title = f"surefit run: {run_dir.resolve().name}"
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>",
+        f"<h1>{_e(title)}</h1>",
+        f'<p class="muted">task {_e(config.get("task", "?"))}; {_e(_status(run_dir, config, epochs))}; folder '
+        f"{_e(run_dir.resolve())}; report written {_e(time.strftime('%Y-%m-%d %H:%M:%S'))}</p>",
+        "<nav>" + "".join(f'<a href="#{a}">{_e(t)}</a>' for a, t in SECTIONS) + "</nav>",
+    ]
+    if config:
+        body = _note("config.yaml: the resolved settings; pass it back with --config to repeat the run")
+        # Three side-by-side columns: some forty settings read better as a block than as one long list.
+        items = list(config.items())
+        third = -(-len(items) // 3)
+        body += '<div class="cols">' + "".join(
+            _kv_table(dict(items[i : i + third])) for i in range(0, len(items), third)) + "</div>"
+    else:
+        body = _note("no config.yaml in this run folder")
+    parts.append(_section("config", "Configuration", body))
+    parts.append(_section("memory-plan", "Memory plan", _plan_section(run_dir, config)))
+    parts.append(_section("doctor", "Doctor findings", _doctor_section(run_dir)))
+    parts.append(_section("metrics", "Metrics", _metrics_section(epochs, steps)))
+    png = run_dir / CURVES
+    if png.is_file():
+        data = base64.b64encode(png.read_bytes()).decode("ascii")
+        body = (f'<img class="curves" alt="training loss per step, loss and metrics per epoch" '
+                f'src="data:image/png;base64,{data}">')
+    else:
+        body = _note("no curves.png (run `surefit report --run` on this folder to draw it)")
+    parts.append(_section("curves", "Curves", body))
+    parts.append(_section("predictions", "Sample predictions", _predictions_section(run_dir)))
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def write_report(run_dir: str | Path, say: Any = None) -> Path:
+    """(Re)build ``curves.png`` and ``report.html`` in a run folder; returns the page's path.
+
+    Args:
+        run_dir: a run's ``--output_dir`` (finished, interrupted or still training).
+        say: where to print the one-line summary (``None``: silent).
+    """
+    run_dir = Path(run_dir)
+    write_curves(run_dir)
+    target = run_dir / REPORT
+    tmp = run_dir / f".{REPORT}.tmp"
+    tmp.write_text(render_report(run_dir), encoding="utf-8")
+    os.replace(tmp, target)
+    if say is not None:
+        say(f"wrote {run_dir / CURVES} and {target}")
+    return target

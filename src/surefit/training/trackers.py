@@ -1,0 +1,109 @@
+"""Experiment trackers (``--report_to tensorboard,wandb``) through accelerate, fed from the records of metrics.jsonl.
+
+``metrics.jsonl`` stays the run's own record; the trackers get a copy of each record's numbers, so what TensorBoard
+or W&B shows is exactly what the file holds:
+
+- step records at their global step as ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
+  ``train/oom_splits``;
+- epoch records (epoch 0 = before training) at the global step reached by then, evaluation figures as ``eval/...``
+  (``eval_loss`` -> ``eval/loss``, ``eval_f1`` -> ``eval/f1``, per-class F1 as ``eval/per_class_f1/NAME``) and the
+  rest as ``epoch/...`` (``epoch/train_loss``, ``epoch/time_per_epoch``, ``epoch/epoch``, ...).
+
+TensorBoard event files go to ``OUTPUT/tensorboard/surefit/`` (``tensorboard --logdir OUTPUT/tensorboard``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+# accelerate's project name: the W&B project, and the TensorBoard run folder under OUTPUT/tensorboard.
+PROJECT = "surefit"
+TENSORBOARD_DIR = "tensorboard"
+
+_NOT_VALUES = {"type", "step", "time"}
+
+
+def _number(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if isinstance(v, float) else v
+
+
+def tracker_values(record: dict[str, Any]) -> tuple[dict[str, float], int]:
+    """The numbers of one metrics.jsonl record, named for the trackers, and the global step they belong at."""
+    values: dict[str, float] = {}
+    if record.get("type") == "step":
+        for k, v in record.items():
+            if k not in _NOT_VALUES and k != "epoch" and (n := _number(v)) is not None:
+                values[f"train/{k}"] = n
+        return values, int(record["step"])
+    for k, v in record.items():
+        if k in _NOT_VALUES:
+            continue
+        name = f"eval/{k[len('eval_'):]}" if k.startswith("eval_") else f"epoch/{k}"
+        if isinstance(v, dict):  # per-class F1: one scalar per class
+            for sub, x in v.items():
+                if (n := _number(x)) is not None:
+                    values[f"{name}/{sub}"] = n
+        elif (n := _number(v)) is not None:
+            values[name] = n
+    return values, int(record.get("step") or 0)
+
+
+def _hparams(config: Any) -> dict[str, Any]:
+    """The resolved config as the flat scalar mapping trackers store (TensorBoard hparams, W&B config)."""
+    if config is None:
+        return {}
+    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    return {k: v if v is None or isinstance(v, bool | int | float | str) else str(v) for k, v in values.items()}
+
+
+class Trackers:
+    """The accelerator's trackers, started lazily (so a resumed run can first say where to cut the old curves).
+
+    Args:
+        accelerator: an ``Accelerator`` made with ``log_with=[...]`` (see ``make_accelerator``).
+        config: the run's config (a dataclass or mapping), stored as hyperparameters.
+        run_dir: the run folder; W&B's local files go there, named after it.
+    """
+
+    def __init__(self, accelerator: Any, config: Any, run_dir: str | Path):
+        self.accelerator = accelerator
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.started = False
+
+    @property
+    def names(self) -> list[str]:
+        return [str(t) for t in (getattr(self.accelerator, "log_with", None) or [])]
+
+    def start(self, purge_step: int | None = None) -> None:
+        """Open the trackers. ``purge_step``: on resume, TensorBoard drops this run's events from that step on
+        (the interrupted process logged them after the checkpoint; they are logged again)."""
+        if self.started:
+            return
+        self.started = True
+        init_kwargs: dict[str, dict[str, Any]] = {"wandb": {"name": self.run_dir.name, "dir": str(self.run_dir)}}
+        if purge_step is not None:
+            init_kwargs["tensorboard"] = {"purge_step": purge_step}
+        self.accelerator.init_trackers(PROJECT, config=_hparams(self.config), init_kwargs=init_kwargs)
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.start()
+        values, step = tracker_values(record)
+        if values:
+            self.accelerator.log(values, step=step)
+
+    def finish(self) -> None:
+        """Close every tracker (flushes TensorBoard's files, ends the W&B run).
+
+        ``accelerator.end_training()`` would do this too, but it also destroys the process group, which the run still
+        needs after the log closes (the final save); so the trackers are finished one by one.
+        """
+        if not self.started:
+            return
+        for tracker in getattr(self.accelerator, "trackers", []):
+            tracker.finish()
+        self.started = False
