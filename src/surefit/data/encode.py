@@ -199,7 +199,7 @@ def encode_rows(
         if len(inp) > budget:
             report.truncated += 1
             report.tokens_cut += len(inp) - budget
-            inp = inp[len(inp) - budget :] if truncation_side == "left" else inp[:budget]
+            inp = _cut(inp, budget, truncation_side)
             if target.strip() and target in text and target not in tokenizer.decode(inp):
                 report.answer_cut += 1
         prompt = fmt.prefix_ids + inp + fmt.suffix_ids
@@ -209,3 +209,37 @@ def encode_rows(
         report.longest_target = max(report.longest_target, len(tgt))
     report.encoded = len(examples)
     return examples, report
+
+
+def _cut(ids: list[int], budget: int, side: Literal["left", "right"]) -> list[int]:
+    """Keep ``budget`` ids, cutting from ``side`` ('left' keeps the end, e.g. a question at the end of the input)."""
+    if budget <= 0:
+        return []
+    return ids[len(ids) - budget :] if side == "left" else ids[:budget]
+
+
+def encode_prompts(
+    texts: list[str],
+    tokenizer: Any,
+    fmt: PromptFormat,
+    *,
+    max_prompt_length: int,
+    truncation_side: Literal["left", "right"] = "left",
+) -> tuple[list[list[int]], list[int]]:
+    """Prompts for generation (no target): the template around each input, the input cut as :func:`encode_rows`
+    cuts it so that the prompt has at most ``max_prompt_length`` tokens (the template is never cut).
+
+    Returns:
+        ``(prompt_ids, tokens_cut)``: per text, the prompt ids and how many input tokens were cut (0: none).
+    """
+    if not texts:
+        return [], []
+    ids = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    budget = max(max_prompt_length - len(fmt.prefix_ids) - len(fmt.suffix_ids), 0)
+    prompts, cut = [], []
+    for inp in ids:
+        inp = list(inp)
+        kept = _cut(inp, budget, truncation_side) if len(inp) > budget else inp
+        cut.append(len(inp) - len(kept))
+        prompts.append(fmt.prefix_ids + kept + fmt.suffix_ids)
+    return prompts, cut
