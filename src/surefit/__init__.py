@@ -10,7 +10,8 @@ Python API::
 from surefit.errors import ConfigError, DataError, Problem, SurefitError
 
 __version__ = "0.1.0"
-__all__ = ["train", "ConfigError", "DataError", "Problem", "SurefitError", "__version__"]
+__all__ = ["train", "evaluate", "predict", "export", "ConfigError", "DataError", "Problem", "SurefitError",
+           "__version__"]
 
 
 def train(config=None, /, **settings):  # noqa: ANN001 - re-exported, documented in surefit.api.train
@@ -18,3 +19,24 @@ def train(config=None, /, **settings):  # noqa: ANN001 - re-exported, documented
     from surefit.api import train as _train
 
     return _train(config, **settings)
+
+
+def evaluate(run, data=None, **options):  # noqa: ANN001, ANN201 - documented in surefit.api.evaluate
+    """Evaluate a finished run (its validation split, or ``data``); see :func:`surefit.api.evaluate`."""
+    from surefit.api import evaluate as _evaluate
+
+    return _evaluate(run, data, **options)
+
+
+def predict(run, inputs=None, file=None, **options):  # noqa: ANN001, ANN201 - documented in surefit.api.predict
+    """Predict with a finished sft or classify run; see :func:`surefit.api.predict`."""
+    from surefit.api import predict as _predict
+
+    return _predict(run, inputs, file, **options)
+
+
+def export(run, to, **options):  # noqa: ANN001, ANN201 - documented in surefit.api.export
+    """Export a run's model (``merge=True`` folds a LoRA adapter in); see :func:`surefit.api.export`."""
+    from surefit.api import export as _export
+
+    return _export(run, to, **options)

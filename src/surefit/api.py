@@ -89,6 +89,26 @@ def doctor(config: Any = None, /, **settings: Any) -> Any:
     raise RuntimeError("the task returned without running the doctor")  # pragma: no cover
 
 
+def report(run: str | Path, say=print) -> Path:
+    """(Re)build ``curves.png`` and ``report.html`` in a run folder (finished, interrupted or still training).
+
+    Returns:
+        The path of ``report.html``.
+
+    Raises:
+        ConfigError: the folder does not exist or holds no run (no ``config.yaml`` and no ``metrics.jsonl``).
+    """
+    from surefit.report import write_report
+
+    folder = Path(run)
+    if not folder.is_dir():
+        raise ConfigError(Problem(f"no such run folder: {folder}", "--run", "pass a run's --output_dir"))
+    if not (folder / "config.yaml").is_file() and not (folder / "metrics.jsonl").is_file():
+        raise ConfigError(Problem(f"{folder} holds no run (no config.yaml or metrics.jsonl)", "--run",
+                                  "pass the --output_dir a `surefit train` wrote"))
+    return write_report(folder, say=say)
+
+
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,
                  max_memory_gb: float | None = None, say=print) -> str:
     """Describe every array of a tensor dataset; with a model factory, each input's first layer and any mismatch.
@@ -131,3 +151,68 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     text = "\n".join(lines)
     say(text)
     return text
+
+
+def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None = None,
+             show: str | None = None, say=print, **options: Any) -> dict[str, Any]:
+    """Evaluate a finished run on its validation split, re-derived exactly as training did, or on ``data``.
+
+    sft: eval loss, SQuAD F1 and exact match of greedy generations; classify: accuracy, macro-F1, per-class F1 and
+    the confusion matrix (multi-label, regression: their metrics); custom: eval loss. On the run's own validation
+    split the numbers match the last epoch of ``metrics.jsonl`` (returned under ``"training"`` to compare).
+
+    Args:
+        run: the run folder (``--output_dir`` of ``surefit train``).
+        data: evaluate on this file (sft, classify) or tensor folder (custom) instead.
+        out: also write the result as JSON to this file.
+        show: ``"table"`` or ``"json"``: print the result that way (to stdout); ``None`` prints nothing.
+        say: where progress and notes go.
+        **options: ``batch_size``, ``max_new_tokens``, ``predictions`` (a JSONL file of per-row predictions),
+            ``fields`` (``{"input_field": ...}``, ``{"text_field": ...}``: columns of ``data``).
+
+    Returns:
+        ``{"run", "task", "data", "rows", "metrics", "training"}``.
+    """
+    import json as _json
+
+    from surefit.use import evaluate as _evaluate
+    from surefit.use import render_eval
+
+    result = _evaluate(run, data, say=say, **options)
+    if out is not None:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(_json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    if show == "json":
+        print(_json.dumps(result, indent=2))
+    elif show == "table":
+        print(render_eval(result))
+    return result
+
+
+def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None,
+            **options: Any) -> list[dict[str, Any]]:
+    """Predict with a finished sft run (generated response) or classify run (label and probabilities).
+
+    Args:
+        run: the run folder. inputs: a text or a list of texts. file: rows holding the run's input field.
+        **options: ``out`` (a JSONL file), ``stream`` (a text stream written as each batch finishes), ``collect``,
+            ``batch_size``, ``max_new_tokens``, ``fields``, ``say``; see :func:`surefit.use.predict`.
+
+    Returns:
+        One record per input, in order.
+    """
+    from surefit.use import predict as _predict
+
+    return _predict(run, inputs, file, **options)
+
+
+def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False, say=print) -> Path:
+    """Copy a run's final model to ``to``; with ``merge``, fold its LoRA adapter into the base weights (safetensors,
+    loadable with plain ``transformers``). A non-empty ``to`` is refused unless ``overwrite``.
+
+    Returns:
+        The folder written.
+    """
+    from surefit.use import export as _export
+
+    return _export(run, to, merge=merge, overwrite=overwrite, say=say)

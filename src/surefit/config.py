@@ -47,6 +47,12 @@ class TrainConfig:
         "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU."
     )
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% slower.")
+    gpu_memory_gb: str | None = opt(
+        None,
+        "Memory to fit the run in, in GB, or 'auto' (what the GPU has free). The planner then picks the micro-batch, "
+        "accumulation, checkpointing and frozen-weight dtype; --batch_size never changes. Unset: auto on a GPU, the "
+        "settings as given on a CPU.",
+    )
     trust_remote_code: bool = opt(
         False, "Allow a model folder or hub repo to run its own Python code when loading. Off unless you trust it."
     )
@@ -73,6 +79,10 @@ class TrainConfig:
     # -- output
     output_dir: str = opt("runs/sft", "Where the config, metrics, predictions, checkpoints and final model go.")
     log_every: int = opt(10, "Write a training-loss line to metrics.jsonl every N optimizer steps.")
+    report_to: str = opt(
+        "none", "Also send the metrics to experiment trackers: 'tensorboard' (event files in OUTPUT/tensorboard), "
+        "'wandb', or both comma-separated. metrics.jsonl is always written."
+    )
     save_every: int = opt(0, "Also save a checkpoint every N optimizer steps (0: only at each epoch end).")
     keep_checkpoints: int = opt(0, "Keep only the newest K checkpoints (0 keeps every one).")
     resume: str | None = opt(
@@ -102,6 +112,14 @@ class TrainConfig:
                 p.append(Problem(f"must be >= 0 (got {getattr(self, name)})", f"--{name}"))
         if not 0.0 <= self.warmup_ratio < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.warmup_ratio})", "--warmup_ratio"))
+        if self.gpu_memory_gb is not None and str(self.gpu_memory_gb) != "auto":
+            try:
+                ok = float(self.gpu_memory_gb) > 0
+            except ValueError:
+                ok = False
+            if not ok:
+                p.append(Problem(f"must be a number of GB above 0 or 'auto' (got {self.gpu_memory_gb!r})",
+                                 "--gpu_memory_gb", "e.g. --gpu_memory_gb 3.8 for a 4 GB card, or --gpu_memory_gb auto"))
         if self.batch_size >= 1 and self.grad_accum >= 1 and self.batch_size % self.grad_accum:
             p.append(
                 Problem(
@@ -111,6 +129,7 @@ class TrainConfig:
                     f"pick a divisor of {self.batch_size}: {', '.join(map(str, _divisors(self.batch_size)))}",
                 )
             )
+        p += _report_to_problems(self.report_to)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
         if self.val_data is None and self.val_fraction == 0:
@@ -122,6 +141,11 @@ class TrainConfig:
                 )
             )
         return p
+
+    @property
+    def trackers(self) -> list[str]:
+        """The experiment trackers ``--report_to`` names (empty for 'none')."""
+        return [t for t in _split_names(self.report_to) if t != "none"]
 
     @property
     def micro_batch_size(self) -> int:
@@ -287,6 +311,42 @@ def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# --report_to names -> (the module the tracker imports, how to install it).
+REPORT_TO: dict[str, tuple[str, str] | None] = {
+    "none": None,
+    "tensorboard": ("tensorboard", "pip install tensorboard (or: pip install 'surefit[tensorboard]')"),
+    "wandb": ("wandb", "pip install wandb, then `wandb login` (or set WANDB_MODE=offline)"),
+}
+
+
+def _split_names(value: str) -> list[str]:
+    return [t.strip().lower() for t in value.split(",") if t.strip()]
+
+
+def _report_to_problems(value: str) -> list[Problem]:
+    """Unknown tracker names, 'none' mixed with a tracker, and trackers whose package is not installed."""
+    import importlib.util
+
+    p: list[Problem] = []
+    names = _split_names(value)
+    if not names:
+        return [Problem("empty value", "--report_to", "use none, tensorboard, wandb, or e.g. tensorboard,wandb")]
+    for name in names:
+        if name not in REPORT_TO:
+            close = difflib.get_close_matches(name, list(REPORT_TO), n=1)
+            p.append(Problem(f"unknown tracker {name!r}", "--report_to",
+                             (f"did you mean '{close[0]}'? " if close else "") + f"use one of: {', '.join(REPORT_TO)}"))
+        elif REPORT_TO[name] is not None:
+            module, install = REPORT_TO[name]  # type: ignore[misc]
+            if importlib.util.find_spec(module) is None:
+                p.append(Problem(f"--report_to {name} needs the '{module}' package, which is not installed",
+                                 "--report_to", f"{install}; or drop {name} from --report_to"))
+    if "none" in names and len(names) > 1:
+        p.append(Problem(f"'none' given together with trackers ({value!r})", "--report_to",
+                         "use none alone, or list only trackers"))
+    return p
 
 
 # ---------------------------------------------------------------------------------------------------- type handling

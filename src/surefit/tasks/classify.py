@@ -23,20 +23,24 @@ from surefit.data.rows import Row
 from surefit.data.sources import Rejected, check_text_fields, read_splits
 from surefit.data.split import normalize_key, split_or_check
 from surefit.doctor import check
-from surefit.doctor.gate import gate
+from surefit.doctor.gate import gate, run_doctor
 from surefit.errors import ConfigError, ModelError, Problem, raise_input_problems
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
-from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, fit, make_accelerator
+from surefit.training.distributed import is_main_process, on_main
+from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
+from surefit.training.plan import plan_run
 from surefit.training.run import (
     check_output_dir,
+    open_metrics_log,
     quiet_libraries,
     resume_command,
     resume_point,
     save_final,
     start_output_dir,
     write_rejected,
+    write_run_report,
 )
 
 HF_PROBLEM_TYPES = {"single": "single_label_classification", "multi": "multi_label_classification",
@@ -86,7 +90,8 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
     report["notes"].append(spec.how)
     report["notes"].append(spec.summary())
     report.update(train_rows=len(train), val_rows=len(val), problem_type=spec.problem_type,
-                  label2id=spec.label2id if spec.problem_type != "regression" else None)
+                  label2id=spec.label2id if spec.problem_type != "regression" else None,
+                  fields={"text": fields.text, "pair": fields.pair, "label": fields.label})
     for note in report["notes"]:
         say(note)
     return train, val, fields, spec, report
@@ -113,17 +118,22 @@ def _text_of(row: Row, fields: Fields) -> str:
 def encode(rows: list[Row], tokenizer: Any, fields: Fields, spec: LabelSpec, max_len: int, keys: list[str],
            split: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Tokenize (truncating to ``max_len``, counted) and attach encoded labels; keep only ``keys`` of the tokenizer."""
+    feats, report = tokenize(rows, tokenizer, fields, max_len, keys, split)
+    for f, row in zip(feats, rows, strict=True):
+        f["labels"] = spec.encode(row.fields[spec.field])
+    return feats, report
+
+
+def tokenize(rows: list[Row], tokenizer: Any, fields: Fields, max_len: int, keys: list[str],
+             split: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The model inputs of :func:`encode` without labels (``surefit predict`` uses it on unlabelled rows)."""
     texts = [str(r.fields[fields.text]) for r in rows]
     pairs = [str(r.fields[fields.pair]) for r in rows] if fields.pair else None
     # Measure untruncated lengths first, so that every truncation is counted rather than silently applied.
     full = tokenizer(texts, pairs, truncation=False)["input_ids"]
     enc = tokenizer(texts, pairs, truncation=True, max_length=max_len)
     truncated = [i for i, ids in enumerate(full) if len(ids) > max_len]
-    feats = []
-    for i, row in enumerate(rows):
-        f = {k: list(enc[k][i]) for k in keys if k in enc}
-        f["labels"] = spec.encode(row.fields[spec.field])
-        feats.append(f)
+    feats = [{k: list(enc[k][i]) for k in keys if k in enc} for i in range(len(rows))]
     report = {
         "split": split,
         "rows": len(rows),
@@ -201,6 +211,34 @@ def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say=print) -> A
     return model
 
 
+def model_inputs(cfg: ClassifyConfig, model: Any, tokenizer: Any, say=print) -> tuple[int, list[str], set[str]]:
+    """Agree on padding, cap the length at the model's positions, and list what the forward takes.
+
+    Call it on the model before LoRA wraps it (a peft wrapper's forward hides the argument names).
+
+    Returns:
+        ``(max_len, tokenizer_keys, accepted)``: the longest input in tokens, the tokenizer's outputs, and the names
+        the model's forward accepts.
+    """
+    if tokenizer.pad_token_id is None:
+        # Decoder-only backbones often lack a pad token; padding is masked by attention_mask, and the classifier
+        # finds the last real token through config.pad_token_id, so both must agree.
+        tokenizer.pad_token = tokenizer.eos_token
+        say(f"tokenizer has no pad token; using EOS ({tokenizer.eos_token!r}) for padding")
+    config = getattr(model, "config", None) or model.backbone.config
+    if getattr(config, "pad_token_id", None) is None:
+        config.pad_token_id = tokenizer.pad_token_id
+
+    max_len = cfg.max_seq_length
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and max_len > limit:
+        say(f"--max_seq_length {max_len} exceeds the model's {limit} positions; using {limit}")
+        max_len = limit
+    accepted = set(inspect.signature(model.forward).parameters)
+    tokenizer_keys = [k for k in tokenizer("a").keys()]
+    return max_len, tokenizer_keys, accepted
+
+
 def _apply_lora(model: Any, cfg: ClassifyConfig, say=print) -> Any:
     if cfg.lora_r == 0:
         say(f"full fine-tuning: {sum(p.numel() for p in model.parameters()):,} trainable parameters")
@@ -248,7 +286,7 @@ def make_loss_fn(problem_type: str):
 @torch.no_grad()
 def predict_logits(model: Any, feats: list[dict[str, Any]], collate: Any, batch_size: int, accelerator: Any,
                    problem_type: str) -> tuple[torch.Tensor, float]:
-    """Logits for every example (in order) and the mean loss per example."""
+    """Logits for every example (in order) and the mean loss per example (0.0 for examples without labels)."""
     was = model.training
     model.eval()
     order = sorted(range(len(feats)), key=lambda i: -len(feats[i]["input_ids"]))
@@ -259,7 +297,8 @@ def predict_logits(model: Any, feats: list[dict[str, Any]], collate: Any, batch_
         batch = {k: v.to(accelerator.device) for k, v in collate([feats[i] for i in idx]).items()}
         with accelerator.autocast():
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
-        total += loss_from_logits(logits, batch["labels"], problem_type).item()
+        if "labels" in batch:  # unlabelled rows (surefit predict) have logits only
+            total += loss_from_logits(logits, batch["labels"], problem_type).item()
         for j, i in enumerate(idx):
             out[i] = logits[j].cpu()
     model.train(was)
@@ -314,6 +353,7 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     from accelerate.utils import set_seed
     from transformers import AutoTokenizer
 
+    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
     out = Path(cfg.output_dir)
     set_seed(cfg.seed)
@@ -346,26 +386,12 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     except Exception as e:  # noqa: BLE001
         raise ModelError(Problem(f"cannot load the tokenizer of {source.name}: {type(e).__name__}: {e}", "--model")) from e
     model = build_model(cfg, path, spec, say)
-    if tokenizer.pad_token_id is None:
-        # Decoder-only backbones often lack a pad token; padding is masked by attention_mask, and the classifier
-        # finds the last real token through config.pad_token_id, so both must agree.
-        tokenizer.pad_token = tokenizer.eos_token
-        say(f"tokenizer has no pad token; using EOS ({tokenizer.eos_token!r}) for padding")
-    config = getattr(model, "config", None) or model.backbone.config
-    if getattr(config, "pad_token_id", None) is None:
-        config.pad_token_id = tokenizer.pad_token_id
-
-    max_len = cfg.max_seq_length
-    limit = getattr(config, "max_position_embeddings", None)
-    if limit and max_len > limit:
-        say(f"--max_seq_length {max_len} exceeds the model's {limit} positions; using {limit}")
-        max_len = limit
-    accepted = set(inspect.signature(model.forward).parameters)
-    tokenizer_keys = [k for k in tokenizer("a").keys()]
+    max_len, tokenizer_keys, accepted = model_inputs(cfg, model, tokenizer, say)
     keys = [k for k in tokenizer_keys if k in accepted]
     table = column_table(train_rows + val_rows, fields, spec, tokenizer_keys, accepted, type(model).__name__)
     say("columns:\n" + _render_table(table))
-    (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
+    if is_main_process():
+        (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
 
     train_feats, train_rep = encode(train_rows, tokenizer, fields, spec, max_len, keys, "train")
     val_feats, val_rep = encode(val_rows, tokenizer, fields, spec, max_len, keys, "validation")
@@ -374,30 +400,35 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
             say(f"{rep['split']}: {rep['truncated']} of {rep['rows']} texts truncated to {max_len} tokens "
                 f"(longest {rep['longest_tokens']}; e.g. {', '.join(rep['truncated_rows'][:3])})")
     report["encoding"] = {"train": train_rep, "validation": val_rep}
-    (out / "data_report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    if is_main_process():
+        (out / "data_report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
 
     if cfg.gradient_checkpointing:
         target = model.backbone if cfg.head else model
         enable_gradient_checkpointing(target, lora=cfg.lora_r > 0)
         say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
-    accelerator = make_accelerator(cfg.precision)
+    accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
     say(f"model {source.name}; precision {accelerator.mixed_precision}; device {accelerator.device}; "
         f"batch {cfg.batch_size} = micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum}")
 
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id,
                           stack_keys=("labels",) if spec.problem_type == "multi" else ())
-    doctor_report = check(model, tokenizer, train_feats, val_feats, collate, args={"batch_size": cfg.micro_batch_size},
-                   task="classify")
+    doctor_report = run_doctor(lambda: check(model, tokenizer, train_feats, val_feats, collate,
+                                             args={"batch_size": cfg.micro_batch_size}, task="classify"))
     gate(doctor_report, cfg, say, out, doctor_only)
-    log = MetricsLog(out / "metrics.jsonl")
-    (out / "predictions").mkdir(exist_ok=True)
+    plan = plan_run(cfg, model, accelerator, features=train_feats, lengths=[len(f["input_ids"]) for f in train_feats],
+                    counts=[1] * len(train_feats), collate=collate, loss_fn=make_loss_fn(spec.problem_type),
+                    eval_lengths=[len(f["input_ids"]) for f in val_feats], lora=cfg.lora_r > 0, say=say, out=out)
+    log = open_metrics_log(cfg, out, accelerator)
+    if is_main_process():
+        (out / "predictions").mkdir(exist_ok=True)
     first, second = HEADLINE[spec.problem_type]
 
     def evaluate(m: Any, epoch: int) -> dict[str, Any]:
         logits, loss = shrink_on_oom(
             lambda bs: predict_logits(m, val_feats, collate, bs, accelerator, spec.problem_type),
-            cfg.resolved_eval_batch_size, "evaluation", say)
+            plan.eval_batch_size, "evaluation", say)
         metrics, preds = scores(logits, val_feats, spec)
         with (out / "predictions" / f"epoch_{epoch}.jsonl").open("w", encoding="utf-8") as fh:
             for row, pred in zip(val_rows, preds, strict=True):
@@ -424,7 +455,7 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=save_model, resume_from=resume_from, resume_command=resume_command(cfg))
 
-    settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+    settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size,
                             lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
                             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, log_every=cfg.log_every)
     try:
@@ -435,4 +466,5 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
         log.close()
     final = save_final(out, lambda d: save_model(model, d))
     say(f"saved {'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer to {final}")
+    write_run_report(out, accelerator, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": report}

@@ -22,19 +22,23 @@ from torch import nn
 from surefit.config import CustomConfig
 from surefit.data.tensors import TensorData, load_tensor_data
 from surefit.doctor import check
-from surefit.doctor.gate import gate
+from surefit.doctor.gate import gate, run_doctor
 from surefit.doctor.shapes import diagnose, trace
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_input_problems
 from surefit.heads import load_factory
 from surefit.tasks.classify import _render_table
-from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, fit, make_accelerator
+from surefit.training.distributed import is_main_process, on_main
+from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
+from surefit.training.plan import plan_run
 from surefit.training.run import (
     check_output_dir,
+    open_metrics_log,
     quiet_libraries,
     resume_command,
     resume_point,
     save_final,
     start_output_dir,
+    write_run_report,
 )
 
 # ------------------------------------------------------------------------------------------------------------ protocol
@@ -110,6 +114,37 @@ class Caller:
             # A model's own loss is taken as the mean over its batch; times n makes it a sum over examples.
             return loss.float() * n, n  # type: ignore[union-attr]
         return loss_sum_from_logits(logits, batch[self.cfg.labels_key], self.cfg.loss), n  # type: ignore[arg-type]
+
+
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """``(train_idx, val_idx)``: a seeded split by index (tensor rows are independent examples)."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    n_val = max(1, round(n * val_fraction))
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def model_batch(source: TensorData, indices: list[int], caller: Caller) -> dict[str, torch.Tensor]:
+    """The rows' arrays that the forward (or surefit's loss) uses; the others never leave the data."""
+    batch = source.batch(indices)
+    return {k: v for k, v in batch.items() if k in caller.passed or k == caller.cfg.labels_key}
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, caller: Caller, source: TensorData, indices: list[int], batch_size: int,
+              accelerator: Any) -> float:
+    """Mean loss per example over ``indices`` of ``source`` (after each epoch, and by ``surefit eval``)."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, len(indices), batch_size):
+        part = indices[start : start + batch_size]
+        batch = {k: v.to(accelerator.device) for k, v in model_batch(source, part, caller).items()}
+        with accelerator.autocast():
+            loss_sum, k = caller(model, batch)
+        total += loss_sum.item()
+        count += k
+    model.train(was)
+    return total / max(count, 1)
 
 
 # ------------------------------------------------------------------------------------------------------------ checks
@@ -208,6 +243,7 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
     from accelerate.utils import set_seed
     from safetensors.torch import save_model
 
+    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
     set_seed(cfg.seed)
     early: list[Problem] = []
@@ -267,46 +303,33 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
     takes_labels = cfg.labels_key in forward_protocol(model, [cfg.labels_key])[1]
     rows = _Rows(data, [k for k in keys if k in caller.passed or (k == cfg.labels_key and takes_labels)])
     checked = _AsCalled(model, caller) if mode == "single" else model
-    doctor_report = check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size}, task="custom")
+    doctor_report = run_doctor(lambda: check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size},
+                                             task="custom"))
     gate(doctor_report, cfg, say, None, doctor_only)
 
     # Split by index when there is no validation folder: tensor rows are independent examples.
     n = len(data)
     if val is None:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-        n_val = max(1, round(n * cfg.val_fraction))
-        val_idx, train_idx = sorted(order[:n_val]), sorted(order[n_val:])
+        train_idx, val_idx = split_indices(n, cfg.val_fraction, cfg.seed)
         val_source = data
         say(f"split {n} examples -> {len(train_idx)} train / {len(val_idx)} validation (val_fraction "
             f"{cfg.val_fraction}, seed {cfg.seed})")
     else:
         train_idx, val_idx, val_source = list(range(n)), list(range(len(val))), val
     out = start_output_dir(cfg, previous, say)
-    (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
+    if is_main_process():
+        (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
 
-    accelerator = make_accelerator(cfg.precision)
+    accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
     say(f"model {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters); precision "
         f"{accelerator.mixed_precision}; batch {cfg.batch_size} = micro-batch {cfg.micro_batch_size} x accumulation "
         f"{cfg.grad_accum}")
 
     def to_batch(indices: list[int], source: TensorData) -> dict[str, torch.Tensor]:
-        batch = source.batch(indices)
-        return {k: v for k, v in batch.items() if k in caller.passed or k == cfg.labels_key}
+        return model_batch(source, indices, caller)
 
-    @torch.no_grad()
     def evaluate(m: Any, epoch: int) -> dict[str, Any]:
-        was = m.training
-        m.eval()
-        total, count = 0.0, 0
-        bs = cfg.resolved_eval_batch_size
-        for start in range(0, len(val_idx), bs):
-            batch = {k: v.to(accelerator.device) for k, v in to_batch(val_idx[start : start + bs], val_source).items()}
-            with accelerator.autocast():
-                loss_sum, k = caller(m, batch)
-            total += loss_sum.item()
-            count += k
-        m.train(was)
-        avg = total / max(count, 1)
+        avg = mean_loss(m, caller, val_source, val_idx, plan.eval_batch_size, accelerator)
         if epoch == 0:
             say(f"epoch 0/{cfg.epochs}  avg_valid_loss={avg:.4f}")
         return {"eval_loss": avg, "avg_valid_loss": avg}
@@ -322,8 +345,11 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
         (folder / "surefit_model.json").write_text(json.dumps({"factory": cfg.model, "model_args": model_args},
                                                               indent=2), encoding="utf-8")
 
-    log = MetricsLog(out / "metrics.jsonl")
-    settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+    log = open_metrics_log(cfg, out, accelerator)
+    plan = plan_run(cfg, model, accelerator, features=train_idx, lengths=[1] * len(train_idx),
+                    counts=[1] * len(train_idx), collate=lambda idx: to_batch(list(idx), data), loss_fn=caller,
+                    say=say, out=out)
+    settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size,
                             lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
                             max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, log_every=cfg.log_every)
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
@@ -336,5 +362,6 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
         log.close()
     final = save_final(out, lambda d: export(model, d))
     say(f"saved the model (safetensors) and its factory spec to {final}")
+    write_run_report(out, accelerator, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": {"train_rows": len(train_idx),
             "val_rows": len(val_idx), "arrays": {k: list(v.shape) for k, v in data.arrays.items()}}}

@@ -20,22 +20,26 @@ from surefit.data.rows import Row
 from surefit.data.sources import Rejected, check_text_fields, read_splits
 from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.doctor import check
-from surefit.doctor.gate import gate
+from surefit.doctor.gate import gate, run_doctor
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.training.loop import Checkpointing, LoopSettings, MetricsLog, evaluate_loss, fit, make_accelerator
+from surefit.training.distributed import is_main_process, on_main
+from surefit.training.loop import Checkpointing, LoopSettings, evaluate_loss, fit, make_accelerator
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
+from surefit.training.plan import plan_run
 from surefit.training.run import (
     check_output_dir,
+    open_metrics_log,
     quiet_libraries,
     resume_command,
     resume_point,
     save_final,
     start_output_dir,
     write_rejected,
+    write_run_report,
 )
 
 
@@ -126,6 +130,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     """
     from accelerate.utils import set_seed
 
+    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
     out = Path(cfg.output_dir)
     set_seed(cfg.seed)
@@ -161,7 +166,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
             say(f"  excluded {where}: {why}")
         if len(rep.excluded) > 10:
             say(f"  ... and {len(rep.excluded) - 10} more (all listed in {out / 'excluded_rows.jsonl'})")
-    if excluded:
+    if excluded and is_main_process():
         with (out / "excluded_rows.jsonl").open("w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(e) + "\n" for e in excluded)
     empty = [
@@ -178,7 +183,8 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
         r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"} | {"excluded": len(r.excluded)}
         for r in (train_rep, val_rep)
     }
-    (out / "data_report.json").write_text(json.dumps(data_report, indent=2, default=str), encoding="utf-8")
+    if is_main_process():
+        (out / "data_report.json").write_text(json.dumps(data_report, indent=2, default=str), encoding="utf-8")
 
     # -- model
     model = load_causal_lm(path, source, cfg.trust_remote_code)
@@ -186,7 +192,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
         enable_gradient_checkpointing(model, lora=cfg.lora_r > 0)
         say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
-    accelerator = make_accelerator(cfg.precision)
+    accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
     max_new = cfg.max_new_tokens or train_rep.longest_target + 4
     say(
         f"model {source.name}; precision {accelerator.mixed_precision}; device {accelerator.device}; "
@@ -197,47 +203,29 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
     # Generation pads on the left (eval/generate.py does it by hand); the saved tokenizer says so too.
     tokenizer.padding_side = "left"
-    doctor_report = check(model, tokenizer, [e.features() for e in train_ex], [e.features() for e in val_ex], collate,
-                   args={"batch_size": cfg.micro_batch_size, "max_length": cfg.max_seq_length, "generation": True},
-                   task="sft")
+    doctor_report = run_doctor(lambda: check(
+        model, tokenizer, [e.features() for e in train_ex], [e.features() for e in val_ex], collate,
+        args={"batch_size": cfg.micro_batch_size, "max_length": cfg.max_seq_length, "generation": True}, task="sft"))
     gate(doctor_report, cfg, say, out, doctor_only)
-    eval_bs = cfg.resolved_eval_batch_size
-    eos_ids = sorted({tokenizer.eos_token_id} | _extra_eos(model))
-    log = MetricsLog(out / "metrics.jsonl")
-    (out / "predictions").mkdir(exist_ok=True)
+    plan = plan_run(cfg, model, accelerator, features=[e.features() for e in train_ex],
+                    lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex],
+                    collate=collate, loss_fn=causal_lm_loss_sum, eval_lengths=[len(e.input_ids) for e in val_ex],
+                    generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0, say=say,
+                    out=out)
+    eval_bs = plan.eval_batch_size
+    eos_ids = eos_token_ids(model, tokenizer)
+    log = open_metrics_log(cfg, out, accelerator)
+    if is_main_process():
+        (out / "predictions").mkdir(exist_ok=True)
 
     def evaluate(m: Any, epoch: int) -> dict[str, Any]:
-        loss = evaluate_loss(
-            m,
-            [e.features() for e in val_ex],
-            [len(e.input_ids) for e in val_ex],
-            loss_fn=causal_lm_loss_sum,
-            collate=collate,
-            batch_size=eval_bs,
-            accelerator=accelerator,
-            say=say,
-        )
-        generated = shrink_on_oom(
-            lambda bs: greedy_generate(
-                accelerator.unwrap_model(m),
-                [e.prompt_ids for e in val_ex],
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_ids=eos_ids,
-                max_new_tokens=max_new,
-                batch_size=bs,
-                device=accelerator.device,
-                autocast=accelerator.autocast,
-            ),
-            eval_bs,
-            "generation",
-            say,
-        )
-        preds = [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
-        golds = [_golds(e.row, cfg.target_field) for e in val_ex]
-        scores = squad_scores(preds, golds)
+        metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
+                                                  eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=eval_bs,
+                                                  accelerator=accelerator, say=say)
         _write_predictions(out / "predictions" / f"epoch_{epoch}.jsonl", val_ex, preds, golds, cfg.input_field)
-        say(f"epoch {epoch}/{cfg.epochs}  eval_f1={scores['f1']:.4f}  eval_em={scores['em']:.4f}  eval_loss={loss:.4f}")
-        return {"eval_loss": loss, "eval_f1": scores["f1"], "eval_em": scores["em"]}
+        say(f"epoch {epoch}/{cfg.epochs}  eval_f1={metrics['eval_f1']:.4f}  eval_em={metrics['eval_em']:.4f}  "
+            f"eval_loss={metrics['eval_loss']:.4f}")
+        return metrics
 
     def save_model(m: Any, folder: Path) -> None:
         accelerator.unwrap_model(m).save_pretrained(folder, safe_serialization=True)
@@ -248,7 +236,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     settings = LoopSettings(
         epochs=cfg.epochs,
         batch_size=cfg.batch_size,
-        micro_batch_size=cfg.micro_batch_size,
+        micro_batch_size=plan.micro_batch_size,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         warmup_ratio=cfg.warmup_ratio,
@@ -277,7 +265,62 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     final = save_final(out, lambda d: save_model(model, d))
     kind = "LoRA adapter (load with peft)" if cfg.lora_r else "full model (load with transformers)"
     say(f"saved {kind} and tokenizer to {final}")
+    write_run_report(out, accelerator, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": data_report}
+
+
+def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
+                   max_new_tokens: int, batch_size: int, accelerator: Any, say=print) -> list[str]:
+    """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch)."""
+    generated = shrink_on_oom(
+        lambda bs: greedy_generate(
+            accelerator.unwrap_model(model),
+            prompts,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_ids=eos_token_ids,
+            max_new_tokens=max_new_tokens,
+            batch_size=bs,
+            device=accelerator.device,
+            autocast=accelerator.autocast,
+        ),
+        batch_size,
+        "generation",
+        say,
+    )
+    return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
+
+
+def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
+                      eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
+                      say=print) -> tuple[dict[str, float], list[str], list[list[str]]]:
+    """Validation loss (per supervised token) and SQuAD F1 / exact match of greedy generations.
+
+    Used after every epoch of training and by ``surefit eval``, so both report the same numbers.
+
+    Returns:
+        ``({"eval_loss", "eval_f1", "eval_em"}, predictions, gold answers per example)``.
+    """
+    collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
+    loss = evaluate_loss(
+        model,
+        [e.features() for e in examples],
+        [len(e.input_ids) for e in examples],
+        loss_fn=causal_lm_loss_sum,
+        collate=collate,
+        batch_size=batch_size,
+        accelerator=accelerator,
+        say=say,
+    )
+    preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
+                           max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say)
+    golds = [_golds(e.row, target_field) for e in examples]
+    scores = squad_scores(preds, golds)
+    return {"eval_loss": loss, "eval_f1": scores["f1"], "eval_em": scores["em"]}, preds, golds
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS and those of the model's generation config."""
+    return sorted({tokenizer.eos_token_id} | _extra_eos(model))
 
 
 def _extra_eos(model: Any) -> set[int]:
@@ -291,13 +334,21 @@ def _extra_eos(model: Any) -> set[int]:
 
 def _write_predictions(path: Path, examples: list[Example], preds: list[str], golds: list[list[str]], input_field: str) -> None:
     with path.open("w", encoding="utf-8") as fh:
-        for ex, pred, gold in zip(examples, preds, golds, strict=True):
-            rec = {
-                "where": ex.row.where,
-                "input": ex.row.fields[input_field],
-                "gold": gold,
-                "prediction": pred,
-                "f1": max(token_f1(pred, g) for g in gold),
-                "em": max(exact_match(pred, g) for g in gold),
-            }
+        for rec in prediction_records(examples, preds, golds, input_field):
             fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
+
+
+def prediction_records(examples: list[Example], preds: list[str], golds: list[list[str]],
+                       input_field: str) -> list[dict[str, Any]]:
+    """Per example: where it came from, input, gold answers, prediction, F1 and EM (``predictions/epoch_N.jsonl``)."""
+    return [
+        {
+            "where": ex.row.where,
+            "input": ex.row.fields[input_field],
+            "gold": gold,
+            "prediction": pred,
+            "f1": max(token_f1(pred, g) for g in gold),
+            "em": max(exact_match(pred, g) for g in gold),
+        }
+        for ex, pred, gold in zip(examples, preds, golds, strict=True)
+    ]

@@ -4,6 +4,11 @@ Loss normalisation (DESIGN principle 5): each optimizer step's gradient is the m
 (token, for language models) in the whole accumulated batch, across micro-batches and processes. Each micro-batch's
 loss sum is divided by the step's global count before ``backward``; DDP averages gradients over processes, so the
 loss is also multiplied by the number of processes to turn that average back into the global sum.
+
+Several processes (DDP): every process walks the same global steps (``--batch_size`` is the global batch) and trains
+on its share of each step (:func:`~surefit.data.sampling.deal`), in micro-batches of at most the settings' size, so
+micro-batch x accumulation x processes covers each step exactly and the run is the same run as on one process. Only
+the main process evaluates, logs and writes checkpoints; ``training/distributed.py`` says who waits where.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from typing import Any
 
 import torch
 
-from surefit.data.sampling import micro_batches, step_batches
+from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
+from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
+from surefit.training.trackers import Trackers
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -45,13 +52,22 @@ class LoopSettings:
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON object per line, flushed as written so a crashed run keeps what it logged."""
+    """``metrics.jsonl``: one JSON object per line, flushed as written so a crashed run keeps what it logged.
 
-    def __init__(self, path: str | Path):
+    Args:
+        trackers: also send each record's numbers to these experiment trackers (``--report_to``).
+        after_epoch: called after each epoch record is written (e.g. to redraw ``curves.png``); a failure there is
+            reported, never fatal to training.
+    """
+
+    def __init__(self, path: str | Path, trackers: Trackers | None = None,
+                 after_epoch: Callable[[], None] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", encoding="utf-8")
         self._t0 = time.time()
+        self.trackers = trackers
+        self.after_epoch = after_epoch
 
     def bytes_written(self) -> int:
         self._fh.flush()
@@ -62,14 +78,39 @@ class MetricsLog:
         self._fh.flush()
         self._fh.truncate(size)
         self._fh.seek(size)
+        if self.trackers is not None:
+            # The trackers already hold the interrupted process's later points: TensorBoard drops them from here on.
+            self.trackers.start(purge_step=_last_step(self.path, size) + 1)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {**record, "time": round(time.time() - self._t0, 3)}
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
+        if self.after_epoch is not None and record.get("type") == "epoch":
+            try:
+                self.after_epoch()
+            except Exception as e:  # noqa: BLE001 - a plot must not stop training; say so and go on
+                print(f"warning: could not refresh the run's curves: {type(e).__name__}: {e}", file=sys.stderr)
 
     def close(self) -> None:
         self._fh.close()
+        if self.trackers is not None:
+            self.trackers.finish()
+
+
+def _last_step(path: Path, size: int) -> int:
+    """The highest global step among the first ``size`` bytes of a metrics.jsonl (0 when none)."""
+    with path.open("rb") as fh:
+        head = fh.read(size)
+    steps = [0]
+    for line in head.decode("utf-8", errors="replace").splitlines():
+        try:
+            steps.append(int(json.loads(line).get("step") or 0))
+        except (ValueError, AttributeError, TypeError):
+            continue
+    return max(steps)
 
 
 def resolve_precision(precision: str) -> str:
@@ -81,10 +122,37 @@ def resolve_precision(precision: str) -> str:
     return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
 
 
-def make_accelerator(precision: str) -> Any:
+def make_accelerator(precision: str, *, report_to: Sequence[str] = (), project_dir: str | Path | None = None) -> Any:
+    """The run's accelerator; ``report_to`` names experiment trackers (``tensorboard``, ``wandb``), which log under
+    ``project_dir`` (TensorBoard: ``project_dir/tensorboard``)."""
     from accelerate import Accelerator
 
-    return Accelerator(mixed_precision=resolve_precision(precision))
+    if not report_to:
+        return Accelerator(mixed_precision=resolve_precision(precision), **_process_settings())
+    from accelerate.utils import ProjectConfiguration
+
+    from surefit.training.trackers import TENSORBOARD_DIR
+
+    folder = Path(project_dir or ".")
+    project = ProjectConfiguration(project_dir=str(folder), logging_dir=str(folder / TENSORBOARD_DIR))
+    return Accelerator(mixed_precision=resolve_precision(precision), log_with=list(report_to), project_config=project,
+                       **_process_settings())
+
+
+def _process_settings() -> dict[str, Any]:
+    """How several processes are set up (no effect on one process).
+
+    ``cpu``: without a GPU, accelerate only forms a group of CPU processes (gloo) when told it runs on the CPU.
+    ``find_unused_parameters``: decided in ``fit`` (:func:`unused_parameters`) before the model is wrapped.
+    ``timeout``: the others wait while the main process evaluates.
+    """
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    from surefit.training.distributed import WAIT, cpu_processes
+
+    return {"cpu": cpu_processes(),
+            "kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True),
+                                InitProcessGroupKwargs(timeout=WAIT)]}
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -114,6 +182,10 @@ class Checkpointing:
     before_commit: Callable[[Path], None] | None = None
 
 
+class OutOfMemoryInSync(SurefitError):
+    title = "out of memory"
+
+
 class TrainingInterrupted(SurefitError):
     """SIGINT/SIGTERM: the current step was finished and saved; the message shows how to resume."""
 
@@ -125,10 +197,15 @@ class TrainingInterrupted(SurefitError):
 
 
 class _StopSignal:
-    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one stops at once."""
+    """Turns the first SIGINT/SIGTERM into a request to stop after the current step; a second one stops at once.
 
-    def __init__(self) -> None:
+    With several processes, the launcher (torchrun) passes a signal on to every process once; the processes agree
+    after each step whether any of them was asked to stop (see ``fit``), so they stop at the same step.
+    """
+
+    def __init__(self, announce: bool = True) -> None:
         self.requested: str | None = None
+        self.announce = announce
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _StopSignal:
@@ -141,8 +218,9 @@ class _StopSignal:
         if self.requested is not None:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
-        print(f"\n{self.requested}: finishing the current step, then saving a checkpoint (again to stop at once)",
-              file=sys.stderr)
+        if self.announce:
+            print(f"\n{self.requested}: finishing the current step, then saving a checkpoint (again to stop at once)",
+                  file=sys.stderr)
 
     def __exit__(self, *exc: Any) -> None:
         for sig, handler in self._old.items():
@@ -181,6 +259,10 @@ def fit(
         on_epoch: called with each epoch's complete record (training and evaluation figures) before it is logged;
             it may add keys.
 
+    With several processes, ``evaluate`` runs on the main process only, on the unwrapped model (the DDP wrapper's
+    forward is a collective: called on one process it would wait for the others forever), while the others wait for
+    its result; ``log`` and checkpoints are written by the main process only.
+
     Returns:
         One record per evaluation (epoch 0 first).
 
@@ -198,7 +280,29 @@ def fit(
     total_steps = steps_per_epoch * settings.epochs
     warmup = int(settings.warmup_ratio * total_steps)
     scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    _refuse_sharded(accelerator)
+    if world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
+        unused = unused_parameters(model, features, collate, loss_fn, accelerator)
+        # DDP must be told about parameters that get no gradient, or it fails at the next step; looking for them
+        # walks the autograd graph every step, so only when there are some.
+        accelerator.ddp_handler.find_unused_parameters = bool(unused)
+        if unused:
+            say(f"{len(unused)} trainable parameters get no gradient (e.g. {unused[0]}): DDP looks for them every step")
     model, optimizer = accelerator.prepare(model, optimizer)
+    world, main = accelerator.num_processes, accelerator.is_main_process
+    if world != world_size():
+        raise SurefitError(Problem(
+            f"the launcher started {world_size()} processes (WORLD_SIZE), but accelerate formed a group of {world}: "
+            "each process would train alone", "accelerate config",
+            "launch with torchrun, accelerate launch, or surefit train --num_processes N, with a matching config"))
+    micro, accum = process_micro_batches(settings.batch_size, settings.micro_batch_size, world)
+    if world > 1:
+        say(describe_processes(settings.batch_size, settings.micro_batch_size, world))
+
+    def run_evaluate(epoch: int) -> dict[str, Any]:
+        if world == 1:
+            return evaluate(model, epoch)
+        return share_from_main(evaluate(accelerator.unwrap_model(model), epoch) if main else None)
 
     # Position and running sums of the epoch in progress; a checkpoint stores them so a resumed epoch reports the
     # same train_loss as an uninterrupted one.
@@ -211,15 +315,20 @@ def fit(
                                 scheduler=scheduler, scaler=getattr(accelerator, "scaler", None))
         history, pos = state["history"], state["position"]
         guard.load(state.get("oom", {}))
-        log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
+        if main:
+            log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
         say(f"resumed from {checkpointing.resume_from}: epoch {pos['epoch']}, step {pos['step_in_epoch']} of "
             f"{steps_per_epoch} (global step {pos['global_step']})")
     else:
-        record = {"type": "epoch", "epoch": 0, **evaluate(model, 0)}
-        log.write(record)
+        record = {"type": "epoch", "epoch": 0, **run_evaluate(0)}
+        if main:
+            log.write(record)
         history.append(record)
 
     def checkpoint(name: str, export: bool) -> Path:
+        if not main:
+            barrier()  # the main process writes it; every process goes on once it is complete
+            return checkpointing.folder / name
         folder = save_checkpoint(
             checkpointing.folder / name,
             model=accelerator.unwrap_model(model),
@@ -231,17 +340,17 @@ def fit(
             state={"global_step": pos["global_step"], "position": pos, "micro_step": 0, "history": history,
                    "oom": guard.state(),
                    "metrics_bytes": log.bytes_written(),
-                   "plan": {"batch_size": settings.batch_size, "micro_batch_size": settings.micro_batch_size,
-                            "grad_accum": settings.batch_size // settings.micro_batch_size,
+                   "plan": {"batch_size": settings.batch_size, "micro_batch_size": micro, "grad_accum": accum,
                             "mixed_precision": str(accelerator.mixed_precision),
                             "processes": accelerator.num_processes}},
             export=(lambda d: checkpointing.export(model, d)) if export and checkpointing.export else None,
             before_commit=checkpointing.before_commit,
         )
         prune(checkpointing.folder, checkpointing.keep, say)
+        barrier()
         return folder
 
-    with _StopSignal() as stop:
+    with _StopSignal(announce=main) as stop:
         while pos["epoch"] <= settings.epochs:
             epoch = pos["epoch"]
             model.train()
@@ -249,15 +358,20 @@ def fit(
             # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
             tty = sys.stderr.isatty()
             bar = tqdm(total=len(batches), initial=pos["step_in_epoch"], desc=f"epoch {epoch}/{settings.epochs}",
-                       unit="step", dynamic_ncols=True, mininterval=0.5 if tty else 30.0)
+                       unit="step", dynamic_ncols=True, mininterval=0.5 if tty else 30.0, disable=not main)
             for step_indices in batches[pos["step_in_epoch"] :]:
                 t0 = time.perf_counter()
-                n_local = sum(counts[i] for i in step_indices)
+                n_items = sum(counts[i] for i in step_indices)
                 step_loss = accumulate_step(
                     model, features, step_indices, lengths, counts,
-                    micro_batch_size=settings.micro_batch_size, loss_fn=loss_fn, collate=collate,
+                    micro_batch_size=micro, loss_fn=loss_fn, collate=collate,
                     accelerator=accelerator, guard=guard, say=say,
                 )
+                # One exchange per step: the step's loss over every process's share, and whether any process was
+                # asked to stop (so that all of them stop after the same step).
+                step_loss, stops = sum_over_processes([step_loss, float(stop.requested is not None)],
+                                                      accelerator.device)
+                stop_now = stops > 0
                 grad_norm = None
                 if settings.max_grad_norm > 0:
                     grad_norm = float(accelerator.clip_grad_norm_(params, settings.max_grad_norm))
@@ -269,28 +383,29 @@ def fit(
                 pos["global_step"] += 1
                 pos["step_in_epoch"] += 1
                 pos["loss_sum"] += step_loss
-                pos["items"] += n_local
+                pos["items"] += n_items
                 pos["tokens"] += tokens
                 pos["examples"] += len(step_indices)
                 pos["seconds"] += dt
                 pos["window_loss"] += step_loss
-                pos["window_items"] += n_local
-                bar.set_postfix(loss=f"{step_loss / max(n_local, 1):.4f}", tok_s=f"{tokens / max(dt, 1e-9):.0f}",
+                pos["window_items"] += n_items
+                bar.set_postfix(loss=f"{step_loss / max(n_items, 1):.4f}", tok_s=f"{tokens / max(dt, 1e-9):.0f}",
                                 refresh=False)
                 bar.update(1)
-                if pos["global_step"] % settings.log_every == 0:
+                if pos["global_step"] % settings.log_every == 0 and main:
                     log.write({"type": "step", "step": pos["global_step"], "epoch": epoch,
                                "loss": pos["window_loss"] / max(pos["window_items"], 1),
                                "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                                "tokens_per_s": tokens / max(dt, 1e-9), "oom_splits": guard.splits})
+                if pos["global_step"] % settings.log_every == 0:
                     pos["window_loss"], pos["window_items"] = 0.0, 0
                 last_of_epoch = pos["step_in_epoch"] == len(batches)
-                if stop.requested and not last_of_epoch:
+                if stop_now and not last_of_epoch:
                     bar.close()
                     folder = checkpoint(f"step-{pos['global_step']:07d}", export=False)
                     raise TrainingInterrupted(Problem(
-                        f"stopped by {stop.requested} after epoch {epoch}, step {pos['step_in_epoch']} of "
-                        f"{len(batches)}; checkpoint saved to {folder}",
+                        f"stopped by {stop.requested or 'a signal to another process'} after epoch {epoch}, step "
+                        f"{pos['step_in_epoch']} of {len(batches)}; checkpoint saved to {folder}",
                         fix=f"resume with: {checkpointing.resume_command}"))
                 if checkpointing.save_every and pos["global_step"] % checkpointing.save_every == 0 and not last_of_epoch:
                     checkpoint(f"step-{pos['global_step']:07d}", export=False)
@@ -305,18 +420,93 @@ def fit(
                 "examples_seen": pos["examples"],
                 "oom_splits": guard.splits,
             }
-            record.update(evaluate(model, epoch))
+            record.update(run_evaluate(epoch))
             if on_epoch is not None:
                 on_epoch(record)
-            log.write(record)
+            if main:
+                log.write(record)
             history.append(record)
             pos.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, items=0, tokens=0, seconds=0.0, examples=0)
             folder = checkpoint(f"epoch-{epoch}", export=True)
-            if stop.requested and epoch < settings.epochs:
+            # A signal may have come during the evaluation: agree again, so no process goes on alone.
+            stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
+            if stop_now and epoch < settings.epochs:
                 raise TrainingInterrupted(Problem(
-                    f"stopped by {stop.requested} at the end of epoch {epoch}; checkpoint saved to {folder}",
+                    f"stopped by {stop.requested or 'a signal to another process'} at the end of epoch {epoch}; "
+                    f"checkpoint saved to {folder}",
                     fix=f"resume with: {checkpointing.resume_command}"))
     return history
+
+
+def process_micro_batches(batch_size: int, micro_batch_size: int, processes: int) -> tuple[int, int]:
+    """``(micro-batch, accumulation)`` of one process: its share of a step is at most ``ceil(batch / processes)``
+    examples, cut into micro-batches of at most ``micro_batch_size`` (the most one process runs at once).
+
+    One process: ``(micro_batch_size, batch_size / micro_batch_size)``, as configured.
+    """
+    share = math.ceil(batch_size / processes)
+    micro = max(1, min(micro_batch_size, share))
+    return micro, math.ceil(share / micro)
+
+
+def describe_processes(batch_size: int, micro_batch_size: int, processes: int) -> str:
+    """How a global batch is split over processes and micro-batches, and what was done where it does not divide."""
+    micro, accum = process_micro_batches(batch_size, micro_batch_size, processes)
+    share, extra = divmod(batch_size, processes)
+    if micro * accum * processes == batch_size:
+        return (f"{processes} processes: batch {batch_size} = micro-batch {micro} x accumulation {accum} x "
+                f"{processes} processes (each step's examples are dealt to the processes by tokens; the same run as "
+                "one process)")
+    if not extra:
+        dealt = f"{share} to each process"
+    elif extra == 1:
+        dealt = f"{share + 1} to one process, {share} to the other{'s' if processes > 2 else ''}"
+    else:
+        dealt = f"{share + 1} to {extra} processes, {share} to the other{'s' if processes - extra > 1 else ''}"
+    cut = " + ".join(str(min(micro, share + (extra > 0) - i)) for i in range(0, share + (extra > 0), micro))
+    return (f"{processes} processes: batch {batch_size} is not micro-batch x accumulation x processes exactly; it "
+            f"stays {batch_size}: each step's examples are dealt by tokens ({dealt}) and cut into micro-batches of "
+            f"at most {micro} (the largest share runs as {cut}). The loss is normalised by the whole step's count, so the update is the "
+            "one a single process would make; a last step with fewer examples than processes leaves some without "
+            "any (they run a zero-weight pass)")
+
+
+def unused_parameters(model: Any, features: Sequence[dict[str, Any]], collate: Callable[[list[dict[str, Any]]], Any],
+                      loss_fn: LossFn, accelerator: Any) -> list[str]:
+    """Trainable parameters that a forward and backward of the first example leave without a gradient (a pooler under
+    a head that ignores it, say). The random generators and the buffers (BatchNorm statistics) are put back."""
+    model.to(accelerator.device)
+    model.zero_grad(set_to_none=True)
+    device = torch.device(accelerator.device)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=devices):
+        batch = _to_device(collate([features[0]]), device)
+        with accelerator.autocast():
+            loss, _ = loss_fn(model, batch)
+        loss.backward()
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    return names
+
+
+def _refuse_sharded(accelerator: Any) -> None:
+    """FSDP and DeepSpeed shard parameters or optimizer states across processes; the loop's checkpoints, evaluation
+    and saving read them whole on the main process, which would save a shard as if it were the model."""
+    kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
+    if kind in ("FSDP", "DEEPSPEED"):
+        from surefit.errors import ConfigError
+
+        raise ConfigError(Problem(
+            f"accelerate is set up for {kind}, which surefit does not train with yet: its checkpoints, evaluation and "
+            "final save read the whole model and optimizer on the main process, and under "
+            f"{kind} each process holds only a shard of them",
+            "accelerate config",
+            "launch with a DDP config (examples/accelerate/multi-gpu.yaml, multi-node.yaml), torchrun, or "
+            "surefit train --num_processes N"))
 
 
 def accumulate_step(
@@ -340,30 +530,51 @@ def accumulate_step(
     exact: a micro-batch that runs out of memory is split in halves and the step is redone from zero gradients
     (an error mid-backward can leave half-accumulated gradients, so they are discarded rather than trusted).
 
+    ``step_indices`` is the whole step. With several processes this one trains on its share of it
+    (:func:`~surefit.data.sampling.deal`, which every process computes alike), and the count that normalises the loss
+    is the whole step's, known to every process without communication. Each process runs exactly one synchronising
+    backward per step (its last micro-batch; the others run under ``no_sync``), whatever its number of micro-batches;
+    a process whose share is empty (a last step with fewer examples than processes) runs a zero-weight pass over one
+    of the step's examples, which takes part in the gradient all-reduce and adds nothing to it.
+
     Returns:
-        The step's loss sum on this process (divide by the step's item count for the mean).
+        The step's loss sum on this process (sum it over processes, then divide by the step's item count).
     """
     guard = guard or OOMGuard(inject=set())
     world = accelerator.num_processes
     n_global = sum(counts[i] for i in step_indices)
+    share = list(step_indices)
     if world > 1:
-        n_global = int(accelerator.reduce(torch.tensor(n_global, device=accelerator.device), "sum"))
-    parts = guard.plan(micro_batches(step_indices, micro_batch_size, lengths), lengths)
+        share = deal(share, lengths, world)[accelerator.process_index]
+    idle = not share
+    scale = 0.0 if idle else world / max(n_global, 1)
+    parts = [[step_indices[0]]] if idle else guard.plan(micro_batches(share, micro_batch_size, lengths), lengths)
     while True:
-        step_loss, failed, batch = 0.0, None, None
+        step_loss, failed, batch, in_sync_backward = 0.0, None, None, False
         for j, part in enumerate(parts):
             try:
                 guard.tick()
                 batch = _to_device(collate([features[i] for i in part]), accelerator.device)
                 # Gradients are only all-reduced on the last micro-batch of a step.
-                sync = nullcontext() if j == len(parts) - 1 else accelerator.no_sync(model)
+                last = j == len(parts) - 1
+                sync = nullcontext() if last else accelerator.no_sync(model)
                 with sync, accelerator.autocast():
                     loss_sum, _ = loss_fn(model, batch)
-                accelerator.backward(loss_sum * (world / max(n_global, 1)))
-                step_loss += loss_sum.item()  # note: a device->host sync, once per micro-batch
+                in_sync_backward = last
+                accelerator.backward(loss_sum * scale)
+                in_sync_backward = False
+                if not idle:
+                    step_loss += loss_sum.item()  # note: a device->host sync, once per micro-batch
             except Exception as e:  # noqa: BLE001 - out-of-memory is recovered below; anything else is re-raised
                 if not is_oom(e):
                     raise
+                if world > 1 and in_sync_backward:
+                    # This backward's all-reduce may have started with the other processes: it cannot be redone.
+                    raise OutOfMemoryInSync(Problem(
+                        f"out of memory in the synchronising backward pass of a micro-batch of {len(part)} examples "
+                        f"on process {accelerator.process_index}; with several processes only the step's other "
+                        "micro-batches (and forward passes) can be split and redone", "--grad_accum",
+                        "raise --grad_accum (smaller micro-batches), or turn on --gradient_checkpointing")) from e
                 failed = j
                 break
         if failed is None:

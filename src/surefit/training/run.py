@@ -10,18 +10,27 @@ from typing import Any
 from surefit.config import save_config
 from surefit.errors import Problem
 from surefit.training.checkpoint import latest_checkpoint, verify
+from surefit.training.distributed import barrier, is_main_process, world_size
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = ("metrics.jsonl", "predictions", "checkpoints", "final", "data_report.json", "excluded_rows.jsonl",
-             "columns.json", "rejected_rows.jsonl")
+             "columns.json", "rejected_rows.jsonl", "curves.png", "report.html", "tensorboard",
+             "memory_plan.json")
 
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
-RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size"}
+RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
+                     "report_to",
+                     # the memory plan changes how a step is cut, never the update (training/plan.py)
+                     "gpu_memory_gb", "grad_accum", "gradient_checkpointing"}
 
 
 def check_output_dir(cfg: Any, problems: list[Problem]) -> list[str]:
-    """The previous run's files in ``--output_dir``; a problem unless ``--overwrite`` or ``--resume`` was given."""
+    """The previous run's files in ``--output_dir``; a problem unless ``--overwrite`` or ``--resume`` was given.
+
+    With several processes, every process looks before any of them goes on: after this, the main process writes
+    into the folder, and a slower process would otherwise take the new run's files for a previous run's.
+    """
     out = Path(cfg.output_dir)
     previous = [name for name in RUN_FILES if (out / name).exists()]
     if previous and not cfg.overwrite and not cfg.resume:
@@ -32,6 +41,7 @@ def check_output_dir(cfg: Any, problems: list[Problem]) -> list[str]:
                 "pass a new --output_dir, --resume to continue it, or --overwrite to replace it",
             )
         )
+    barrier()
     return previous
 
 
@@ -65,10 +75,16 @@ def resume_point(cfg: Any, problems: list[Problem], say: Callable[[str], None] =
 
 
 def start_output_dir(cfg: Any, previous: list[str], say: Callable[[str], None] = print) -> Path:
-    """Make the run folder; with ``--overwrite``, remove the previous run first; save the resolved config."""
+    """Make the run folder; with ``--overwrite``, remove the previous run first; save the resolved config.
+
+    Only the main process does it; the others wait until it is done.
+    """
     out = Path(cfg.output_dir)
     if cfg.resume:
         return out  # the run's own config.yaml stays as it was written when the run started
+    if not is_main_process():
+        barrier()
+        return out
     for name in previous:
         target = out / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
@@ -76,28 +92,63 @@ def start_output_dir(cfg: Any, previous: list[str], say: Callable[[str], None] =
         say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
     out.mkdir(parents=True, exist_ok=True)
     save_config(cfg, out / "config.yaml")
+    barrier()
     return out
 
 
 def resume_command(cfg: Any) -> str:
-    return f"surefit train --config {Path(cfg.output_dir) / 'config.yaml'} --resume"
+    processes = f" --num_processes {world_size()}" if world_size() > 1 else ""
+    return f"surefit train --config {Path(cfg.output_dir) / 'config.yaml'} --resume{processes}"
 
 
 def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
-    """Write ``final/`` atomically (temporary folder, then rename)."""
+    """Write ``final/`` atomically (temporary folder, then rename); the main process writes, the others wait."""
     final, tmp = out / "final", out / "final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    save_model(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    if is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_model(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    barrier()
     return final
+
+
+def open_metrics_log(cfg: Any, out: Path, accelerator: Any) -> Any:
+    """``OUTPUT/metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after each epoch.
+
+    ``accelerator`` must come from ``make_accelerator(..., report_to=cfg.trackers, project_dir=out)``.
+    """
+    from surefit.training.loop import MetricsLog
+    from surefit.training.trackers import Trackers
+
+    main = getattr(accelerator, "is_main_process", True)
+    trackers = Trackers(accelerator, cfg, out) if getattr(accelerator, "log_with", None) else None
+    after_epoch = None
+    if main:
+        from surefit.report import write_curves
+
+        after_epoch = lambda: write_curves(out)  # noqa: E731
+    return MetricsLog(out / "metrics.jsonl", trackers=trackers, after_epoch=after_epoch)
+
+
+def write_run_report(out: Path, accelerator: Any = None, say: Callable[[str], None] = print) -> None:
+    """At the end of a run: ``curves.png`` and ``report.html`` (main process only; ``surefit report`` rebuilds them)."""
+    if accelerator is not None and not getattr(accelerator, "is_main_process", True):
+        return
+    from surefit.report import write_report
+
+    try:
+        write_report(out, say=say)
+    except Exception as e:  # noqa: BLE001 - the model is saved; a page that cannot be drawn must not fail the run
+        say(f"warning: could not write {out / 'report.html'}: {type(e).__name__}: {e} "
+            f"(retry with: surefit report --run {out})")
 
 
 def write_rejected(cfg: Any, rejects: list, say: Callable[[str], None] = print) -> None:
     """With ``--on_bad_rows skip``: every dropped row, with its location and reason, in ``rejected_rows.jsonl``."""
     import json
 
-    if not rejects:
+    if not rejects or not is_main_process():
         return
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
