@@ -140,7 +140,6 @@ def test_frozen_weights_in_bf16_compute_the_same_numbers_under_autocast(tiny):
 def test_a_planned_run_trains_the_same_weights_and_saves_its_plan(tiny_lm_dir, tmp_path):
     """End to end: a budget that halves the micro-batch gives the same training losses as no budget."""
     from conftest import qa_rows
-
     from surefit.cli import main
 
     data = tmp_path / "train.jsonl"

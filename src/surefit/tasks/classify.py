@@ -30,7 +30,7 @@ from surefit.models import resolve_model
 from surefit.training.distributed import is_main_process, on_main
 from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
-from surefit.training.plan import plan_run
+from surefit.training.plan import plan_run, precision_name
 from surefit.training.run import (
     check_output_dir,
     open_metrics_log,
@@ -409,8 +409,8 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
         say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
     accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
-    say(f"model {source.name}; precision {accelerator.mixed_precision}; device {accelerator.device}; "
-        f"batch {cfg.batch_size} = micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum}")
+    say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device} (the batch is "
+        "cut as the memory plan below says)")
 
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id,
                           stack_keys=("labels",) if spec.problem_type == "multi" else ())

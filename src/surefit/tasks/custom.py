@@ -29,7 +29,7 @@ from surefit.heads import load_factory
 from surefit.tasks.classify import _render_table
 from surefit.training.distributed import is_main_process, on_main
 from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
-from surefit.training.plan import plan_run
+from surefit.training.plan import plan_run, precision_name
 from surefit.training.run import (
     check_output_dir,
     open_metrics_log,
@@ -322,8 +322,7 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
 
     accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
     say(f"model {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters); precision "
-        f"{accelerator.mixed_precision}; batch {cfg.batch_size} = micro-batch {cfg.micro_batch_size} x accumulation "
-        f"{cfg.grad_accum}")
+        f"{precision_name(accelerator)}; device {accelerator.device}")
 
     def to_batch(indices: list[int], source: TensorData) -> dict[str, torch.Tensor]:
         return model_batch(source, indices, caller)

@@ -29,7 +29,7 @@ from surefit.training.distributed import is_main_process, on_main
 from surefit.training.loop import Checkpointing, LoopSettings, evaluate_loss, fit, make_accelerator
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
-from surefit.training.plan import plan_run
+from surefit.training.plan import plan_run, precision_name
 from surefit.training.run import (
     check_output_dir,
     open_metrics_log,
@@ -195,8 +195,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
     max_new = cfg.max_new_tokens or train_rep.longest_target + 4
     say(
-        f"model {source.name}; precision {accelerator.mixed_precision}; device {accelerator.device}; "
-        f"batch {cfg.batch_size} = micro-batch {cfg.micro_batch_size} x accumulation {cfg.grad_accum}; "
+        f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device}; "
         f"eval generates up to {max_new} tokens"
     )
 

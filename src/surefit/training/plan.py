@@ -512,7 +512,7 @@ def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
 # ------------------------------------------------------------------------------------------------ for the tasks
 
 
-def _precision_name(accelerator: Any) -> str:
+def precision_name(accelerator: Any) -> str:
     """accelerate calls fp32 "no"; users set and read "fp32"."""
     name = str(accelerator.mixed_precision)
     return "fp32" if name == "no" else name
@@ -565,7 +565,7 @@ def plan_run(
     plan = run_with_restored_rng(
         lambda: make_plan(model, work, batch_size=cfg.batch_size, processes=accelerator.num_processes,
                           requested_micro=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
-                          precision=_precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
+                          precision=precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
                           budget=budget, lora=lora, device=accelerator.device))
     say(plan.render())
     if out is not None and accelerator.is_main_process:
