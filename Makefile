@@ -1,12 +1,13 @@
 # Two entry points, both doing all set-up on a fresh machine and both idempotent:
 #   make demo   - LoRA instruction tuning of the embedded SmolLM2-135M-Instruct on a SQuAD sample
 #   make test   - the test suite
+#   make bench-sft / make bench-classify - the side-by-side CPU benchmarks (BENCH_ARGS="--quick" for a smoke run)
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.surefit-setup
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean bench-setup bench-sft bench-classify
 
 setup: $(STAMP)
 
@@ -26,6 +27,23 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The benchmarks' anchors (TRL) come in with the `bench` extra. torch==2.13.0 is named again so that the resolver
+# keeps the local CPU wheel whatever TRL declares.
+BENCH_STAMP := $(VENV)/.surefit-bench
+BENCH_ARGS ?=
+
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+bench-sft: bench-setup
+	$(PY) benchmarks/cpu_sft.py $(BENCH_ARGS)
+
+bench-classify: bench-setup
+	$(PY) benchmarks/cpu_classify.py $(BENCH_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check src tests

@@ -1,0 +1,622 @@
+"""CPU instruction-tuning benchmark: surefit against the Hugging Face Trainer and TRL's SFTTrainer, side by side.
+
+Same model (the embedded SmolLM2-135M-Instruct, fp32 weights), same data (the first N SQuAD rows of
+../shared/data/squad/dev-v1.1-part-a.json), same prompt (surefit's DEFAULT_TEMPLATE for everyone), same
+hyperparameters (LoRA r=16 / alpha 32 / dropout 0.05 on q,k,v,o,gate,up,down; batch 4; max length 384; AdamW lr 2e-4,
+cosine schedule with 5% warmup, clipping 1.0, no weight decay; one epoch; seed 0), each configuration in its own
+process:
+
+    surefit               surefit's defaults (precision auto = fp32 on CPU)
+    surefit_bf16          surefit --precision bf16 (autocast, fp32 master weights)
+    trainer_seq2seq       transformers.Trainer + DataCollatorForSeq2Seq + length grouping, fp32 (Trainer's default)
+    trainer_seq2seq_bf16  the same with bf16=True (CPU autocast)
+    trl_sft               trl.SFTTrainer on a prompt/completion dataset at TRL's defaults (bf16=True and
+                          gradient_checkpointing=True are TRL's defaults; completion-only loss is its default for
+                          prompt/completion data)
+    trl_sft_fp32          the same with bf16=False, gradient_checkpointing=False (the Trainer's defaults)
+    trl_sft_bf16          the same with bf16=True, gradient_checkpointing=False (TRL given bf16, without its
+                          default checkpointing: its fastest setting here)
+    seeds_trainer         reference: Trainer + DataCollatorForLanguageModeling, labels = the full text (as people do;
+                          the loss is on every token, so its loss is not comparable)
+
+    .venv/bin/python benchmarks/cpu_sft.py                       # --rows 64, every configuration
+    .venv/bin/python benchmarks/cpu_sft.py --rows 256
+    .venv/bin/python benchmarks/cpu_sft.py --only surefit,trainer_seq2seq --quick
+    .venv/bin/python benchmarks/cpu_sft.py --eval-speed          # surefit: per-epoch F1 evaluation vs training epoch
+
+Writes benchmarks/results/cpu_sft.md and .json (--rows 64), cpu_sft_256.md/.json (other --rows), or
+cpu_sft_eval.md/.json (--eval-speed); --quick writes into its work folder only, unless --out is given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import benchlib  # noqa: E402  (next to this file; its import time starts each worker's set-up clock)
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+BATCH, MAX_LEN, LR, EPOCHS, SEED = 4, 384, 2e-4, 1, 0
+LORA_R, LORA_ALPHA, LORA_DROPOUT, WARMUP_RATIO = 16, 32, 0.05, 0.05
+
+# name -> (kind, options, one-line description)
+CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
+    "surefit": ("surefit", {}, "surefit defaults (precision auto = fp32 on CPU)"),
+    "surefit_bf16": ("surefit", {"precision": "bf16"}, "surefit --precision bf16"),
+    "trainer_seq2seq": ("seq2seq", {"bf16": False}, "Trainer + DataCollatorForSeq2Seq + length grouping, fp32"),
+    "trainer_seq2seq_bf16": ("seq2seq", {"bf16": True}, "the same, bf16=True"),
+    "trl_sft": ("trl", {}, "TRL SFTTrainer, prompt/completion, TRL defaults"),
+    "trl_sft_fp32": ("trl", {"bf16": False, "gradient_checkpointing": False}, "TRL, bf16=False, no grad. checkpointing"),
+    "trl_sft_bf16": ("trl", {"bf16": True, "gradient_checkpointing": False}, "TRL, bf16=True, no grad. checkpointing"),
+    "seeds_trainer": ("seeds", {}, "reference: Trainer, labels = full text (LM collator), fp32"),
+}
+ANCHORS_DEFAULT = ["trainer_seq2seq", "trl_sft"]  # each anchor at its own defaults
+ANCHORS_ALL = ["trainer_seq2seq", "trainer_seq2seq_bf16", "trl_sft", "trl_sft_fp32", "trl_sft_bf16"]
+NUMERIC = ["train_seconds", "setup_seconds", "peak_rss_mb", "final_loss", "eval_seconds_epoch1", "process_seconds"]
+
+
+# ================================================================================================== parent: data
+
+
+def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """Read the SQuAD rows once (with surefit's reader, so every configuration trains on the same rows), encode them
+    with surefit's encoder for the reference token counts, and write the files the workers read."""
+    from surefit.data.encode import DEFAULT_TEMPLATE, build_prompt_format, encode_rows
+    from surefit.data.sampling import step_batches
+    from surefit.data.sources import read_rows
+    from surefit.models import load_tokenizer, model_folder, resolve_model
+
+    source = resolve_model(None)
+    path = model_folder(source, log=print)  # converts the GGUF once (cached), outside every timed run
+    tok, _ = load_tokenizer(path, source)
+    problems: list = []
+    squad = Path(args.shared) / "squad" / "dev-v1.1-part-a.json"
+    rows = read_rows(squad, problems)
+    if problems:
+        raise SystemExit(f"cannot read {squad}: {problems}")
+    n_val = args.val_rows
+    train, val = rows[: args.rows], rows[-n_val:]
+    assert args.rows + n_val <= len(rows), "train and validation rows would overlap"
+    fmt = build_prompt_format(tok)
+    examples, report = encode_rows(train, tok, fmt, max_seq_length=MAX_LEN)
+    if len(examples) != len(train):
+        raise SystemExit(f"{len(train) - len(examples)} rows excluded by encoding; pick other rows")
+    with (workdir / "train.jsonl").open("w", encoding="utf-8") as fh, \
+            (workdir / "encoded.jsonl").open("w", encoding="utf-8") as fe:
+        for ex in examples:
+            r = ex.row.fields
+            # The input as it survives truncation, for the configurations that tokenize text themselves (TRL, the
+            # seeds' recipe): they then see the same tokens instead of cutting the answer off the right end.
+            kept = ex.input_ids[len(fmt.prefix_ids) : ex.prompt_len - len(fmt.suffix_ids)]
+            fit_text = r["input"] if len(kept) == len(tok(r["input"], add_special_tokens=False)["input_ids"]) \
+                else tok.decode(kept)
+            fh.write(json.dumps({"input": r["input"], "target": r["target"], "answers": r["answers"],
+                                 "input_fit": fit_text}) + "\n")
+            fe.write(json.dumps({"input_ids": ex.input_ids, "labels": ex.labels}) + "\n")
+    with (workdir / "val.jsonl").open("w", encoding="utf-8") as fh:
+        for row in val:
+            r = row.fields
+            fh.write(json.dumps({"input": r["input"], "target": r["target"], "answers": r["answers"]}) + "\n")
+    lengths = [len(e.input_ids) for e in examples]
+    steps = math.ceil(len(examples) / BATCH)
+    # surefit's padded size, by replaying its own batch plan (epoch 1, seed 0): the trainers' is counted as it runs.
+    surefit_padded = sum(max(lengths[i] for i in b) * len(b) for b in step_batches(lengths, BATCH, SEED, 1))
+    spec = {
+        "model_path": str(path), "template": DEFAULT_TEMPLATE, "rows": len(examples), "val_rows": len(val),
+        "steps": steps, "warmup_steps": int(WARMUP_RATIO * steps * EPOCHS),  # surefit's rule: int(ratio * total)
+        "ref_tokens": report.tokens, "ref_supervised": report.supervised_tokens, "truncated": report.truncated,
+        "tokens_cut": report.tokens_cut, "longest": max(lengths), "surefit_padded": surefit_padded,
+        "eos": tok.eos_token, "pad": tok.pad_token, "squad": str(squad), "val_source": f"last {len(val)} rows of {squad}",
+    }
+    (workdir / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
+    return spec
+
+
+# ================================================================================================== workers
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    """surefit through its Python API. Its own metrics.jsonl gives the training time (``time_per_epoch``: the sum of
+    its step times, evaluation and checkpointing excluded) and the token-weighted ``train_loss``. Evaluation seconds
+    are not logged by surefit, so its two evaluation functions are wrapped here with a timer (nothing else changes)."""
+    import surefit
+    import surefit.tasks.sft as sft
+
+    marks: dict[str, Any] = {"fit_start": None, "evals": []}
+    original_fit, original_loss, original_gen = sft.fit, sft.evaluate_loss, sft.greedy_generate
+
+    def fit(*a: Any, **k: Any) -> Any:
+        marks["fit_start"] = time.perf_counter()
+        benchlib.PHASES.switch("train")
+        try:
+            return original_fit(*a, **k)
+        finally:
+            benchlib.PHASES.switch("after")
+
+    def timed(kind: str, fn: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            if kind == "loss":  # an evaluation starts with its loss pass and ends with its generation
+                benchlib.PHASES.switch("eval")
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                marks["evals"].append((kind, time.perf_counter() - t0))
+                if kind == "generate":  # after the epoch-0 evaluation comes training; after the last, the save
+                    benchlib.PHASES.switch("train" if len(marks["evals"]) == 2 else "after")
+        return wrapper
+
+    def apply_lora(*a: Any, **k: Any) -> Any:
+        model = original_lora(*a, **k)
+        marks["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        return model
+
+    original_lora = sft._apply_lora
+    sft._apply_lora = apply_lora
+    sft.fit = fit
+    sft.evaluate_loss = timed("loss", original_loss)
+    sft.greedy_generate = timed("generate", original_gen)
+    out = workdir / f"run-{name}"
+    shutil.rmtree(out, ignore_errors=True)
+    settings = dict(task="sft", data=str(workdir / "train.jsonl"), val_data=str(workdir / "val.jsonl"),
+                    epochs=EPOCHS, batch_size=BATCH, max_seq_length=MAX_LEN, lora_r=LORA_R, lora_alpha=LORA_ALPHA,
+                    lora_dropout=LORA_DROPOUT, lr=LR, warmup_ratio=WARMUP_RATIO, seed=SEED, output_dir=str(out),
+                    **opts)
+    t0 = time.perf_counter()
+    result = surefit.train(**settings)
+    t_end = time.perf_counter()
+    records = _read_jsonl(out / "metrics.jsonl")
+    epochs = [r for r in records if r.get("type") == "epoch"]
+    final = epochs[-1]
+    # Evaluation seconds per evaluation (loss + generation), in order: epoch 0, then epoch 1.
+    per_eval: list[float] = []
+    for i in range(0, len(marks["evals"]) - 1, 2):
+        per_eval.append(marks["evals"][i][1] + marks["evals"][i + 1][1])
+    # The same from metrics.jsonl alone: the epoch-1 record is written after training and its evaluation.
+    eval1_from_log = (final["time"] - epochs[0]["time"] - final["time_per_epoch"]) if len(epochs) > 1 else None
+    return {
+        "kind": "surefit", "settings": {k: v for k, v in settings.items() if k not in ("data", "val_data")},
+        "precision": opts.get("precision", "auto"),
+        "train_seconds": final["time_per_epoch"],
+        "surefit_tokens_per_s": final["train_tokens_per_s"],
+        "final_loss": final["train_loss"],
+        "loss_definition": "surefit train_loss: token-weighted mean over the epoch of the answer+EOS tokens",
+        "setup_seconds": marks["fit_start"] - benchlib.T_PROCESS,
+        "api_seconds": t_end - t0,
+        "eval_seconds": per_eval,
+        "eval_seconds_epoch1": per_eval[1] if len(per_eval) > 1 else None,
+        "eval_split_epoch1": {k: s for k, s in marks["evals"][2:4]} if len(marks["evals"]) >= 4 else None,
+        "eval1_seconds_from_metrics_log": eval1_from_log,
+        "eval_f1": [e.get("eval_f1") for e in epochs],
+        "steps": final["step"],
+        "examples_seen": final.get("examples_seen"),
+        "tokens_real": result.data_report["encoding"]["train"]["tokens"],
+        "tokens_supervised_seen": result.data_report["encoding"]["train"]["supervised_tokens"],
+        "tokens_padded": spec["surefit_padded"],
+        "trainable_params": marks.get("trainable"),
+    }
+
+
+def _load_model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, set_seed
+
+    set_seed(SEED)
+    tok = AutoTokenizer.from_pretrained(spec["model_path"])
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(spec["model_path"], dtype=torch.float32)
+    return model, tok
+
+
+def _lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=LORA_DROPOUT, target_modules=LORA_TARGETS,
+                      task_type="CAUSAL_LM")
+
+
+def _common_args(spec: dict[str, Any], workdir: Path, name: str) -> dict[str, Any]:
+    """The hyperparameters every Trainer-based configuration shares with surefit; everything else is the trainer's
+    own default (optimizer implementation, sampler unless stated, dataloader, logging)."""
+    return dict(output_dir=str(workdir / f"hf-{name}"), per_device_train_batch_size=BATCH, num_train_epochs=EPOCHS,
+                learning_rate=LR, lr_scheduler_type="cosine", warmup_steps=spec["warmup_steps"], weight_decay=0.0,
+                max_grad_norm=1.0, seed=SEED, use_cpu=True, save_strategy="no", eval_strategy="no", report_to="none",
+                logging_steps=10)
+
+
+def _run_trainer(trainer: Any, collator: benchlib.CountingCollator, timer: Any, bf16: bool, warm: bool,
+                 extra_reset: Any = None) -> dict[str, Any]:
+    """Warm up (optional, undone), then time ``trainer.train()`` and gather what it did."""
+    benchlib.PHASES.switch("warmup")
+    warm_s = benchlib.warm_up(trainer, bf16) if warm else 0.0
+    collator.reset()
+    trainer.bench_reset()
+    if extra_reset is not None:
+        extra_reset()
+    t_setup_end = time.perf_counter()
+    benchlib.PHASES.switch("train")
+    out = trainer.train()
+    t_end = time.perf_counter()
+    benchlib.PHASES.switch("after")
+    model = trainer.model
+    return {
+        "train_seconds": timer.seconds,
+        "train_call_seconds": t_end - t_setup_end,
+        "trainer_train_runtime": out.metrics.get("train_runtime"),
+        "trainer_reported_loss": out.metrics.get("train_loss"),
+        "final_loss": trainer.bench_loss,
+        "loss_tokens": trainer.bench_items,
+        "steps": trainer.state.global_step,
+        "setup_seconds": t_setup_end - benchlib.T_PROCESS - warm_s,
+        "warmup_seconds": warm_s,
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        **collator.counts(),
+    }
+
+
+def worker_seq2seq(name: str, opts: dict[str, Any], spec: dict[str, Any], workdir: Path, warm: bool) -> dict[str, Any]:
+    """Trainer + DataCollatorForSeq2Seq on the exact token ids and labels surefit encodes (-100 over the prompt)."""
+    from datasets import Dataset
+    from peft import get_peft_model
+    from transformers import DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    model, tok = _load_model_and_tokenizer(spec)
+    model = get_peft_model(model, _lora_config())
+    enc = _read_jsonl(workdir / "encoded.jsonl")
+    ds = Dataset.from_list([{"input_ids": e["input_ids"], "attention_mask": [1] * len(e["input_ids"]),
+                             "labels": e["labels"]} for e in enc])
+    args = TrainingArguments(**_common_args(spec, workdir, name), bf16=opts["bf16"],
+                             train_sampling_strategy="group_by_length")
+    collator = benchlib.CountingCollator(DataCollatorForSeq2Seq(tok, label_pad_token_id=-100))
+    timer = benchlib.make_epoch_timer()
+    trainer = benchlib.recording(Trainer)(model=model, args=args, train_dataset=ds, data_collator=collator,
+                                          processing_class=tok, callbacks=[timer])
+    res = _run_trainer(trainer, collator, timer, opts["bf16"], warm)
+    return {"kind": "seq2seq", "precision": "bf16 autocast" if opts["bf16"] else "fp32", **res,
+            "loss_definition": "token-weighted mean over the epoch of the answer+EOS tokens",
+            "resolved": {"bf16": args.bf16, "optim": str(args.optim), "sampler": args.train_sampling_strategy,
+                         "gradient_checkpointing": args.gradient_checkpointing}}
+
+
+def _render(spec: dict[str, Any], text: str) -> str:
+    return spec["template"].replace("{input}", text)
+
+
+def worker_trl(name: str, opts: dict[str, Any], spec: dict[str, Any], workdir: Path, warm: bool) -> dict[str, Any]:
+    """TRL SFTTrainer on a prompt/completion dataset (the prompt is surefit's template filled in)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    model, tok = _load_model_and_tokenizer(spec)
+    rows = _read_jsonl(workdir / "train.jsonl")
+    ds = Dataset.from_list([{"prompt": _render(spec, r["input_fit"]), "completion": r["target"]} for r in rows])
+    args = SFTConfig(**_common_args(spec, workdir, name), max_length=MAX_LEN, **opts)
+    timer = benchlib.make_epoch_timer()
+    trainer = benchlib.recording(SFTTrainer)(model=model, args=args, train_dataset=ds, processing_class=tok,
+                                             peft_config=_lora_config(), callbacks=[timer])
+    collator = benchlib.CountingCollator(trainer.data_collator)
+    trainer.data_collator = collator
+
+    def reset_trl_metrics() -> None:  # the warm-up step went through TRL's compute_loss, which keeps metrics
+        for d in trainer._metrics.values():
+            d.clear()
+        trainer._total_train_tokens = 0
+
+    bf16 = bool(args.bf16)
+    res = _run_trainer(trainer, collator, timer, bf16, warm, reset_trl_metrics)
+    return {"kind": "trl", "precision": ("bf16 autocast" if bf16 else "fp32")
+            + (" + grad. checkpointing" if args.gradient_checkpointing else ""), **res,
+            "loss_definition": "token-weighted mean over the epoch of the completion tokens (completion + EOS)",
+            "resolved": {"bf16": args.bf16, "gradient_checkpointing": args.gradient_checkpointing,
+                         "completion_only_loss": trainer.completion_only_loss, "optim": str(args.optim),
+                         "packing": args.packing, "padding_free": args.padding_free, "max_length": args.max_length}}
+
+
+def worker_seeds(name: str, opts: dict[str, Any], spec: dict[str, Any], workdir: Path, warm: bool) -> dict[str, Any]:
+    """The common recipe: tokenize prompt + answer + EOS as one text, DataCollatorForLanguageModeling(mlm=False)
+    copies input_ids into labels (and, the pad token being EOS here, masks the EOS label as padding)."""
+    from datasets import Dataset
+    from peft import get_peft_model
+    from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+    model, tok = _load_model_and_tokenizer(spec)
+    model = get_peft_model(model, _lora_config())
+    rows = _read_jsonl(workdir / "train.jsonl")
+    texts = [_render(spec, r["input_fit"]) + r["target"] + tok.eos_token for r in rows]
+    enc = tok(texts, truncation=True, max_length=MAX_LEN)
+    ds = Dataset.from_dict({"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    args = TrainingArguments(**_common_args(spec, workdir, name))
+    collator = benchlib.CountingCollator(DataCollatorForLanguageModeling(tok, mlm=False))
+    timer = benchlib.make_epoch_timer()
+    trainer = benchlib.recording(Trainer)(model=model, args=args, train_dataset=ds, data_collator=collator,
+                                          processing_class=tok, callbacks=[timer])
+    res = _run_trainer(trainer, collator, timer, False, warm)
+    return {"kind": "seeds", "precision": "fp32", **res,
+            "loss_definition": "token-weighted mean over the epoch of EVERY non-pad token (prompt included; EOS "
+                               "masked because pad == EOS): not comparable with the others",
+            "resolved": {"bf16": args.bf16, "optim": str(args.optim), "sampler": args.train_sampling_strategy}}
+
+
+def worker_main(name: str, workdir: Path, warm: bool) -> None:
+    spec = json.loads((workdir / "spec.json").read_text(encoding="utf-8"))
+    kind, opts, _ = CONFIGS[name]
+    if kind == "surefit":
+        rec = worker_surefit(name, opts, spec, workdir)
+    elif kind == "seq2seq":
+        rec = worker_seq2seq(name, opts, spec, workdir, warm)
+    elif kind == "trl":
+        rec = worker_trl(name, opts, spec, workdir, warm)
+    else:
+        rec = worker_seeds(name, opts, spec, workdir, warm)
+    benchlib.write_result(workdir, name, rec)
+
+
+# ================================================================================================== report
+
+
+def _tps(rec: dict[str, Any], key: str, spec: dict[str, Any]) -> float | None:
+    s = rec.get("train_seconds")
+    return spec[key] / s if s else None
+
+
+def _trainable_line(ok: dict[str, dict[str, Any]]) -> str:
+    counts = {n: r.get("trainable_params") for n, r in ok.items()}
+    if len(set(counts.values())) == 1:
+        return f"Trainable (LoRA) parameters: {benchlib.fmt(next(iter(counts.values())))} in every configuration."
+    return "Trainable (LoRA) parameters: " + ", ".join(f"{n} {benchlib.fmt(v)}" for n, v in counts.items()) + "."
+
+
+def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machine: dict[str, Any],
+                 args: argparse.Namespace, started: str) -> tuple[list[str], dict[str, Any]]:
+    ok = {n: r for n, r in results.items() if "error" not in r}
+    for r in ok.values():
+        r["tokens_per_s"] = _tps(r, "ref_tokens", spec)
+        r["supervised_tokens_per_s"] = _tps(r, "ref_supervised", spec)
+
+    goals, verdicts = benchlib.goal_rows(ok, ANCHORS_DEFAULT, ANCHORS_ALL, unit="tok/s")
+    sf = ok.get("surefit")
+
+    md = [
+        f"# cpu_sft: surefit vs Trainer vs TRL, {spec['rows']} SQuAD rows" + (" (QUICK smoke run)" if args.quick else ""),
+        "",
+        f"Embedded SmolLM2-135M-Instruct (fp32 weights), the first {spec['rows']} rows of `{Path(spec['squad']).name}`, "
+        f"LoRA r={LORA_R} alpha={LORA_ALPHA} dropout={LORA_DROPOUT} on {', '.join(LORA_TARGETS)}, batch {BATCH}, max "
+        f"length {MAX_LEN}, AdamW lr {LR}, cosine with {spec['warmup_steps']} warmup step(s) (5%, surefit's rule), "
+        f"clipping 1.0, 1 epoch = {spec['steps']} steps, seed {SEED}. Every configuration ran in its own process, one "
+        f"after the other, on {started}. Prompt: surefit's `DEFAULT_TEMPLATE` for everyone.",
+        "",
+        f"Training set: {spec['ref_tokens']:,} tokens (prompt + answer + EOS, non-padding), {spec['ref_supervised']:,} "
+        f"of them supervised (answer + EOS); {spec['truncated']} prompt(s) truncated at {MAX_LEN} ({spec['tokens_cut']} "
+        f"input tokens cut from the left); longest example {spec['longest']} tokens. **tokens/s = {spec['ref_tokens']:,} "
+        f"/ training seconds and supervised tokens/s = {spec['ref_supervised']:,} / training seconds for every row**, "
+        "so the columns compare time for the same work.",
+        "",
+        "| config | what | precision | train s | tokens/s | supervised tok/s | peak RSS MB | final loss | "
+        "setup s | padding | tokens seen | surefit speed-up | others' CPU | training RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    sf_tps = sf["tokens_per_s"] if sf else None
+    for name in results:
+        r = results[name]
+        desc = CONFIGS[name][2]
+        if "error" in r:
+            md.append(f"| {name} | {desc} | - | FAILED: {r['error']} | | | | | | | | | | |")
+            continue
+        pad = r.get("tokens_padded")
+        real = r.get("tokens_real")
+        padding = f"{100 * (pad - real) / pad:.0f}%" if pad and real else "-"
+        rel = f"{sf_tps / r['tokens_per_s']:.2f}x" if sf_tps else "-"
+        loss = benchlib.fmt(r.get("final_loss"), 4) + (" *" if r["kind"] == "seeds" else "")
+        md.append(
+            f"| {name} | {desc} | {r.get('precision')} | {benchlib.fmt(r['train_seconds'])} | "
+            f"{benchlib.fmt(r['tokens_per_s'], 0)} | {benchlib.fmt(r['supervised_tokens_per_s'], 1)} | "
+            f"{benchlib.fmt(r['peak_rss_mb'], 0)} | {loss} | {benchlib.fmt(r.get('setup_seconds'))} | {padding} | "
+            f"{benchlib.fmt(real)} | {rel} | {benchlib.fmt(r.get('others_cpu_cores'), 1)} | "
+            f"{benchlib.fmt((r.get('peak_rss_by_phase_mb') or {}).get('train'), 0)} |")
+    md += [
+        "",
+        "\\* seeds_trainer's loss is over every non-padding token (prompt included, EOS masked as padding because the "
+        "pad token is EOS), so it is not comparable with the others (answer + EOS tokens only); its supervised "
+        "tok/s column still counts answer tokens, for the same work.",
+        "",
+        _trainable_line(ok),
+        "",
+        "## Goals (issue: surefit >= 2.5x the fastest anchor at defaults, >= 2x given bf16, RSS <= 0.7x, same loss)",
+        "",
+        "| goal | measured | target | result | detail |",
+        "|---|---|---|---|---|",
+        *goals,
+        "",
+        "Anchors: " + ", ".join(ANCHORS_ALL) + f"; at their defaults: {', '.join(ANCHORS_DEFAULT)} (TRL's defaults "
+        "include bf16 autocast and gradient checkpointing). seeds_trainer is a reference row, not an anchor.",
+        "",
+        "## How each number is measured",
+        "",
+        "- **train s**: the training epoch only. surefit: `time_per_epoch` from its `metrics.jsonl` (sum of its step "
+        "times: collation, forward, backward, clipping, optimizer; its epoch-0/epoch-1 evaluations and checkpoint "
+        "excluded). Trainers: a callback's `on_epoch_begin` to `on_epoch_end` (data loading, collation, steps, "
+        "logging). Model loading, tokenization and trainer construction are in **setup s** (process start to the "
+        "training call; for surefit, to the start of its `fit`, so its data checks, doctor and model load).",
+        "- Warm start: surefit's timed epoch follows its doctor dry run and its epoch-0 evaluation, which already ran "
+        "the model; each Trainer-based run first does one forward + backward on its first batch outside the timing, "
+        "with gradients zeroed and every RNG restored afterwards (`--no-warmup` turns this off).",
+        "- **others' CPU**: cores kept busy by other processes while the worker ran (machine busy time from "
+        "`/proc/stat` minus the worker's own CPU time, over its wall time); 0 on a quiet machine. With `--repeats N` "
+        "the training time is the fastest of the N runs and the other numbers their medians.",
+        "- **peak RSS**: the worker process's peak resident memory over its whole life (load, data, training, and for "
+        "surefit its evaluations and saves). **training RSS**: the peak while training only (for the trainers "
+        "`trainer.train()`; for surefit from its `fit` start to its epoch-0 evaluation and from the end of that "
+        "evaluation to the start of the next), from the kernel's high-water mark reset between phases "
+        "(`/proc/self/clear_refs`); every phase's peak is in the JSON (`peak_rss_by_phase_mb`).",
+        "- **final loss**: token-weighted mean of the training loss over the whole epoch, the definition of surefit's "
+        "`train_loss`. For the trainers a `compute_loss` override calls the original and records loss x items; "
+        "`trainer_reported_loss` (the Trainer's own mean of step means) is in the JSON.",
+        "- **padding**: share of the padded batch that is padding (trainers: counted by a wrapper around their "
+        "collator; surefit: its batch plan replayed with `step_batches`). **tokens seen**: non-padding tokens that "
+        "reached the model (TRL and seeds_trainer tokenize the text themselves, so a few tokens can differ where "
+        "tokens merge across the prompt/answer boundary).",
+        "- Data: Trainer + DataCollatorForSeq2Seq trains on the token ids and labels surefit's encoder produces "
+        "(identical tokens); TRL gets `{prompt: template(input), completion: answer}` and appends EOS itself; "
+        "seeds_trainer tokenizes `template(input) + answer + EOS` as one text. Rows whose prompt surefit truncates "
+        "are given to the text-based configurations with the input already cut the same way.",
+        "- surefit evaluates before and after the epoch (on "
+        f"{spec['val_rows']} held-out rows, {spec['val_source']}); the trainers do no evaluation.",
+        "",
+        *benchlib.machine_lines(machine, [r.get("load_before", []) for r in results.values()]
+                                + [r.get("load_after", []) for r in results.values()],
+                                [r.get("others_cpu_cores") for r in results.values()]),
+        "",
+        f"Command: `.venv/bin/python benchmarks/cpu_sft.py --rows {args.rows}"
+        + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + "`; "
+        "raw numbers (and each worker's resolved settings) in the `.json` next to this file.",
+        "",
+    ]
+    return md, {"verdicts": verdicts}
+
+
+# ================================================================================================== eval speed
+
+
+def eval_speed_report(spec: dict[str, Any], r: dict[str, Any], machine: dict[str, Any], started: str) -> list[str]:
+    if "error" in r:
+        return ["# cpu_sft eval speed", "", f"FAILED: {r['error']}", "", "```", *r.get("log_tail", []), "```", ""]
+    epoch = r["train_seconds"]
+    ev = r["eval_seconds"]
+    e1 = r["eval_seconds_epoch1"]
+    split = r.get("eval_split_epoch1") or {}
+    ok = e1 is not None and e1 < epoch
+    return [
+        f"# cpu_sft eval speed: per-epoch F1 evaluation of {spec['val_rows']} SQuAD rows vs one training epoch",
+        "",
+        f"surefit defaults (fp32 on CPU), embedded SmolLM2-135M-Instruct, LoRA r={LORA_R}, batch {BATCH}, max length "
+        f"{MAX_LEN}; trained one epoch on the first {spec['rows']} rows of `{Path(spec['squad']).name}`, evaluated "
+        f"(validation loss + batched greedy generation + SQuAD F1/EM) on {spec['val_rows']} other rows "
+        f"({spec['val_source']}), before training and after the epoch. Run on {started}.",
+        "",
+        "| measure | seconds |",
+        "|---|---|",
+        f"| one training epoch on {spec['rows']} rows (`time_per_epoch`) | {epoch:.1f} |",
+        f"| evaluation before training (epoch 0) | {ev[0]:.1f} |" if ev else "| evaluation at epoch 0 | - |",
+        f"| evaluation after the epoch (epoch 1) | {benchlib.fmt(e1)} |",
+        f"| of which validation loss / generation | {benchlib.fmt(split.get('loss'))} / "
+        f"{benchlib.fmt(split.get('generate'))} |",
+        f"| epoch-1 evaluation from metrics.jsonl timestamps alone | {benchlib.fmt(r.get('eval1_seconds_from_metrics_log'))} |",
+        "",
+        f"Goal (issue): the per-epoch F1 evaluation of {spec['val_rows']} rows takes less time than one training "
+        f"epoch on them: **{'PASS' if ok else 'FAIL'}** (evaluation / epoch = "
+        f"{(e1 / epoch if e1 else float('nan')):.2f}). F1 before / after: "
+        f"{', '.join(benchlib.fmt(x, 4) for x in r.get('eval_f1', []))}.",
+        "",
+        "surefit does not log evaluation seconds: `metrics.jsonl` has `time_per_epoch` (training) and a wall-clock "
+        "`time` per record, so evaluation time can only be inferred (the last row above: the epoch-1 record's `time` "
+        "minus the epoch-0 record's minus `time_per_epoch`). The other evaluation rows come from timers this script "
+        "wraps around `evaluate_loss` and `greedy_generate` (library code unchanged). An `eval_seconds` field in the "
+        "epoch record would make this direct.",
+        "",
+        *benchlib.machine_lines(machine, [r.get("load_before", []), r.get("load_after", [])],
+                                [r.get("others_cpu_cores")]),
+        "",
+        "Command: `.venv/bin/python benchmarks/cpu_sft.py --eval-speed`",
+        "",
+    ]
+
+
+# ================================================================================================== main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"), help="the shared data folder")
+    ap.add_argument("--rows", type=int, default=None,
+                    help="training rows: the first N SQuAD questions (default 64; --quick 8; --eval-speed 200)")
+    ap.add_argument("--val_rows", type=int, default=None, help="surefit's held-out rows (default 8; --eval-speed 200)")
+    ap.add_argument("--only", default=None, help=f"comma-separated configurations (of: {', '.join(CONFIGS)})")
+    ap.add_argument("--quick", action="store_true", help="smoke test: 8 rows (4 held out), results in the work folder")
+    ap.add_argument("--eval-speed", action="store_true",
+                    help="surefit only: its per-epoch F1 evaluation of 200 rows vs a training epoch on 200 rows")
+    ap.add_argument("--repeats", type=int, default=1, help="run the configurations N times (interleaved); medians")
+    ap.add_argument("--no-warmup", dest="warmup", action="store_false", help="no untimed warm-up step for trainers")
+    ap.add_argument("--timeout", type=float, default=5400, help="seconds per worker")
+    ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: the work folder)")
+    ap.add_argument("--workdir", default=None, help="work folder (default: a new temporary folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the work folder (logs, runs)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        worker_main(args.worker, Path(args.workdir), args.warmup)
+        return
+
+    if args.eval_speed:
+        args.rows = args.rows or (8 if args.quick else 200)
+        args.val_rows = args.val_rows or (4 if args.quick else 200)
+        names = ["surefit"]
+    else:
+        args.rows = args.rows or (8 if args.quick else 64)
+        args.val_rows = args.val_rows or (4 if args.quick else 8)
+        names = list(CONFIGS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CONFIGS]
+        if unknown:
+            ap.error(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="cpu_sft-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else (workdir if args.quick else HERE / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"work folder: {workdir}")
+    started = time.strftime("%Y-%m-%d %H:%M %Z")
+    spec = prepare(args, workdir)
+    machine = benchlib.machine_info()
+    print(f"{spec['rows']} rows, {spec['ref_tokens']} tokens ({spec['ref_supervised']} supervised), {spec['steps']} steps")
+
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    for rep in range(args.repeats):
+        for name in names:
+            print(f"[{rep + 1}/{args.repeats}] {name} ...", flush=True)
+            r = benchlib.run_worker(Path(__file__), name, workdir, args.timeout,
+                                    [] if args.warmup else ["--no-warmup"])
+            runs[name].append(r)
+            if "error" in r:
+                print(f"  FAILED ({r['error']}); log: {r['log']}\n  " + "\n  ".join(r.get("log_tail", [])[-8:]))
+            else:
+                print(f"  train {r['train_seconds']:.1f} s, {spec['ref_tokens'] / r['train_seconds']:.0f} tok/s, "
+                      f"peak RSS {r['peak_rss_mb']:.0f} MB, loss {r['final_loss']:.4f}, load {r['load_after']}",
+                      flush=True)
+    results = {n: benchlib.median_records(rs, NUMERIC) for n, rs in runs.items()}
+
+    if args.eval_speed:
+        stem = "cpu_sft_eval"
+        md = eval_speed_report(spec, results["surefit"], machine, started)
+        extra: dict[str, Any] = {}
+    else:
+        stem = "cpu_sft" if args.rows == 64 else f"cpu_sft_{args.rows}"
+        md, extra = build_report(spec, results, machine, args, started)
+    record = {"benchmark": stem, "started": started, "spec": spec, "machine": machine, "results": results,
+              "runs": runs if args.repeats > 1 else None, **extra}
+    (out / f"{stem}.json").write_text(json.dumps(record, indent=2, default=str) + "\n", encoding="utf-8")
+    (out / f"{stem}.md").write_text("\n".join(md), encoding="utf-8")
+    print("\n".join(md))
+    print(f"wrote {out / (stem + '.md')} and .json")
+    if not (args.keep or args.workdir or out == workdir):
+        if any("error" in r for r in results.values()):
+            print(f"(work folder kept for the failed workers' logs: {workdir})")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
