@@ -25,7 +25,9 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/surefit train --config examples/sft/demo.yaml
 
+# The report test renders a page in headless Chromium; .ci/install-browser installs it when it is missing.
 test: setup
+	bash .ci/install-browser
 	$(PY) -m pytest -q
 
 # The benchmarks' anchors (TRL) come in with the `bench` extra. torch==2.13.0 is named again so that the resolver
