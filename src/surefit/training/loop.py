@@ -300,9 +300,12 @@ def fit(
         say(describe_processes(settings.batch_size, settings.micro_batch_size, world))
 
     def run_evaluate(epoch: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
         if world == 1:
-            return evaluate(model, epoch)
-        return share_from_main(evaluate(accelerator.unwrap_model(model), epoch) if main else None)
+            metrics = evaluate(model, epoch)
+        else:
+            metrics = share_from_main(evaluate(accelerator.unwrap_model(model), epoch) if main else None)
+        return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
 
     # Position and running sums of the epoch in progress; a checkpoint stores them so a resumed epoch reports the
     # same train_loss as an uninterrupted one.
