@@ -6,8 +6,10 @@ hyperparameters (LoRA r=16 / alpha 32 / dropout 0.05 on q,k,v,o,gate,up,down; ba
 cosine schedule with 5% warmup, clipping 1.0, no weight decay; one epoch; seed 0), each configuration in its own
 process:
 
-    surefit               surefit's defaults (precision auto = fp32 on CPU)
-    surefit_bf16          surefit --precision bf16 (autocast, fp32 master weights)
+    surefit               surefit's defaults (precision auto: with LoRA on a CPU with AVX-512 BF16 or AMX, the frozen
+                          base's matmuls in bf16, adapters, their sum and the loss in fp32; fp32 on other CPUs)
+    surefit_fp32          surefit --precision fp32
+    surefit_ckpt          surefit's defaults plus --gradient_checkpointing (what memory costs in time)
     trainer_seq2seq       transformers.Trainer + DataCollatorForSeq2Seq + length grouping, fp32 (Trainer's default)
     trainer_seq2seq_bf16  the same with bf16=True (CPU autocast)
     trl_sft               trl.SFTTrainer on a prompt/completion dataset at TRL's defaults (bf16=True and
@@ -51,8 +53,9 @@ LORA_R, LORA_ALPHA, LORA_DROPOUT, WARMUP_RATIO = 16, 32, 0.05, 0.05
 
 # name -> (kind, options, one-line description)
 CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
-    "surefit": ("surefit", {}, "surefit defaults (precision auto = fp32 on CPU)"),
-    "surefit_bf16": ("surefit", {"precision": "bf16"}, "surefit --precision bf16"),
+    "surefit": ("surefit", {}, "surefit defaults (precision auto)"),
+    "surefit_fp32": ("surefit", {"precision": "fp32"}, "surefit --precision fp32"),
+    "surefit_ckpt": ("surefit", {"gradient_checkpointing": True}, "surefit --gradient_checkpointing (memory for time)"),
     "trainer_seq2seq": ("seq2seq", {"bf16": False}, "Trainer + DataCollatorForSeq2Seq + length grouping, fp32"),
     "trainer_seq2seq_bf16": ("seq2seq", {"bf16": True}, "the same, bf16=True"),
     "trl_sft": ("trl", {}, "TRL SFTTrainer, prompt/completion, TRL defaults"),
@@ -129,6 +132,15 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
+def _resolved_precision(out: Path, opts: dict[str, Any]) -> str:
+    plan_file = out / "memory_plan.json"
+    plan = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.is_file() else {}
+    got = plan.get("precision", opts.get("precision", "auto"))
+    if got == "bf16" and plan.get("frozen_dtype"):
+        got = "bf16 base matmuls, fp32 adapters"
+    return got if "precision" in opts else f"auto = {got}"
+
+
 def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """surefit through its Python API. Its own metrics.jsonl gives the training time (``time_per_epoch``: the sum of
     its step times, evaluation and checkpointing excluded) and the token-weighted ``train_loss``. Evaluation seconds
@@ -190,7 +202,8 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     eval1_from_log = (final["time"] - epochs[0]["time"] - final["time_per_epoch"]) if len(epochs) > 1 else None
     return {
         "kind": "surefit", "settings": {k: v for k, v in settings.items() if k not in ("data", "val_data")},
-        "precision": opts.get("precision", "auto"),
+        # what the run resolved (auto -> bf16 or fp32), from its own memory plan
+        "precision": _resolved_precision(out, opts),
         "train_seconds": final["time_per_epoch"],
         "surefit_tokens_per_s": final["train_tokens_per_s"],
         "final_loss": final["train_loss"],
@@ -510,7 +523,7 @@ def eval_speed_report(spec: dict[str, Any], r: dict[str, Any], machine: dict[str
     return [
         f"# cpu_sft eval speed: per-epoch F1 evaluation of {spec['val_rows']} SQuAD rows vs one training epoch",
         "",
-        f"surefit defaults (fp32 on CPU), embedded SmolLM2-135M-Instruct, LoRA r={LORA_R}, batch {BATCH}, max length "
+        f"surefit defaults (precision {r.get('precision')}), embedded SmolLM2-135M-Instruct, LoRA r={LORA_R}, batch {BATCH}, max length "
         f"{MAX_LEN}; trained one epoch on the first {spec['rows']} rows of `{Path(spec['squad']).name}`, evaluated "
         f"(validation loss + batched greedy generation + SQuAD F1/EM) on {spec['val_rows']} other rows "
         f"({spec['val_source']}), before training and after the epoch. Run on {started}.",

@@ -61,6 +61,12 @@ class Run:
         return self.plan.get("frozen_dtype")
 
     @property
+    def precision(self) -> str:
+        """The precision training ran in (``memory_plan.json``; the config's setting for runs without a plan), so
+        that ``precision: auto`` resolves for evaluation as it did for training."""
+        return self.plan.get("precision") or self.cfg.precision
+
+    @property
     def task(self) -> str:
         return self.cfg.task
 
@@ -175,6 +181,9 @@ def _base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
 def _store_frozen_as_trained(run: Run, model: Any) -> None:
     """Frozen weights in the dtype training kept them in (the planner's choice under mixed precision with LoRA), so
     that evaluation computes what training's evaluation computed."""
+    from surefit.training.lora_fast import fuse_lora
+
+    fuse_lora(model)  # the forward training used (adapters summed in fp32)
     if run.frozen_dtype:
         import torch
 
@@ -234,7 +243,7 @@ def load_sft(run: Run, say: Say = print, as_trained: bool = True) -> Loaded:
             _store_frozen_as_trained(run, model)
     else:
         model = load_causal_lm(str(run.final), final_source, cfg.trust_remote_code)
-    accelerator = make_accelerator(cfg.precision)
+    accelerator = make_accelerator(run.precision)
     model.to(accelerator.device).eval()
     fmt = build_prompt_format(tokenizer, cfg.template, cfg.chat_template)
     return Loaded(model, tokenizer, accelerator, {"fmt": fmt, "eos": eos_token_ids(model, tokenizer)})
@@ -313,7 +322,7 @@ def load_classify(run: Run, spec: Any, say: Say = print, as_trained: bool = True
         model = PeftModel.from_pretrained(model, str(run.final), is_trainable=bool(run.frozen_dtype))
     if lora and as_trained:
         _store_frozen_as_trained(run, model)
-    accelerator = make_accelerator(cfg.precision)
+    accelerator = make_accelerator(run.precision)
     model.to(accelerator.device).eval()
     keys = [k for k in tokenizer_keys if k in accepted]
     return Loaded(model, tokenizer, accelerator, {"max_len": max_len, "keys": keys})
@@ -342,7 +351,7 @@ def load_custom(run: Run, keys: list[str]) -> Loaded:
             f"{spec_path} 'factory'", "the factory changed since training; restore it or train again"))
     mode, passed, problems = forward_protocol(model, keys)
     raise_if(problems, DataError)
-    accelerator = make_accelerator(run.cfg.precision)
+    accelerator = make_accelerator(run.precision)
     model.to(accelerator.device).eval()
     return Loaded(model, None, accelerator, {"caller": Caller(run.cfg, mode, passed)})
 

@@ -28,6 +28,7 @@ from surefit.errors import ConfigError, ModelError, Problem, raise_input_problem
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
 from surefit.training.distributed import is_main_process, on_main
+from surefit.training.lora_fast import fuse_lora
 from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.plan import plan_run, precision_name
@@ -257,6 +258,7 @@ def _apply_lora(model: Any, cfg: ClassifyConfig, say=print) -> Any:
                 task_type="SEQ_CLS"))
     except ValueError as e:
         raise ConfigError(Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or Linear module names")) from e
+    fuse_lora(model)  # same weights and files; adapters summed in fp32, cheaper dropout (training/lora_fast.py)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     say(f"LoRA r={cfg.lora_r} alpha={cfg.resolved_lora_alpha}: {trainable:,} trainable of {total:,} parameters "
@@ -408,7 +410,7 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
         enable_gradient_checkpointing(target, lora=cfg.lora_r > 0)
         say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
-    accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
+    accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers, project_dir=out)
     say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device} (the batch is "
         "cut as the memory plan below says)")
 

@@ -113,29 +113,57 @@ def _last_step(path: Path, size: int) -> int:
     return max(steps)
 
 
-def resolve_precision(precision: str) -> str:
-    """``auto`` -> bf16 on GPUs that support it, fp16 on other GPUs, fp32 on CPU. Returns accelerate's name."""
+def cpu_has_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX): only then is bf16 faster on a CPU."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def resolve_precision(precision: str, lora: bool = False) -> str:
+    """``auto`` -> bf16 on GPUs that support it, fp16 on other GPUs; on a CPU, bf16 for LoRA runs when the CPU has
+    native bf16 matmuls, fp32 otherwise. Returns accelerate's name.
+
+    Why LoRA only on a CPU: with LoRA the 16-bit part is the frozen base's matmuls, while the adapters, their
+    contribution and the loss stay fp32 (``training/lora_fast.py``), so the run learns as in fp32 (benchmarks/
+    cpu_sft.py: final loss within noise of fp32). Full fine-tuning under autocast rounds small updates of the weights
+    away in the forward pass; there fp32 stays the CPU default, where speed is not worth the difference.
+    """
     if precision == "auto":
         if torch.cuda.is_available():
             return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "no"
+        return "bf16" if lora and cpu_has_bf16_matmul() else "no"
     return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
 
 
-def make_accelerator(precision: str, *, report_to: Sequence[str] = (), project_dir: str | Path | None = None) -> Any:
-    """The run's accelerator; ``report_to`` names experiment trackers (``tensorboard``, ``wandb``), which log under
-    ``project_dir`` (TensorBoard: ``project_dir/tensorboard``)."""
+def make_accelerator(precision: str, *, lora: bool = False, report_to: Sequence[str] = (),
+                     project_dir: str | Path | None = None) -> Any:
+    """The run's accelerator; ``lora``: only adapters train (see :func:`resolve_precision`); ``report_to`` names
+    experiment trackers (``tensorboard``, ``wandb``), which log under ``project_dir`` (``project_dir/tensorboard``)."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    mixed = resolve_precision(precision, lora)
+    if AcceleratorState._shared_state.get("_mixed_precision", mixed) != mixed:
+        # accelerate allows one precision per process; a later run in the same process (the Python API, a notebook:
+        # an sft run resolving auto to bf16, then a classify run to fp32) starts its state afresh. The process
+        # group, if any, is kept.
+        AcceleratorState._reset_state(reset_partial_state=False)
     if not report_to:
-        return Accelerator(mixed_precision=resolve_precision(precision), **_process_settings())
+        return Accelerator(mixed_precision=mixed, **_process_settings())
     from accelerate.utils import ProjectConfiguration
 
     from surefit.training.trackers import TENSORBOARD_DIR
 
     folder = Path(project_dir or ".")
     project = ProjectConfiguration(project_dir=str(folder), logging_dir=str(folder / TENSORBOARD_DIR))
-    return Accelerator(mixed_precision=resolve_precision(precision), log_with=list(report_to), project_config=project,
+    return Accelerator(mixed_precision=mixed, log_with=list(report_to), project_config=project,
                        **_process_settings())
 
 
