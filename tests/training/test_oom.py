@@ -23,7 +23,10 @@ def test_sft_with_injected_ooms_ends_with_the_same_weights(tmp_path, tiny_lm_dir
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(40)), encoding="utf-8")
     args = ["train", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "2", "--batch_size", "8",
-            "--lr", "1e-2", "--lora_dropout", "0", "--max_seq_length", "128"]
+            "--lr", "1e-2", "--lora_dropout", "0", "--max_seq_length", "128",
+            # fp32: with LoRA, precision auto is bf16 on CPUs with AVX-512 BF16, whose rounding depends on the
+            # micro-batch's padded shape; this test is about the recovery, not about the rounding
+            "--precision", "fp32"]
     assert main([*args, "--output_dir", str(tmp_path / "plain")]) == 0
     monkeypatch.setenv("SUREFIT_INJECT_OOM", "2,5,9")
     assert main([*args, "--output_dir", str(tmp_path / "oom")]) == 0
