@@ -13,6 +13,7 @@ the main process evaluates, logs and writes checkpoints; ``training/distributed.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import signal
@@ -20,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -255,6 +256,33 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
+@contextmanager
+def flush_denormals(device: Any):
+    """On a CPU, treat denormal floats (below 1.2e-38) as zero while training.
+
+    x86 CPUs compute with denormals through a microcode slow path. Under bf16 base matmuls they turn up often enough
+    that an epoch of ``benchmarks/cpu_sft.py`` (SmolLM2-135M, LoRA) ran 1.23x faster with flushing, with the same
+    losses to 4 decimals (fp32 runs were unaffected either way). GPUs flush in most kernels already. torch can set
+    this process-wide flag but not read it, so it is switched back off afterwards, torch's default.
+    """
+    on = getattr(device, "type", None) == "cpu" and torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        if on:
+            torch.set_flush_denormal(False)
+
+
+def _flushing_denormals(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with flush_denormals(getattr(kwargs.get("accelerator"), "device", None)):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_flushing_denormals
 def fit(
     model: Any,
     features: Sequence[dict[str, Any]],
