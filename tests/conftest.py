@@ -40,6 +40,17 @@ def build_tokenizer(pad_is_eos: bool = True):
     )
 
 
+def tiny_llama(seed: int = 0):
+    """A 2-layer Llama (hidden 32, vocabulary 64, 2 KV heads), pad = eos = 0, for tests that need no tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
+    return LlamaForCausalLM(cfg)
+
+
 def build_tiny_lm(tokenizer, seed: int = 0):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -7,19 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from conftest import tiny_llama
 from surefit.data.collate import PadCollator
 from surefit.training.lora_fast import effective_p, fuse_lora, keep_mask
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.plan import store_frozen_in
-
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
-    return LlamaForCausalLM(cfg)
 
 
 def _peft(model, dropout=0.0, **extra):
@@ -53,7 +45,7 @@ def _loss_and_grads(model, batch):
 def test_fused_forward_gives_peft_loss_and_gradients_in_fp32(monkeypatch):
     import surefit.training.lora_fast as lf
 
-    ref = _peft(_tiny_llama())
+    ref = _peft(tiny_llama())
     fused = copy.deepcopy(ref)
     assert fuse_lora(fused) == 14  # 7 linear layers x 2 blocks
     batch = _batch()
@@ -132,7 +124,7 @@ def test_dropout_keeps_each_element_with_probability_1_minus_p_and_scales_to_kee
 
 
 def test_dropout_masks_follow_the_seed_and_recompute_identically_under_checkpointing():
-    model = _peft(_tiny_llama(), dropout=0.3)
+    model = _peft(tiny_llama(), dropout=0.3)
     fuse_lora(model)
     model.train()
     batch = _batch()
@@ -154,7 +146,7 @@ def test_dropout_masks_follow_the_seed_and_recompute_identically_under_checkpoin
 
 
 def test_falls_back_to_peft_when_adapters_are_disabled_or_merged():
-    ref = _peft(_tiny_llama())
+    ref = _peft(tiny_llama())
     model = copy.deepcopy(ref)
     fuse_lora(model)
     batch = {k: v for k, v in _batch().items() if k != "labels"}
@@ -167,3 +159,16 @@ def test_falls_back_to_peft_when_adapters_are_disabled_or_merged():
         assert not torch.allclose(on, off)
         model.merge_adapter()
         assert torch.allclose(model(**batch).logits, on, atol=1e-5)
+
+
+def test_a_dropout_too_small_for_16_bit_draws_falls_back_to_peft_instead_of_vanishing(monkeypatch):
+    import surefit.training.lora_fast as lf
+
+    model = _peft(tiny_llama(), dropout=1e-6)  # rounds to 0 in multiples of 2^-16
+    fuse_lora(model)
+    model.train()
+    calls = []
+    original = lf._LoraBranch.apply
+    monkeypatch.setattr(lf._LoraBranch, "apply", lambda *a: calls.append(1) or original(*a))
+    _loss_and_grads(model, _batch())
+    assert calls == []

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from conftest import OneProcess
+from conftest import OneProcess, tiny_llama
 from surefit.data.collate import PadCollator
 from surefit.training.loop import accumulate_step
 from surefit.training.loss import causal_lm_loss_sum, count_supervised_tokens
@@ -24,12 +24,7 @@ def _examples(n=8, seed=0):
 
 @pytest.fixture()
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
-    return LlamaForCausalLM(cfg)
+    return tiny_llama()
 
 
 def test_supervised_only_logits_match_the_full_hf_loss(tiny):

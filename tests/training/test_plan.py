@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from conftest import tiny_llama
 from surefit.training.plan import (
     GB,
     MemoryPlanError,
@@ -20,12 +21,7 @@ from surefit.training.plan import (
 
 @pytest.fixture()
 def tiny():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
-    return LlamaForCausalLM(cfg)
+    return tiny_llama()
 
 
 def _work(n=16, length=40):

@@ -27,6 +27,7 @@ to peft's own forward at call time.
 
 from __future__ import annotations
 
+import math
 import types
 from typing import Any
 
@@ -48,9 +49,7 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
 
     One 64-bit draw gives four uniform 16-bit numbers: a quarter of the generator calls of a float mask.
     """
-    n = 1
-    for s in shape:
-        n *= s
+    n = math.prod(shape)
     draws = torch.empty((n + 3) // 4, dtype=torch.int64, device=device).random_(-(2**63), None)
     return (draws.view(torch.int16)[:n] >= _LOWEST + round(p * _SPAN)).view(tuple(shape))
 
@@ -114,8 +113,8 @@ def _fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
     if type(base) is not nn.Linear or type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None \
             or b.bias is not None or type(drop) not in (nn.Dropout, nn.Identity):
         return None
-    if type(drop) is nn.Dropout and not 0.0 <= drop.p < 1.0:
-        return None
+    if type(drop) is nn.Dropout and (not 0.0 <= drop.p < 1.0 or (drop.p > 0 and effective_p(drop.p) == 0)):
+        return None  # p below 2^-17 would round to no dropout at all: peft's own dropout keeps it
     if any(m._forward_hooks or m._forward_pre_hooks for m in (base, a, b, drop)):
         return None
     return name
