@@ -12,6 +12,7 @@ gap to fp32 over the steps after the first (the first is before any update, wher
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -35,7 +36,7 @@ def main() -> None:
     from surefit.data.sampling import step_batches
     from surefit.data.sources import read_rows
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-    from surefit.training.lora_fast import fuse_lora
+    from surefit.training.lora_fast import SavedActivationsIn, fuse_lora
     from surefit.training.loss import causal_lm_loss_sum
     from surefit.training.plan import store_frozen_in
 
@@ -62,7 +63,8 @@ def main() -> None:
         losses, t0 = [], time.perf_counter()
         for b in batches:
             batch = collate([feats[i] for i in b])
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "peft_fp32"):
+            saved = SavedActivationsIn() if name == "surefit_bf16" else contextlib.nullcontext()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=name != "peft_fp32"), saved:
                 loss, n = causal_lm_loss_sum(model, batch)
             (loss / n).backward()
             opt.step()
@@ -81,14 +83,16 @@ def main() -> None:
              "| configuration | " + " | ".join(f"step {i + 1}" for i in range(len(ref))) + " | largest gap to fp32 after "
              "step 1 | seconds |", "|---|" + "---|" * (len(ref) + 2)]
     desc = {"peft_fp32": "peft, fp32", "peft_bf16_autocast": "peft, bf16 autocast (frozen weights bf16)",
-            "surefit_bf16": "surefit's fused forward, bf16 base matmuls, fp32 adapters"}
+            "surefit_bf16": "surefit's fused forward (bf16 matmuls, adapter added in fp32, activations saved in bf16)"}
     for n in names:
         ls = res[n]["losses"]
         gap = max(abs(a - b) for a, b in zip(ls[1:], ref[1:], strict=True)) if len(ls) > 1 else 0.0
         lines.append(f"| {desc[n]} | " + " | ".join(f"{x:.4f}" for x in ls) + f" | {gap:.4f} | {res[n]['seconds']:.1f} |")
     lines += ["", "Step 1 is before any update: there only the forward's rounding differs. From step 2 on, peft under "
               "autocast adds the adapter's output to a bf16 base output and rounds the sum to bf16, so a young "
-              "adapter's contribution (below half a bf16 step) is mostly lost; surefit adds it in fp32.", ""]
+              "adapter's contribution (below half a bf16 step) is mostly lost; surefit adds it in fp32 (its matmuls, the "
+              "adapter's included, run in bf16, and the activations it saves for the backward pass are stored in "
+              "bf16, as in its training loop).", ""]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "lora_bf16_drift.md").write_text("\n".join(lines), encoding="utf-8")

@@ -26,18 +26,23 @@ def _peft(model, dropout=0.0, **extra):
     return model
 
 
-def _batch(seed=0, n=3):
+def _feats(seed=0, n=3):
     g = torch.Generator().manual_seed(seed)
     feats = []
     for i in range(n):
         ids = torch.randint(3, 60, (9 + 3 * i,), generator=g).tolist()
         feats.append({"input_ids": ids, "labels": [-100] * 5 + ids[5:]})
-    return PadCollator(pad_token_id=0)(feats)
+    return feats
 
 
-def _loss_and_grads(model, batch):
+def _batch(seed=0, n=3):
+    return PadCollator(pad_token_id=0)(_feats(seed, n))
+
+
+def _loss_and_grads(model, batch, bf16=False):
     model.zero_grad(set_to_none=True)
-    loss, n = causal_lm_loss_sum(model, batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # a 16-bit lm_head needs it, as in training
+        loss, n = causal_lm_loss_sum(model, batch)
     (loss / n).backward()
     return (loss / n).item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
@@ -172,3 +177,150 @@ def test_a_dropout_too_small_for_16_bit_draws_falls_back_to_peft_instead_of_vani
     monkeypatch.setattr(lf._LoraBranch, "apply", lambda *a: calls.append(1) or original(*a))
     _loss_and_grads(model, _batch())
     assert calls == []
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_on_16_bit_frozen_weights_the_mixed_path_runs_and_learns_as_fp32(monkeypatch):
+    """bf16 matmuls (base and adapter), sum in fp32: loss and gradients within bf16 rounding of the fp32 path."""
+    import surefit.training.lora_fast as lf
+
+    ref = _peft(tiny_llama())
+    fuse_lora(ref)
+    mixed = copy.deepcopy(ref)
+    store_frozen_in(mixed, torch.bfloat16)
+    calls = []
+    original = lf._LoraMixed.apply
+    monkeypatch.setattr(lf._LoraMixed, "apply", lambda *a: calls.append(1) or original(*a))
+    batch = _batch()
+    loss_ref, g_ref = _loss_and_grads(ref, batch)
+    assert not calls  # fp32 frozen weights: the fp32 path
+    loss, g = _loss_and_grads(mixed, batch, bf16=True)
+    assert len(calls) == 14
+    assert loss == pytest.approx(loss_ref, rel=2e-3) and loss != loss_ref
+    assert g.keys() == g_ref.keys() and len(g) == 28
+    assert all(g[k].dtype == torch.float32 for k in g)
+    assert max(_rel(g[k], g_ref[k]) for k in g) < 0.08  # measured 0.044; peft under autocast: 0.074
+
+
+def test_mixed_path_dropout_draws_the_fp32_paths_masks_and_folds_the_rescale_exactly():
+    """One layer with a bias and dropout 0.25, the same seed: the mixed path matches the fp32 path to bf16 rounding
+    (output, and the gradients of x, A and B), so it applies the same masks with the same rescale."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    ref = get_peft_model(nn.Sequential(nn.Linear(64, 48)), LoraConfig(r=8, lora_alpha=16, lora_dropout=0.25,
+                                                                       target_modules=["0"]))
+    nn.init.normal_(ref.base_model.model[0].lora_B["default"].weight, std=0.3)
+    fuse_lora(ref)
+    mixed = copy.deepcopy(ref)
+    store_frozen_in(mixed, torch.bfloat16)
+    assert mixed.base_model.model[0].base_layer.weight.dtype == torch.bfloat16
+    x0 = torch.randn(32, 64)
+
+    def run(model, seed):
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        torch.manual_seed(seed)
+        out = model(x)
+        (out * torch.linspace(-1, 1, 48)).sum().backward()
+        layer = model.base_model.model[0]
+        return out.detach(), x.grad, layer.lora_A["default"].weight.grad, layer.lora_B["default"].weight.grad
+
+    r, m = run(ref, 7), run(mixed, 7)
+    assert m[0].dtype == torch.float32
+    for a, b in zip(m, r, strict=True):
+        assert _rel(a, b) < 1e-2
+    other = run(mixed, 8)
+    assert _rel(other[0], m[0]) > 0.05  # another seed, other masks: the dropout is live
+
+
+def test_adapters_reading_the_same_input_share_one_16_bit_copy_of_it():
+    from surefit.training.lora_fast import _shared_cast
+
+    x = torch.randn(4, 8)
+    a = _shared_cast(x, torch.bfloat16)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, x.to(torch.bfloat16))
+    assert _shared_cast(x, torch.bfloat16) is a  # q, k and v
+    assert _shared_cast(x, torch.float16) is not a
+    x.add_(1.0)  # modified in place: a fresh copy
+    b = _shared_cast(x, torch.bfloat16)
+    assert b is not a and torch.equal(b, x.to(torch.bfloat16))
+    y = x.clone()  # equal values, another tensor
+    assert _shared_cast(y, torch.bfloat16) is not b
+
+
+def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone():
+    from surefit.training.lora_fast import SavedActivationsIn
+    from surefit.training.plan import measure_saved_bytes
+
+    model = _peft(tiny_llama(), dropout=0.0)
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    batch = _batch(n=4)
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return causal_lm_loss_sum(model, batch)[0]
+
+    plain = measure_saved_bytes(model, forward)
+    packed = measure_saved_bytes(model, forward, SavedActivationsIn())
+    assert packed < 0.8 * plain
+    loss_ref, g_ref = _loss_and_grads(model, batch, bf16=True)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16), SavedActivationsIn():
+        loss, n = causal_lm_loss_sum(model, batch)
+    (loss / n).backward()
+    assert (loss / n).item() == loss_ref  # the forward is untouched
+    g = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+    assert g.keys() == g_ref.keys()
+    assert max(_rel(g[k], g_ref[k]) for k in g) < 0.02
+
+
+def test_saved_activation_packing_keeps_parameters_small_and_16_bit_tensors_as_they_are():
+    from surefit.training.lora_fast import SavedActivationsIn, _Packed
+
+    saved = SavedActivationsIn()
+    w = nn.Parameter(torch.randn(128, 64))
+    x = torch.randn(64, 128, requires_grad=True)
+    act = x * 2.0
+    assert saved.pack(w) is w
+    view = w.t()
+    assert saved.pack(view) is view  # a view of a parameter: never copied
+    assert saved.pack(x) is x  # a leaf (an input), not an activation
+    small = (x[:1, :4] * 2.0)
+    assert saved.pack(small) is small  # below MIN_NUMEL: not worth a copy
+    half = act.to(torch.bfloat16)
+    assert saved.pack(half) is half
+    p = saved.pack(act)
+    assert isinstance(p, _Packed) and p.tensor.dtype == torch.bfloat16
+    assert saved.pack(act) is p  # saved by two operations: packed once
+    assert torch.equal(saved.unpack(p), act.detach().to(torch.bfloat16).float())
+    with torch.no_grad():
+        act.add_(1.0)
+    assert saved.pack(act) is not p  # changed in place since: packed again
+    with pytest.raises(ValueError, match="bfloat16 only"):
+        SavedActivationsIn(torch.float16)
+
+
+def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch):
+    """``LoopSettings.saved_activations`` (set by the plan for LoRA on bf16 frozen weights) reaches the step."""
+    from conftest import OneProcess
+    from surefit.training.loop import accumulate_step
+    from surefit.training.lora_fast import SavedActivationsIn
+
+    packed = []
+    original = SavedActivationsIn.pack
+    monkeypatch.setattr(SavedActivationsIn, "pack", lambda self, t: packed.append(t.dtype) or original(self, t))
+    model = _peft(tiny_llama())
+    fuse_lora(model)
+    feats = _feats(n=2)
+    lengths, counts = [len(f["input_ids"]) for f in feats], [len(f["input_ids"]) - 6 for f in feats]
+    kw = dict(micro_batch_size=2, loss_fn=causal_lm_loss_sum, collate=PadCollator(pad_token_id=0),
+              accelerator=OneProcess())
+    accumulate_step(model, feats, [0, 1], lengths, counts, **kw)
+    assert not packed
+    accumulate_step(model, feats, [0, 1], lengths, counts, saved_activations="bf16", **kw)
+    assert torch.float32 in packed

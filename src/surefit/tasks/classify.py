@@ -28,8 +28,8 @@ from surefit.errors import ConfigError, ModelError, Problem, raise_input_problem
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import resolve_model
 from surefit.training.distributed import is_main_process, on_main
-from surefit.training.lora_fast import fuse_lora
 from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
+from surefit.training.lora_fast import fuse_lora
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.plan import plan_run, precision_name
 from surefit.training.run import (
@@ -459,7 +459,8 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
 
     settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size,
                             lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
-                            max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, log_every=cfg.log_every)
+                            max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, log_every=cfg.log_every,
+                            saved_activations=plan.saved_activations)
     try:
         history = fit(model, train_feats, [len(f["input_ids"]) for f in train_feats], [1] * len(train_feats),
                       loss_fn=make_loss_fn(spec.problem_type), collate=collate, settings=settings,

@@ -26,8 +26,8 @@ from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.training.distributed import is_main_process, on_main
-from surefit.training.lora_fast import fuse_lora
 from surefit.training.loop import Checkpointing, LoopSettings, evaluate_loss, fit, make_accelerator
+from surefit.training.lora_fast import fuse_lora
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.plan import plan_run, precision_name
@@ -238,6 +238,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
         epochs=cfg.epochs,
         batch_size=cfg.batch_size,
         micro_batch_size=plan.micro_batch_size,
+        saved_activations=plan.saved_activations,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         warmup_ratio=cfg.warmup_ratio,

@@ -50,6 +50,9 @@ class LoopSettings:
     max_grad_norm: float
     seed: int
     log_every: int
+    # "bf16": activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights; see
+    # training/lora_fast.SavedActivationsIn). None: as autograd saves them.
+    saved_activations: str | None = None
 
 
 class MetricsLog:
@@ -424,7 +427,7 @@ def fit(
                 step_loss = accumulate_step(
                     model, features, step_indices, lengths, counts,
                     micro_batch_size=micro, loss_fn=loss_fn, collate=collate,
-                    accelerator=accelerator, guard=guard, say=say,
+                    accelerator=accelerator, guard=guard, say=say, saved_activations=settings.saved_activations,
                 )
                 # One exchange per step: the step's loss over every process's share, and whether any process was
                 # asked to stop (so that all of them stop after the same step).
@@ -568,6 +571,14 @@ def _refuse_sharded(accelerator: Any) -> None:
             "surefit train --num_processes N"))
 
 
+def _saved_in(dtype: str | None) -> Any:
+    if dtype is None:
+        return nullcontext()
+    from surefit.training.lora_fast import SavedActivationsIn
+
+    return SavedActivationsIn({"bf16": torch.bfloat16}[dtype])
+
+
 def accumulate_step(
     model: Any,
     features: Sequence[dict[str, Any]],
@@ -581,6 +592,7 @@ def accumulate_step(
     accelerator: Any,
     guard: OOMGuard | None = None,
     say: Callable[[str], None] = print,
+    saved_activations: str | None = None,
 ) -> float:
     """Forward and backward every micro-batch of one optimizer step; gradients are left in ``.grad``.
 
@@ -617,7 +629,7 @@ def accumulate_step(
                 # Gradients are only all-reduced on the last micro-batch of a step.
                 last = j == len(parts) - 1
                 sync = nullcontext() if last else accelerator.no_sync(model)
-                with sync, accelerator.autocast():
+                with sync, accelerator.autocast(), _saved_in(saved_activations):
                     loss_sum, _ = loss_fn(model, batch)
                 in_sync_backward = last
                 accelerator.backward(loss_sum * scale)

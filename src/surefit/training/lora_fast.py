@@ -7,13 +7,20 @@ CPU; ``benchmarks/cpu_sft.py``):
 - Under bf16 autocast the adapter's contribution is added to a base output that is already a bf16 number, and the
   sum is rounded back to bf16. A young adapter's contribution (a few 1e-3 of the output) is below half a bf16 step
   (2^-9 relative), so it rounds away: an update makes the model no better although its gradient says it should.
-  After one to five AdamW steps the loss was 0.08-0.22 above fp32 (``benchmarks/results/lora_bf16_drift.md``). Here
-  the sum is formed in the adapter's dtype (fp32) and stays there, while the base matmul still runs in 16 bits
-  (where the FLOPs are); the same steps then match fp32 within 0.035.
+  After one to five AdamW steps the loss was 0.08-0.22 above fp32 (``benchmarks/results/lora_bf16_drift.md``). Here,
+  on 16-bit frozen weights (``_LoraMixed``), every matmul still runs in 16 bits (the base's, where the FLOPs are, and
+  the adapter's), but the sum is formed in fp32 and stays there, and the input's gradient is summed in fp32; the
+  same steps then match fp32 within 0.03. One 16-bit copy of the input serves every adapter that reads it (q/k/v,
+  gate/up) and is what the backward pass keeps.
 - ``nn.Dropout`` draws a float Bernoulli mask with a slow RNG path, and the dropped copy of ``x`` is saved for
   ``lora_A``'s gradient: on a CPU about a third of the step went to dropout. Here the mask comes from 16 random bits
-  per element (four per 64-bit draw), is saved as one byte per element, and the dropped input is recomputed in the
-  backward pass from ``x``, which is saved once however many adapters read it (q/k/v share it, as do gate/up).
+  per element (four per 64-bit draw), is saved as one byte per element, the dropout's rescale is folded into the
+  rank-r projection, and the dropped input is recomputed in the backward pass from ``x``, which is saved once
+  however many adapters read it.
+
+Because the outputs are fp32, what follows them (norms, the MLP's activation, the residual stream) runs and is saved
+in fp32 too; :class:`SavedActivationsIn`, which the training loop applies with bf16 frozen weights, stores those
+saved activations in bf16.
 
 The distribution is the same: each element is kept independently with probability ``1 - p`` (``p`` rounded to a
 multiple of 2^-16, and the kept values scaled by the inverse of that exact keep rate, so the expectation is ``x``).
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -54,6 +62,12 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     return (draws.view(torch.int16)[:n] >= _LOWEST + round(p * _SPAN)).view(tuple(shape))
 
 
+def _as(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The boolean mask as 0/1 in ``dtype``. Through uint8: on a CPU, converting bool directly (or ``where``, or
+    multiplying by a bool tensor) was 3-7x slower than this conversion and a same-dtype multiply together."""
+    return keep.view(torch.uint8).to(dtype)
+
+
 class _LoraBranch(torch.autograd.Function):
     """``scaling * B(A(dropout(x)))`` in the adapter's dtype. Saves ``x`` (no copy), a byte mask and the rank-r
     projection; the dropped input is recomputed in the backward pass."""
@@ -67,7 +81,7 @@ class _LoraBranch(torch.autograd.Function):
             if p > 0:
                 keep = keep_mask(x.shape, p, x.device)
                 scale = 1.0 / (1.0 - effective_p(p))
-                xa = xa * keep.to(dtype)  # a new tensor: x itself is never modified
+                xa = xa * _as(keep, dtype)  # a new tensor: x itself is never modified
                 xa.mul_(scale)
             u = (xa @ a.t()).mul_(scaling)  # [..., r]: scaled here, on r values per token rather than out_features
             out = u @ b.t()
@@ -87,7 +101,7 @@ class _LoraBranch(torch.autograd.Function):
             xa = x.to(dtype)
             kf = None
             if keep is not None:
-                kf = keep.to(dtype)
+                kf = _as(keep, dtype)
                 xa = (xa * kf).mul_(ctx.scale)
             grad_a = grad_u.reshape(-1, r).t() @ xa.reshape(-1, xa.shape[-1])
             grad_x = None
@@ -97,6 +111,78 @@ class _LoraBranch(torch.autograd.Function):
                     grad_x.mul_(kf).mul_(ctx.scale)
                 grad_x = grad_x.to(x.dtype)
         return grad_x, grad_a, grad_b, None, None
+
+
+class _LoraMixed(torch.autograd.Function):
+    """``base(x) + scaling * B(A(dropout(x)))`` for 16-bit frozen base weights: every matmul in 16 bits (where the
+    FLOPs are, and what autocast would run), the sum and the output in fp32 (where the adapter's contribution would
+    otherwise round away), the input gradient summed in fp32.
+
+    Saves the shared 16-bit copy of ``x`` (one for q, k and v), a byte mask, the rank-r projection and 16-bit copies
+    of the adapter; the dropped input is recomputed in the backward pass. The adapter's gradients come from 16-bit
+    matmuls with fp32 accumulation, as under autocast, and are returned in the adapter's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, xh: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float) -> torch.Tensor:
+        dt = w.dtype
+        with torch.autocast(x.device.type, enabled=False):
+            ah, bh = a.to(dt), b.to(dt)
+            keep, xd = None, xh
+            if p > 0:
+                keep = keep_mask(x.shape, p, x.device)
+                xd = xh * _as(keep, dt)  # a new tensor: xh is shared with the other adapters reading x
+                scaling = scaling / (1.0 - effective_p(p))  # dropout's rescale, applied to r values per token
+            u = (xd @ ah.t()).mul_(scaling)  # [..., r]
+            out = F.linear(xh, w).to(a.dtype)
+            out.add_(u @ bh.t())
+            if bias is not None:
+                out.add_(bias)
+        ctx.scaling, ctx.x_dtype = scaling, x.dtype
+        ctx.save_for_backward(xh, keep, u, w, ah, bh)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        xh, keep, u, w, ah, bh = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        with torch.autocast(grad.device.type, enabled=False):
+            g = grad.to(w.dtype)
+            r = u.shape[-1]
+            grad_b = (g.reshape(-1, g.shape[-1]).t() @ u.reshape(-1, r)) if needs[5] else None
+            grad_u = (g @ bh).mul_(ctx.scaling)  # through u = scaling * (dropout(x) @ a.t())
+            grad_a = None
+            if needs[4]:
+                kf = None if keep is None else _as(keep, xh.dtype)
+                xd = xh if kf is None else xh * kf
+                grad_a = grad_u.reshape(-1, r).t() @ xd.reshape(-1, xd.shape[-1])
+            grad_x = None
+            if needs[0]:
+                gx = grad_u @ ah
+                if keep is not None:
+                    gx.mul_(kf if needs[4] else _as(keep, gx.dtype))
+                grad_x = (g @ w).float().add_(gx).to(ctx.x_dtype)  # the two paths summed in fp32
+        return (grad_x, None, None, None, None if grad_a is None else grad_a.float(),
+                None if grad_b is None else grad_b.float(), None, None)
+
+
+_last_cast: list[Any] = [None]
+
+
+def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype``, made once for the adapters that read the same input (q/k/v, gate/up) in a row.
+
+    Weak references only: the copy lives as long as a backward pass (or a caller) holds it, and a new tensor at a
+    freed address is never mistaken for the old one."""
+    last = _last_cast[0]
+    if last is not None and last[0]() is x and last[1] == x._version and last[2] == dtype:
+        cast = last[3]()
+        if cast is not None:
+            return cast
+    cast = x.detach().to(dtype)
+    _last_cast[0] = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
+    return cast
 
 
 def _fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
@@ -127,23 +213,22 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     base = self.base_layer
     a, b, drop = self.lora_A[name].weight, self.lora_B[name].weight, self.lora_dropout[name]
     w = base.weight
-    if w.dtype in (torch.float16, torch.bfloat16):
-        # Frozen weights stored in 16 bits (mixed precision with LoRA): the matmul runs in 16 bits, as autocast
-        # would run it, whether autocast is on or not; the bias is added in the adapter's dtype.
-        with torch.autocast(x.device.type, enabled=False):
-            y = F.linear(x.to(w.dtype), w).to(a.dtype)
-        if base.bias is not None:
-            y = y + base.bias.to(a.dtype)
-    else:
-        y = base(x).to(a.dtype)
     p = drop.p if self.training and type(drop) is nn.Dropout else 0.0
+    if w.dtype in (torch.float16, torch.bfloat16) and not w.requires_grad and x.is_floating_point() \
+            and (base.bias is None or not base.bias.requires_grad):
+        # Frozen weights stored in 16 bits (mixed precision with LoRA): all matmuls in 16 bits, as autocast would
+        # run them, whether autocast is on or not; the adapter's contribution is added in fp32.
+        bias = None if base.bias is None else base.bias.to(a.dtype)
+        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b, p, float(self.scaling[name]))
+    y = base(x).to(a.dtype)
     return y + _LoraBranch.apply(x, a, b, p, float(self.scaling[name]))
 
 
 def fuse_lora(model: nn.Module) -> int:
     """Give every peft LoRA ``Linear`` of ``model`` the fused forward; returns how many layers have it.
 
-    The output is in the adapter's dtype (fp32), so the adapter's contribution is never rounded to 16 bits.
+    The output is in the adapter's dtype (fp32), so the adapter's contribution is never rounded to 16 bits; with
+    frozen weights in fp32 (no mixed precision) every matmul is fp32 and the numbers are peft's.
     Idempotent; saving, loading and merging stay peft's (only ``forward`` changes, per instance).
     """
     try:
@@ -156,3 +241,60 @@ def fuse_lora(model: nn.Module) -> int:
             m.forward = types.MethodType(_fused_forward, m)
             n += 1
     return n
+
+
+class _Packed:
+    __slots__ = ("tensor", "dtype")
+
+    def __init__(self, tensor: torch.Tensor, dtype: torch.dtype):
+        self.tensor, self.dtype = tensor, dtype
+
+
+class SavedActivationsIn:
+    """Within this context, fp32 activations that autograd saves for the backward pass are stored in ``dtype``.
+
+    Why: the fused LoRA forward keeps layer outputs in fp32 so that the adapters' contribution is not rounded away,
+    and everything downstream (norms, the MLP's activation, the residual stream) then runs and is saved in fp32:
+    on SmolLM2-135M (batch 4 x 287 tokens) 794 MB of the 1411 MB saved for the backward pass were fp32. Storing those
+    in bf16 changes no forward value; the backward pass computes with the bf16-rounded activations, as it does with
+    everything autocast saves. Measured: saved activations and peak memory down, speed unchanged
+    (``benchmarks/results/cpu_sft.md``).
+
+    Only activations are packed: fp32, not leaves (so no parameter and nothing outside the autograd graph), not a
+    view of a leaf, at least ``MIN_NUMEL`` elements. A tensor saved by several operations (a norm's input, an input
+    read by q, k and v) is packed once. bf16 only: fp16's range (65504) is too narrow for a residual stream.
+    """
+
+    MIN_NUMEL = 4096
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        if dtype != torch.bfloat16:
+            raise ValueError(f"saved activations can be stored in bfloat16 only, not {dtype}")
+        self.dtype = dtype
+        self._memo: dict[int, tuple[Any, int, _Packed]] = {}
+        self._hooks: Any = None
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor | _Packed:
+        if t.dtype != torch.float32 or t.is_leaf or t.numel() < self.MIN_NUMEL \
+                or (t._base is not None and t._base.is_leaf):
+            return t
+        hit = self._memo.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        packed = _Packed(t.detach().to(self.dtype), t.dtype)
+        self._memo[id(t)] = (weakref.ref(t), t._version, packed)
+        return packed
+
+    @staticmethod
+    def unpack(p: torch.Tensor | _Packed) -> torch.Tensor:
+        return p.tensor.to(p.dtype) if type(p) is _Packed else p
+
+    def __enter__(self) -> SavedActivationsIn:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+        self._memo.clear()  # the packed tensors now live as long as the graph that saved them

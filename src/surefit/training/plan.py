@@ -63,6 +63,11 @@ class Plan:
     changes: list[str] = field(default_factory=list)
 
     @property
+    def saved_activations(self) -> str | None:
+        """"bf16" when activations saved for the backward pass are stored in bf16 (LoRA on bf16 frozen weights)."""
+        return "bf16" if self.frozen_dtype == "bf16" else None
+
+    @property
     def estimated_bytes(self) -> int:
         return sum(self.estimate.values())
 
@@ -86,7 +91,8 @@ class Plan:
                          "tokens")
         lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
                      f"{self.precision}" + (f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype
-                                            else "") + f"; evaluation batch {self.eval_batch_size}")
+                                            else "")
+                     + ("; activations saved in bf16" if self.saved_activations else "") + f"; evaluation batch {self.eval_batch_size}")
         parts = " + ".join(f"{k} {_gb(v)}" for k, v in self.estimate.items() if v)
         lines.append(f"  estimate {_gb(self.estimated_bytes)} = {parts}")
         if self.measured:
@@ -203,11 +209,20 @@ def analytic_act_per_token(model: Any, mixed: bool) -> float | None:
     return values * layers * (2.2 if mixed else 4.0)  # mixed: a few fp32 tensors (norm statistics, softmax)
 
 
-def measure_saved_bytes(model: Any, run_forward: Callable[[], Any]) -> int:
-    """Bytes of the distinct tensors autograd saves for the backward pass of one forward (exact, any device)."""
+def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any = None) -> int:
+    """Bytes of the distinct tensors autograd saves for the backward pass of one forward (exact, any device).
+
+    ``packer``: a :class:`~surefit.training.lora_fast.SavedActivationsIn` the run will train under; what it stores
+    is counted."""
     seen: dict[tuple[int, int], int] = {}
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> Any:
+        if packer is not None:
+            packed = packer.pack(t)
+            if packed is not t:
+                storage = packed.tensor.untyped_storage()
+                seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
+                return packed
         try:
             storage = t.untyped_storage()
             seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
@@ -216,9 +231,12 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any]) -> int:
         return t
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    unpack = packer.unpack if packer is not None else (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = run_forward()
     del out
+    if packer is not None:
+        packer._memo.clear()
     return sum(n for (ptr, _), n in seen.items() if ptr not in params)
 
 
@@ -326,7 +344,13 @@ def make_plan(
     order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
     measured_act = None
     if work.forward is not None and order:
-        measured_act = (measure_saved_bytes(model, lambda: work.forward([order[0]])), work.lengths[order[0]])
+        packer = None
+        if frozen_half and precision == "bf16":
+            from surefit.training.lora_fast import SavedActivationsIn
+
+            packer = SavedActivationsIn(torch.bfloat16)
+        measured_act = (measure_saved_bytes(model, lambda: work.forward([order[0]]), packer),
+                        work.lengths[order[0]])
     fp = footprint(model, mixed=mixed, measured_act=measured_act)
 
     def sup(micro: int) -> int:
@@ -404,6 +428,9 @@ def make_plan(
     if frozen_half:
         changes.append(f"frozen weights stored in {precision} (autocast computes with them in {precision} anyway: "
                        "the same numbers, half the memory, no cast per step)")
+        if precision == "bf16":
+            changes.append("fp32 activations saved for the backward pass stored in bf16 (forward values unchanged; "
+                           "the backward pass computes with them rounded, as with everything autocast saves)")
     eval_bs = eval_batch_size
     if budget_gb:
         eval_bs = _fit_eval(fp, work, eval_batch_size, target, mixed)
