@@ -137,7 +137,7 @@ def _resolved_precision(out: Path, opts: dict[str, Any]) -> str:
     plan = json.loads(plan_file.read_text(encoding="utf-8")) if plan_file.is_file() else {}
     got = plan.get("precision", opts.get("precision", "auto"))
     if got == "bf16" and plan.get("frozen_dtype"):
-        got = "bf16 base matmuls, fp32 adapters"
+        got = "bf16 matmuls summed in fp32, activations saved in bf16"
     return got if "precision" in opts else f"auto = {got}"
 
 

@@ -45,7 +45,8 @@ class TrainConfig:
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs; on a CPU bf16 for LoRA "
-        "runs when it has AVX-512 BF16 or AMX, else fp32. With LoRA only the frozen base's matmuls use 16 bits."
+        "runs when it has AVX-512 BF16 or AMX, else fp32. With LoRA the matmuls use 16 bits, but the adapters' "
+        "contribution is summed in fp32 and the adapters train in fp32."
     )
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% slower.")
     gpu_memory_gb: str | None = opt(

@@ -165,3 +165,16 @@ def test_a_planned_run_trains_the_same_weights_and_saves_its_plan(tiny_lm_dir, t
     assert tight["micro_batch_size"] * tight["grad_accum"] >= 8
     assert len(tight_losses) == len(losses) == math.ceil(24 / 8)
     assert max(abs(x - y) for x, y in zip(losses, tight_losses, strict=True)) < 1e-5
+
+
+def test_lora_under_bf16_stores_frozen_weights_and_saved_activations_in_bf16_and_says_so(tiny):
+    plan = _plan(tiny, None, precision="bf16", lora=True)
+    assert plan.frozen_dtype == "bf16" and plan.saved_activations == "bf16"
+    assert "frozen weights stored in bf16; activations saved in bf16" in plan.render()
+    assert any(c.startswith("fp32 activations saved for the backward pass stored in bf16") for c in plan.changes)
+    # fp16's range is too narrow for a residual stream: weights in fp16, activations saved as autograd saves them
+    fp16 = _plan(tiny_llama(), None, precision="fp16", lora=True)
+    assert fp16.frozen_dtype == "fp16" and fp16.saved_activations is None
+    assert "activations saved" not in fp16.render()
+    full = _plan(tiny_llama(), None, precision="bf16", lora=False)  # full fine-tuning: nothing stored differently
+    assert full.frozen_dtype is None and full.saved_activations is None

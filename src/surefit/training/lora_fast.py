@@ -294,7 +294,12 @@ class SavedActivationsIn:
         self._hooks.__enter__()
         return self
 
+    def forget(self) -> None:
+        """Drop the references kept to recognise a tensor saved twice; the packed tensors then live as long as the
+        graph that saved them."""
+        self._memo.clear()
+
     def __exit__(self, *exc: Any) -> None:
         self._hooks.__exit__(*exc)
         self._hooks = None
-        self._memo.clear()  # the packed tensors now live as long as the graph that saved them
+        self.forget()

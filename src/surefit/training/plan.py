@@ -89,10 +89,10 @@ class Plan:
             lines.append(f"  batch {self.batch_size} = {each}cut as {self.cut()} (micro-batch {self.micro_batch_size}, "
                          f"accumulation {self.grad_accum}): the same update, the loss is normalised by the step's "
                          "tokens")
+        stored = (f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype else "") \
+            + ("; activations saved in bf16" if self.saved_activations else "")
         lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
-                     f"{self.precision}" + (f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype
-                                            else "")
-                     + ("; activations saved in bf16" if self.saved_activations else "") + f"; evaluation batch {self.eval_batch_size}")
+                     f"{self.precision}{stored}; evaluation batch {self.eval_batch_size}")
         parts = " + ".join(f"{k} {_gb(v)}" for k, v in self.estimate.items() if v)
         lines.append(f"  estimate {_gb(self.estimated_bytes)} = {parts}")
         if self.measured:
@@ -236,7 +236,7 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any 
         out = run_forward()
     del out
     if packer is not None:
-        packer._memo.clear()
+        packer.forget()
     return sum(n for (ptr, _), n in seen.items() if ptr not in params)
 
 
