@@ -250,6 +250,27 @@ def test_adapters_reading_the_same_input_share_one_16_bit_copy_of_it():
     assert b is not a and torch.equal(b, x.to(torch.bfloat16))
     y = x.clone()  # equal values, another tensor
     assert _shared_cast(y, torch.bfloat16) is not b
+    with torch.inference_mode():  # inference tensors have no version counter
+        z = torch.randn(4, 8)
+        assert torch.equal(_shared_cast(z, torch.bfloat16), z.to(torch.bfloat16))
+
+
+def test_a_fused_model_runs_under_inference_mode():
+    model = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    batch = _batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(input_ids=batch["input_ids"]).logits
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = model(input_ids=batch["input_ids"]).logits
+    model.eval()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        a = model(input_ids=batch["input_ids"]).logits
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        b = model(input_ids=batch["input_ids"]).logits
+    assert got.shape == ref.shape and torch.isfinite(got).all()
+    assert torch.equal(a, b)  # evaluation: no dropout, the same numbers either way
 
 
 def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone():

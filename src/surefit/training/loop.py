@@ -281,7 +281,7 @@ def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: flo
 
     The same update; the fused kernel does each parameter's whole step in one pass. On a 2-core CPU a step over
     33M parameters took 18 ms fused against 101 ms foreach (7.7M LoRA parameters: 12 vs 37 ms), where a
-    MiniLM classification step is about 250 ms. The Trainer's default is fused too.
+    MiniLM classification step takes about 300 ms (benchmarks/cpu_classify.py). The Trainer's default is fused too.
     """
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16,
                                                                                   torch.bfloat16, torch.float64)
