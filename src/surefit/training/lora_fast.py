@@ -175,8 +175,11 @@ def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Weak references only: the copy lives as long as a backward pass (or a caller) holds it, and a new tensor at a
     freed address is never mistaken for the old one."""
-    if x.is_inference():  # under torch.inference_mode tensors have no version counter: nothing is saved anyway
-        return x.to(dtype)
+    if x.is_inference() or torch.compiler.is_compiling():
+        # Inference tensors have no version counter (and nothing is saved for a backward pass anyway). Under
+        # torch.compile the identity test below would be traced wrongly (a cast of another tensor came back, with
+        # the wrong shape), and the compiler merges equal casts itself.
+        return x.detach().to(dtype)
     last = _last_cast[0]
     if last is not None and last[0]() is x and last[1] == x._version and last[2] == dtype:
         cast = last[3]()
