@@ -22,7 +22,6 @@ import statistics
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -344,19 +343,22 @@ def warm_up(trainer: Any, bf16: bool) -> float:
     import torch
 
     t0 = time.perf_counter()
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.is_available()
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(),
+              torch.cuda.get_rng_state_all() if cuda else None)
     model = trainer.model
     model.train()
-    batch = next(iter(trainer.get_train_dataloader()))
-    batch = {k: v for k, v in batch.items() if hasattr(v, "to")}
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-    with ctx:
+    device = next(model.parameters()).device
+    batch = {k: v.to(device) for k, v in next(iter(trainer.get_train_dataloader())).items() if hasattr(v, "to")}
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
         loss = trainer.compute_loss(model, batch)
     loss.backward()
     model.zero_grad(set_to_none=True)
     random.setstate(states[0])
     np.random.set_state(states[1])
     torch.set_rng_state(states[2])
+    if cuda:
+        torch.cuda.set_rng_state_all(states[3])
     return time.perf_counter() - t0
 
 

@@ -107,27 +107,6 @@ def worker_surefit(args: argparse.Namespace) -> dict[str, Any]:
                                           "frozen_dtype")}}
 
 
-def _warm_up(trainer: Any, bf16: bool) -> None:
-    """One forward + backward on the first batch before the timed epoch, undone (gradients, RNG, loss record):
-    surefit's timed epoch follows its dry run and epoch-0 evaluation, so CUDA/cuBLAS set-up is not in its time
-    either."""
-    import torch
-
-    states = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    model = trainer.model
-    model.train()
-    device = next(model.parameters()).device
-    batch = {k: v.to(device) for k, v in next(iter(trainer.get_train_dataloader())).items() if hasattr(v, "to")}
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        loss = trainer.compute_loss(model, batch)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    torch.set_rng_state(states[0])
-    if states[1] is not None:
-        torch.cuda.set_rng_state_all(states[1])
-    trainer.bench_reset()
-
-
 def worker_trl(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
     import torch
     from datasets import Dataset
@@ -151,7 +130,8 @@ def worker_trl(args: argparse.Namespace, checkpointing: bool) -> dict[str, Any]:
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     trainer = benchlib.recording(SFTTrainer)(model=model, args=cfg, train_dataset=ds, processing_class=tok,
                                              peft_config=lora, callbacks=[timer])
-    _warm_up(trainer, cfg.bf16)
+    benchlib.warm_up(trainer, cfg.bf16)  # undone; surefit's timed epoch also follows a warm start
+    trainer.bench_reset()
     trainer.train()
     return {"seconds": timer.seconds, "peak_gb": _peak_gb(), "train_loss": trainer.bench_loss,
             "resolved": {"bf16": cfg.bf16, "gradient_checkpointing": cfg.gradient_checkpointing}}
