@@ -301,20 +301,24 @@ def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone(
 
 
 def test_saved_activation_packing_keeps_parameters_small_and_16_bit_tensors_as_they_are():
-    from surefit.training.lora_fast import SavedActivationsIn, _Packed
+    from surefit.training.lora_fast import SavedActivationsIn, _Kept, _Packed
 
     saved = SavedActivationsIn()
+
+    def kept(t):  # left as it is: the same storage, handed back unchanged
+        k = saved.pack(t)
+        return type(k) is _Kept and k.tensor.data_ptr() == t.data_ptr() and torch.equal(saved.unpack(k), t)
+
     w = nn.Parameter(torch.randn(128, 64))
     x = torch.randn(64, 128, requires_grad=True)
     act = x * 2.0
-    assert saved.pack(w) is w
-    view = w.t()
-    assert saved.pack(view) is view  # a view of a parameter: never copied
-    assert saved.pack(x) is x  # a leaf (an input), not an activation
-    small = (x[:1, :4] * 2.0)
-    assert saved.pack(small) is small  # below MIN_NUMEL: not worth a copy
-    half = act.to(torch.bfloat16)
-    assert saved.pack(half) is half
+    assert kept(w)
+    assert kept(w.t())  # a view of a parameter: never copied
+    assert kept(x)  # a leaf (an input), not an activation
+    assert kept(x[:1, :4] * 2.0)  # below MIN_NUMEL: not worth a copy
+    assert kept(act.to(torch.bfloat16))
+    plain = torch.randn(64, 128)
+    assert saved.pack(plain) is plain  # no autograd history to drop
     p = saved.pack(act)
     assert isinstance(p, _Packed) and p.tensor.dtype == torch.bfloat16
     assert saved.pack(act) is p  # saved by two operations: packed once
@@ -324,6 +328,47 @@ def test_saved_activation_packing_keeps_parameters_small_and_16_bit_tensors_as_t
     assert saved.pack(act) is not p  # changed in place since: packed again
     with pytest.raises(ValueError, match="bfloat16 only"):
         SavedActivationsIn(torch.float16)
+
+
+def test_a_forward_without_backward_under_packing_frees_its_graph():
+    """An op that saves its own output (tanh here; SDPA and norms in a model) must not keep itself alive through the
+    pack hook: a forward that raises (out of memory, retried smaller) or only measures would otherwise leak."""
+    import gc
+    import weakref
+
+    from surefit.training.lora_fast import SavedActivationsIn
+    from surefit.training.plan import measure_saved_bytes
+
+    w = nn.Parameter(torch.randn(128, 128))
+    x = torch.randn(64, 128)
+    with SavedActivationsIn():
+        small = torch.tanh(x[:4, :4] @ w[:4, :4])  # kept as it is (below MIN_NUMEL)
+        big = torch.tanh(x @ w)  # packed in bf16
+        loss = (small.sum() + big.sum())
+    refs = [weakref.ref(small), weakref.ref(big)]
+    del small, big, loss
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+    out = []
+    model = nn.Sequential(nn.Linear(128, 128), nn.Tanh())
+    assert measure_saved_bytes(model, lambda: out.append(weakref.ref(model(x))) or out[-1]()) > 0
+    gc.collect()
+    assert out[0]() is None
+
+
+def test_changing_a_saved_tensor_in_place_is_still_caught_under_packing():
+    from surefit.training.lora_fast import SavedActivationsIn
+
+    w = nn.Parameter(torch.randn(8, 8))
+    with SavedActivationsIn():
+        h = torch.tanh(torch.randn(2, 8) @ w)  # small: kept, and tanh saves it for its backward
+        y = (h * h).sum()
+    with torch.no_grad():
+        h.mul_(2.0)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation: \[torch.float32 \[2, 8\]\] is at version 1; "
+                                           r"expected version 0.*not `x.mul_\(2\)`"):
+        y.backward()
 
 
 def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch):

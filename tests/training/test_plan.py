@@ -3,6 +3,7 @@
 import copy
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -178,3 +179,33 @@ def test_lora_under_bf16_stores_frozen_weights_and_saved_activations_in_bf16_and
     assert "activations saved" not in fp16.render()
     full = _plan(tiny_llama(), None, precision="bf16", lora=False)  # full fine-tuning: nothing stored differently
     assert full.frozen_dtype is None and full.saved_activations is None
+
+
+def _file_backed(t: torch.Tensor) -> str | None:
+    """The file whose memory mapping holds ``t``'s data (Linux), else None."""
+    ptr = t.data_ptr()
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            parts = line.split()
+            lo, hi = (int(v, 16) for v in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5] if len(parts) > 5 and parts[5].startswith("/") else None
+    return None
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux memory maps")
+def test_storing_frozen_weights_in_bf16_lets_go_of_the_checkpoint_file(tmp_path):
+    """Weights load memory-mapped from safetensors; a fp32 tensor left in the file (the embedding) would keep the whole
+    file's pages resident on top of the 16-bit copies."""
+    from transformers import LlamaForCausalLM
+
+    tiny_llama().save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path)
+    model.requires_grad_(False)
+    embed = model.get_input_embeddings().weight
+    before = embed.detach().clone()
+    assert str(_file_backed(embed)).endswith("model.safetensors")  # what makes this test mean something
+    assert store_frozen_in(model, torch.bfloat16) > 0
+    assert _file_backed(embed) is None
+    assert model.get_input_embeddings().weight is embed and torch.equal(embed, before)  # same parameter, same values
+    assert all(_file_backed(t) is None for t in [*model.parameters(), *model.buffers()])

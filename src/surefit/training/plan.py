@@ -214,12 +214,14 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any 
 
     ``packer``: a :class:`~surefit.training.lora_fast.SavedActivationsIn` the run will train under; what it stores
     is counted."""
+    from surefit.training.lora_fast import SavedActivationsIn, _Packed, keep_saved
+
     seen: dict[tuple[int, int], int] = {}
 
     def pack(t: torch.Tensor) -> Any:
         if packer is not None:
             packed = packer.pack(t)
-            if packed is not t:
+            if type(packed) is _Packed:
                 storage = packed.tensor.untyped_storage()
                 seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
                 return packed
@@ -228,10 +230,10 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any 
             seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
         except Exception:  # noqa: BLE001 - e.g. tensors without storage; they cost nothing
             pass
-        return t
+        return keep_saved(t)  # not ``t``: that would keep this never-backpropagated graph alive (see keep_saved)
 
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    unpack = packer.unpack if packer is not None else (lambda t: t)
+    unpack = SavedActivationsIn.unpack
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         out = run_forward()
     del out
@@ -515,7 +517,26 @@ def store_frozen_in(model: Any, dtype: torch.dtype) -> int:
             if m.bias is not None and not m.bias.requires_grad:
                 m.bias.data = m.bias.data.to(dtype)
             saved += before - m.weight.numel() * m.weight.element_size()
+    if saved:
+        _own_copies(model, dtype)
     return saved
+
+
+def _own_copies(model: Any, dtype: torch.dtype) -> None:
+    """Copy the frozen CPU tensors left in their dtype (embeddings, norms, buffers) out of the checkpoint file.
+
+    Weights are loaded from safetensors by memory-mapping the file, and the whole mapping lives while any tensor
+    still points into it: once the Linear weights have 16-bit copies, the fp32 embedding alone kept the file's pages
+    resident, counted in the process's memory on top of the copies. Measured on SmolLM2-135M: 525 MB of file pages
+    for 110 MB of fp32 tensors that are really needed (``benchmarks/results/cpu_sft.md``).
+    """
+    done: set[int] = set()
+    for m in model.modules():
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            if id(t) in done or t.device.type != "cpu" or t.requires_grad or t.dtype == dtype:
+                continue
+            done.add(id(t))
+            t.data = t.data.clone()
 
 
 def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
