@@ -112,7 +112,7 @@ def test_saved_activations_are_counted_exactly():
     assert measure_saved_bytes(lin, forward) == (4 * 100 + 4 * 50) * 4
 
 
-def test_frozen_weights_in_bf16_compute_the_same_numbers_under_autocast(tiny):
+def test_frozen_weights_in_bf16_compute_the_same_numbers_under_autocast_but_for_rounded_lookups(tiny):
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
@@ -126,8 +126,14 @@ def test_frozen_weights_in_bf16_compute_the_same_numbers_under_autocast(tiny):
     assert saved > 0
     dtypes = {n: p.dtype for n, p in b.named_parameters()}
     assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == torch.bfloat16
-    assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n or "norm" in n or "embed" in n)
+    assert dtypes["base_model.model.model.embed_tokens.weight"] == torch.bfloat16
+    assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n or "norm" in n)
     ids = torch.randint(1, 64, (2, 12))
+    assert b.get_input_embeddings()(ids).dtype == torch.float32  # lookups come out fp32: the residual stays fp32
+    # The one change in numbers: embedding lookups rounded to bf16 (the Linear weights autocast rounds anyway).
+    with torch.no_grad():
+        emb = a.get_input_embeddings().weight
+        emb.copy_(emb.to(torch.bfloat16).float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
         la = a(input_ids=ids).logits.float()
         lb = b(input_ids=ids).logits.float()
@@ -195,17 +201,45 @@ def _file_backed(t: torch.Tensor) -> str | None:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads Linux memory maps")
 def test_storing_frozen_weights_in_bf16_lets_go_of_the_checkpoint_file(tmp_path):
-    """Weights load memory-mapped from safetensors; a fp32 tensor left in the file (the embedding) would keep the whole
-    file's pages resident on top of the 16-bit copies."""
+    """Weights load memory-mapped from safetensors; a fp32 tensor left in the file (a norm) would keep the whole file's
+    pages resident on top of the 16-bit copies."""
     from transformers import LlamaForCausalLM
 
     tiny_llama().save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path)
     model.requires_grad_(False)
-    embed = model.get_input_embeddings().weight
-    before = embed.detach().clone()
-    assert str(_file_backed(embed)).endswith("model.safetensors")  # what makes this test mean something
+    norm = model.model.norm.weight  # stays fp32: one tensor left in the file would keep all of it mapped
+    before = norm.detach().clone()
+    assert str(_file_backed(norm)).endswith("model.safetensors")  # what makes this test mean something
     assert store_frozen_in(model, torch.bfloat16) > 0
-    assert _file_backed(embed) is None
-    assert model.get_input_embeddings().weight is embed and torch.equal(embed, before)  # same parameter, same values
+    assert model.model.norm.weight is norm and norm.dtype == torch.float32 and torch.equal(norm, before)
     assert all(_file_backed(t) is None for t in [*model.parameters(), *model.buffers()])
+
+
+def test_a_tied_output_layer_in_bf16_saves_no_copy_of_the_table():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).requires_grad_(False)
+    model.model.norm.weight.requires_grad_(True)  # something to backpropagate to
+
+    def table_copies(m):
+        shapes = []
+
+        table = m.lm_head.weight.untyped_storage().data_ptr()
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() != table:  # the table itself costs nothing more
+                shapes.append(tuple(t.shape))
+            return t.detach()
+
+        with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            m(input_ids=torch.randint(0, 96, (2, 8))).logits.float().sum()
+        return shapes.count((96, 32)) + shapes.count((32, 96))
+
+    assert table_copies(model) == 1  # autocast's 16-bit copy of the fp32 table, kept for the backward pass
+    store_frozen_in(model, torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
+    assert table_copies(model) == 0  # the table itself is what is saved: no copy
