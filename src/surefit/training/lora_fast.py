@@ -20,7 +20,9 @@ CPU; ``benchmarks/cpu_sft.py``):
 
 Because the outputs are fp32, what follows them (norms, the MLP's activation, the residual stream) runs and is saved
 in fp32 too; :class:`SavedActivationsIn`, which the training loop applies with bf16 frozen weights, stores those
-saved activations in bf16.
+saved activations in bf16. A gated MLP (``down_proj(silu(gate_proj(x)) * up_proj(x))``) with a LoRA ``down_proj`` on
+16-bit weights runs the product and ``down_proj`` as one function (``_SwiGLUDown``) that keeps only ``gate`` and
+``up`` for the backward pass.
 
 The distribution is the same: each element is kept independently with probability ``1 - p`` (``p`` rounded to a
 multiple of 2^-16, and the kept values scaled by the inverse of that exact keep rate, so the expectation is ``x``).
