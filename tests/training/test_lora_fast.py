@@ -469,3 +469,24 @@ def test_only_swiglu_mlps_whose_forward_is_the_known_one_are_fused():
     assert not _is_swiglu_mlp(Gated(nn.GELU()))  # another activation
     assert not _is_swiglu_mlp(Scaled(nn.SiLU()))  # another computation
     assert _is_swiglu_mlp(tiny_llama().model.layers[0].mlp)  # transformers' SiLUActivation
+
+
+def test_a_hook_on_down_proj_or_the_activation_keeps_the_mlp_unfused_so_the_hook_runs(monkeypatch):
+    import surefit.training.lora_fast as lf
+
+    model = _peft(tiny_llama())
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    layers = model.base_model.model.model.layers
+    seen = []
+    handles = [layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append("down")),
+               layers[1].mlp.act_fn.register_forward_hook(lambda m, a, out: seen.append("act"))]
+    calls = []
+    original = lf._SwiGLUDown.apply
+    monkeypatch.setattr(lf._SwiGLUDown, "apply", lambda *a: calls.append(1) or original(*a))
+    _loss_and_grads(model, _batch(), bf16=True)
+    assert seen == ["down", "act"] and calls == []
+    for h in handles:
+        h.remove()
+    _loss_and_grads(model, _batch(), bf16=True)
+    assert len(calls) == 2  # unhooked: both blocks fused again

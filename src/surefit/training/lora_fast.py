@@ -272,8 +272,9 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
     name = _fast_adapter(down, (), {}) if not (args or kwargs) and _is_lora_linear(down) else None
     w = down.base_layer.weight if name is not None else None
     if name is None or w.dtype not in (torch.float16, torch.bfloat16) or w.requires_grad \
-            or (down.base_layer.bias is not None and down.base_layer.bias.requires_grad) or self._forward_hooks \
-            or type(self.act_fn) is not self._surefit_act:
+            or (down.base_layer.bias is not None and down.base_layer.bias.requires_grad) \
+            or type(self.act_fn) is not self._surefit_act or _hooked(down) or _hooked(self.act_fn):
+        # (down_proj and act_fn are not called as modules here, so their hooks would not run: peft's path then)
         return type(self).forward(self, x, *args, **kwargs)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not (gate.is_floating_point() and up.is_floating_point()):
@@ -283,6 +284,10 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
     bias = None if down.base_layer.bias is None else down.base_layer.bias.to(down.lora_A[name].weight.dtype)
     return _SwiGLUDown.apply(gate, up, w, bias, down.lora_A[name].weight, down.lora_B[name].weight, p,
                              float(down.scaling[name]))
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
 def _is_lora_linear(m: Any) -> bool:
