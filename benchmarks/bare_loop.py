@@ -8,11 +8,15 @@ batch runs untimed (warm-up; with --compile, the compile); then --steps batches 
     .venv/bin/python benchmarks/bare_loop.py                          # surefit's: fused LoRA, activations in bf16
     .venv/bin/python benchmarks/bare_loop.py --compile [--peft]       # each decoder layer under torch.compile
     .venv/bin/python benchmarks/bare_loop.py --fp32 [--peft]
+    .venv/bin/python benchmarks/bare_loop.py --steps 15 [--unfuse-mlp]  # all 16 batches; the gated MLP unfused
 
 Prints one JSON line: tokens/s over the timed steps, their losses and the process's peak RSS. Nothing is written.
 Measured (2-core CPU, 8 steps, one sitting, 2026-11-21): surefit 332 tokens/s (peak RSS 2.70 GB); surefit compiled
 238 (first step, with the compile, 25.7 s); peft 236 (3.67 GB, and its losses 0.1 higher: bf16 rounding, see
 lora_bf16_drift.py); peft compiled 229 (11.4 s; inductor's on-disk cache was warm from an earlier run).
+Later the same day (after the fused gated MLP), --steps 15 in four pairs: fused 279, 295, 270, 295 tokens/s (peak RSS
+2.45-2.49 GB), --unfuse-mlp 250, 240, 260, 316 (2.66-2.71 GB): the memory difference is steady, the speed one is
+within this machine's noise.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ def main() -> None:
     ap.add_argument("--peft", action="store_true", help="peft's own LoRA forward instead of surefit's fused one")
     ap.add_argument("--fp32", action="store_true", help="no bf16 (frozen weights fp32, no autocast)")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (dynamic shapes)")
+    ap.add_argument("--unfuse-mlp", action="store_true",
+                    help="the MLP's own forward (act(gate) * up, then down_proj alone) instead of surefit's fused one")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     args = ap.parse_args()
 
@@ -67,6 +73,10 @@ def main() -> None:
         store_frozen_in(model, torch.bfloat16)  # what surefit's planner does under bf16 + LoRA
     if not args.peft:
         fuse_lora(model)
+    if args.unfuse_mlp:
+        for m in model.modules():
+            if "forward" in m.__dict__ and hasattr(m, "_surefit_act"):
+                del m.forward  # fuse_lora gave this gated MLP the fused forward (_SwiGLUDown); back to its class's
     if args.compile:
         for layer in model.base_model.model.model.layers:
             layer.forward = torch.compile(layer.forward, dynamic=True)
@@ -96,7 +106,7 @@ def main() -> None:
             tokens += n
             losses.append(round(loss, 4))
         seconds = time.perf_counter() - t
-    print(json.dumps({"forward": "peft" if args.peft else "surefit", "bf16": bf16, "compile": args.compile,
+    print(json.dumps({"forward": "peft" if args.peft else "surefit", "bf16": bf16, "compile": args.compile, "unfuse_mlp": args.unfuse_mlp, "steps": args.steps,
                       "first_step_s": round(first, 1), "tokens_per_s": round(tokens / seconds, 1),
                       "losses": losses, "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
                                                              2)}))
