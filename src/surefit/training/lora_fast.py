@@ -36,6 +36,7 @@ to peft's own forward at call time.
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 import weakref
@@ -290,12 +291,18 @@ def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
-def _is_lora_linear(m: Any) -> bool:
+@functools.cache
+def _lora_linear_class() -> type | None:
+    """peft's LoRA ``Linear`` (looked up once: the MLP forward asks on every call)."""
     try:
         from peft.tuners.lora import Linear as LoraLinear
     except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return type(m) is LoraLinear
+        return None
+    return LoraLinear
+
+
+def _is_lora_linear(m: Any) -> bool:
+    return type(m) is _lora_linear_class()
 
 
 _last_cast: list[Any] = [None]
@@ -367,9 +374,8 @@ def fuse_lora(model: nn.Module) -> int:
     frozen weights in fp32 (no mixed precision) every matmul is fp32 and the numbers are peft's.
     Idempotent; saving, loading and merging stay peft's (only ``forward`` changes, per instance).
     """
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:  # pragma: no cover - peft is a dependency
+    LoraLinear = _lora_linear_class()
+    if LoraLinear is None:  # pragma: no cover - peft is a dependency
         return 0
     n = 0
     for m in model.modules():
