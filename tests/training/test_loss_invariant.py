@@ -131,3 +131,34 @@ def test_chunked_head_through_peft_trains_only_the_adapters(tiny):
     assert ga.keys() == gb.keys() and all("lora_" in k for k in ga)
     for k in ga:
         assert torch.allclose(ga[k], gb[k], atol=1e-6, rtol=1e-4), k
+
+
+def _mask_seen(model, batch):
+    """The attention_mask the model's forward received from causal_lm_loss_sum."""
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw.get("attention_mask")), with_kwargs=True)
+    try:
+        causal_lm_loss_sum(model, batch)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_right_padded_batches_reach_a_causal_model_without_a_mask(tiny):
+    """Padding only after each row's last token: causal attention hides it already, so the mask is dropped (SDPA then
+    runs its causal kernel); the loss equals transformers' with the mask (checked by the tests above, same batch)."""
+    batch = PadCollator(pad_token_id=0)(_examples())
+    assert batch["attention_mask"].min() == 0  # the batch really is padded
+    assert _mask_seen(tiny, batch) is None
+    masked = tiny(**batch).loss
+    loss_sum, n = causal_lm_loss_sum(tiny, batch)
+    assert torch.allclose(loss_sum / n, masked, atol=1e-5)
+
+
+def test_the_mask_is_kept_for_left_padding_and_for_attention_that_is_not_causal(tiny):
+    left = PadCollator(pad_token_id=0, padding_side="left")(_examples())
+    assert _mask_seen(tiny, left) is left["attention_mask"]
+    right = PadCollator(pad_token_id=0)(_examples())
+    bidirectional = copy.deepcopy(tiny)
+    bidirectional.model.layers[1].self_attn.is_causal = False  # e.g. an encoder loaded as an LM without is_decoder
+    assert _mask_seen(bidirectional, right) is right["attention_mask"]

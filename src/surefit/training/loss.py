@@ -9,6 +9,7 @@ accumulation 8 would train differently. Summing and dividing once by the total m
 from __future__ import annotations
 
 import inspect
+import weakref
 from functools import lru_cache
 from typing import Any
 
@@ -36,6 +37,42 @@ def _base_forward_params(model: Any) -> frozenset[str]:
 @lru_cache(maxsize=64)
 def _params_of(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
+
+
+_causal: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _attends_causally(model: Any) -> bool:
+    """True when the model has attention layers and every one of them is causal (transformers marks each attention
+    module with ``is_causal``; a BERT loaded as an LM without ``is_decoder``, for one, is not). Read once per model."""
+    try:
+        return _causal[model]
+    except (KeyError, TypeError):
+        pass
+    flags = [m.is_causal for m in model.modules() if isinstance(getattr(m, "is_causal", None), bool)]
+    causal = bool(flags) and all(flags)
+    try:
+        _causal[model] = causal
+    except TypeError:  # pragma: no cover - every nn.Module can be weakly referenced
+        pass
+    return causal
+
+
+def model_attention_mask(model: Any, mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask to give a causal LM: None when padding only ends rows and the model attends causally.
+
+    Why: with padding only after the last real token of each row, causal attention already keeps every real token
+    from seeing a pad, so the mask changes no real position's output (the pads' own outputs change, but they carry
+    no loss and nothing reads them). Without it, transformers hands SDPA ``is_causal`` instead of a materialised
+    [batch, 1, T, T] mask: the kernel skips the blocks above the diagonal (half the attention work), grouped-query
+    attention runs without copying k and v per query head, and on a GPU the flash kernel becomes eligible.
+    Measured on SmolLM2-135M (batch 4 x 251 tokens, bf16, 2-core CPU): 2-5% of a training step.
+    """
+    if mask is None or mask.dim() != 2 or mask.shape[1] < 2:
+        return mask
+    if not bool((mask[:, 1:] <= mask[:, :-1]).all()) or not _attends_causally(model):
+        return mask  # left padding, holes, or an attention that is not causal: the mask is needed
+    return None
 
 
 # Logits of at most this many values (supervised tokens x vocabulary) are computed in one piece; beyond it the LM head
@@ -84,7 +121,8 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
     Args:
         model: a causal LM (possibly wrapped by peft or DDP); it is called through its own ``forward`` (DDP's
             gradient synchronisation and peft's adapters depend on that).
-        batch: ``input_ids``, ``attention_mask``, ``labels`` (-100 where there is no loss), shape ``[B, T]``.
+        batch: ``input_ids``, ``attention_mask``, ``labels`` (-100 where there is no loss), shape ``[B, T]``. A
+            right-padded mask is not passed on to a causal model (see :func:`model_attention_mask`).
         chunk_values: logits size above which the head runs in chunks.
 
     Returns:
@@ -96,7 +134,8 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
     target_mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]: position t predicts token t+1
     targets = labels[:, 1:][target_mask]
     n = int(targets.numel())
-    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch.get("attention_mask"), "use_cache": False}
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": model_attention_mask(model, batch.get("attention_mask")),
+              "use_cache": False}
     if "logits_to_keep" not in _base_forward_params(model):
         logits = model(**kwargs).logits[:, :-1][target_mask]
         return F.cross_entropy(logits.float(), targets, reduction="sum"), n
