@@ -51,6 +51,14 @@ def test_three_figures_each_epoch_in_output_metrics_and_api(custom_run, capsys):
         r["avg_train_loss"] for r in epochs]
 
 
+def test_the_doctor_report_is_saved_in_the_run_folder(custom_run):
+    """As for sft and classify: report.html and later readers take the checks from doctor.json."""
+    out, _ = custom_run
+    saved = json.loads((out / "doctor.json").read_text())
+    assert saved["has_errors"] is False and isinstance(saved["findings"], list)
+    assert "no doctor report saved" not in (out / "report.html").read_text()
+
+
 def test_final_model_reloads_through_its_factory(custom_run):
     out, _ = custom_run
     spec = json.loads((out / "final/surefit_model.json").read_text())

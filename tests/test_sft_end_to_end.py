@@ -161,6 +161,15 @@ def test_on_bad_rows_skip_trains_on_the_good_rows_and_lists_the_rejected(tmp_pat
     assert result.data_report["rejected_rows"] == 4
     assert result.data_report["train_rows"] + result.data_report["val_rows"] == 20
 
+    # --overwrite of that run: the new run's list is written while its data is read, before the previous run's files
+    # are removed; it must survive that removal (it once did not: the message pointed at a deleted file).
+    data.write_text("\n".join(good[:10] + bad[:2] + good[10:]) + "\n", encoding="utf-8")
+    again = surefit.train(task="sft", model=str(tiny_lm_dir), data=str(data), on_bad_rows="skip", epochs=1,
+                          output_dir=str(tmp_path / "run"), overwrite=True)
+    rejected = [json.loads(x) for x in (tmp_path / "run" / "rejected_rows.jsonl").read_text().splitlines()]
+    assert sorted(r["where"] for r in rejected) == [f"{data} line 11", f"{data} line 12"]
+    assert again.data_report["rejected_rows"] == 2
+
 
 def test_gradient_checkpointing_with_lora_trains_the_same(tmp_path, tiny_lm_dir, qa_jsonl):
     import surefit

@@ -381,7 +381,7 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     previous = check_output_dir(cfg, early)
     resume_from = resume_point(cfg, early, say)
     train_rows, val_rows, fields, spec, report = load_data(cfg, say, early)
-    out = start_output_dir(cfg, previous, say)
+    out = start_output_dir(cfg, previous, say, report)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)

@@ -319,6 +319,8 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
     out = start_output_dir(cfg, previous, say)
     if is_main_process():
         (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
+        if doctor_report is not None:  # gate() could not save it: the run folder did not exist yet
+            (out / "doctor.json").write_text(doctor_report.to_json(), encoding="utf-8")
 
     accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
     say(f"model {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters); precision "

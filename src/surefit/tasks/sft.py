@@ -147,7 +147,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     previous = check_output_dir(cfg, early)
     resume_from = resume_point(cfg, early, say)
     train_rows, val_rows, data_report = load_data(cfg, say, early)
-    out = start_output_dir(cfg, previous, say)
+    out = start_output_dir(cfg, previous, say, data_report)
     path = model_folder(source, log=say)
     tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:

@@ -74,10 +74,13 @@ def resume_point(cfg: Any, problems: list[Problem], say: Callable[[str], None] =
     return folder
 
 
-def start_output_dir(cfg: Any, previous: list[str], say: Callable[[str], None] = print) -> Path:
+def start_output_dir(cfg: Any, previous: list[str], say: Callable[[str], None] = print,
+                     data_report: dict[str, Any] | None = None) -> Path:
     """Make the run folder; with ``--overwrite``, remove the previous run first; save the resolved config.
 
-    Only the main process does it; the others wait until it is done.
+    ``data_report``: this run's, when its data was read already. Rows rejected under ``--on_bad_rows skip`` were then
+    written to ``rejected_rows.jsonl`` before this (so that a data error can point at the file): that file is this
+    run's, not the previous one's, and stays. Only the main process does it; the others wait until it is done.
     """
     out = Path(cfg.output_dir)
     if cfg.resume:
@@ -85,6 +88,8 @@ def start_output_dir(cfg: Any, previous: list[str], say: Callable[[str], None] =
     if not is_main_process():
         barrier()
         return out
+    if data_report and data_report.get("rejected_rows"):
+        previous = [name for name in previous if name != "rejected_rows.jsonl"]
     for name in previous:
         target = out / name
         shutil.rmtree(target) if target.is_dir() else target.unlink()
