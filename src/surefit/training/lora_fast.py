@@ -19,7 +19,7 @@ CPU; ``benchmarks/cpu_sft.py``):
   however many adapters read it.
 
 Because the outputs are fp32, what follows them (norms, the MLP's activation, the residual stream) runs and is saved
-in fp32 too; :class:`SavedActivationsIn`, which the training loop applies with bf16 frozen weights, stores those
+in fp32 too; :class:`SavedActivationsIn`, which the training loop applies with 16-bit frozen weights, stores those
 saved activations in bf16. A gated MLP (``down_proj(silu(gate_proj(x)) * up_proj(x))``) with a LoRA ``down_proj`` on
 16-bit weights runs the product and ``down_proj`` as one function (``_SwiGLUDown``) that keeps only ``gate`` and
 ``up`` for the backward pass.
@@ -439,7 +439,8 @@ class SavedActivationsIn:
 
     Only activations are packed: fp32, not leaves (so no parameter and nothing outside the autograd graph), not a
     view of a leaf, at least ``MIN_NUMEL`` elements. A tensor saved by several operations (a norm's input, an input
-    read by q, k and v) is packed once. bf16 only: fp16's range (65504) is too narrow for a residual stream.
+    read by q, k and v) is packed once. bf16 only, under fp16 runs too (GPUs without bf16 arithmetic still convert
+    to and from it): fp16's range (65504) is too narrow for a residual stream.
     """
 
     MIN_NUMEL = 4096

@@ -61,11 +61,9 @@ class Plan:
     estimate: dict[str, int] = field(default_factory=dict)
     measured: dict[str, Any] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
-
-    @property
-    def saved_activations(self) -> str | None:
-        """"bf16" when activations saved for the backward pass are stored in bf16 (LoRA on bf16 frozen weights)."""
-        return "bf16" if self.frozen_dtype == "bf16" else None
+    # "bf16" when fp32 activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights,
+    # bf16 or fp16 runs: see training/lora_fast.SavedActivationsIn); None: as autograd saves them.
+    saved_activations: str | None = None
 
     @property
     def estimated_bytes(self) -> int:
@@ -342,12 +340,13 @@ def make_plan(
     frozen_half = bool(lora and mixed)
     if frozen_half:
         store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16)
+    pack_saved = frozen_half and holds_bf16(device)
     longest = max(work.lengths) if work.lengths else 1
     order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
     measured_act = None
     if work.forward is not None and order:
         packer = None
-        if frozen_half and precision == "bf16":
+        if pack_saved:
             from surefit.training.lora_fast import SavedActivationsIn
 
             packer = SavedActivationsIn(torch.bfloat16)
@@ -382,7 +381,8 @@ def make_plan(
             chosen = (plain, ckpt_options[0])
         elif with_ckpt is not None:
             chosen = (with_ckpt, True)
-    probe = probe if probe is not None else (_gpu_probe(work, order) if device.type == "cuda" and budget_gb else None)
+    probe = probe if probe is not None else (_gpu_probe(work, order, pack_saved)
+                                             if device.type == "cuda" and budget_gb else None)
     measured: dict[str, Any] = {}
     if measured_act:
         measured["saved_activations"] = {"bytes": measured_act[0], "tokens": measured_act[1]}
@@ -431,9 +431,10 @@ def make_plan(
         changes.append(f"frozen weights stored in {precision} (autocast computes with them in {precision} anyway: "
                        "the same numbers, half the memory, no cast per step; embedding lookups are rounded to "
                        f"{precision} once, the residual stream stays fp32)")
-        if precision == "bf16":
-            changes.append("fp32 activations saved for the backward pass stored in bf16 (forward values unchanged; "
-                           "the backward pass computes with them rounded, as with everything autocast saves)")
+    if pack_saved:
+        changes.append("fp32 activations saved for the backward pass stored in bf16 (forward values unchanged; "
+                       "the backward pass computes with them rounded, as with everything autocast saves"
+                       + ("; bf16, not fp16, for fp32's range" if precision == "fp16" else "") + ")")
     eval_bs = eval_batch_size
     if budget_gb:
         eval_bs = _fit_eval(fp, work, eval_batch_size, target, mixed)
@@ -446,7 +447,18 @@ def make_plan(
                 gradient_checkpointing=ckpt, precision=precision,
                 frozen_dtype={"bf16": "bf16", "fp16": "fp16"}[precision] if frozen_half else None,
                 eval_batch_size=eval_bs, budget_gb=budget_gb, budget_source=source,
-                estimate=estimate(micro, ckpt), measured=measured, changes=changes)
+                estimate=estimate(micro, ckpt), measured=measured, changes=changes,
+                saved_activations="bf16" if pack_saved else None)
+
+
+def holds_bf16(device: torch.device) -> bool:
+    """Whether ``device`` can store bf16 tensors (casts only: GPUs without bf16 arithmetic, Turing's T4 and GTX 16xx,
+    V100, convert in software, which is all that storing saved activations needs)."""
+    try:
+        torch.ones(1, device=device).to(torch.bfloat16).float()
+    except (RuntimeError, TypeError):  # pragma: no cover - a backend without bf16 storage
+        return False
+    return True
 
 
 def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixed: bool) -> int:
@@ -464,14 +476,18 @@ def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixe
     return 1
 
 
-def _gpu_probe(work: Workload, order: list[int]) -> Callable[[int, bool], int] | None:
+def _gpu_probe(work: Workload, order: list[int], pack_saved: bool = False) -> Callable[[int, bool], int] | None:
     if work.train_step is None:
         return None
+    from contextlib import nullcontext
+
+    from surefit.training.lora_fast import SavedActivationsIn
 
     def probe(micro: int, ckpt: bool) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        work.train_step(order[:micro])
+        with SavedActivationsIn(torch.bfloat16) if pack_saved else nullcontext():  # as the run will save them
+            work.train_step(order[:micro])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
 
