@@ -365,6 +365,22 @@ def warm_up(trainer: Any, bf16: bool) -> float:
 # ------------------------------------------------------------------------------------------------- report helpers
 
 
+def command_line(script: str, args: Any) -> str:
+    """The command that reproduces a run of ``script`` with these parsed arguments (the ones that change results)."""
+    parts = [f".venv/bin/python benchmarks/{script}", f"--rows {args.rows}"]
+    if getattr(args, "quick", False):
+        parts.append("--quick")
+    if getattr(args, "only", None):
+        parts.append(f"--only {args.only}")
+    if getattr(args, "repeats", 1) > 1:
+        parts.append(f"--repeats {args.repeats}")
+    if not getattr(args, "warmup", True):
+        parts.append("--no-warmup")
+    if getattr(args, "out", None):
+        parts.append(f"--out {args.out}")
+    return " ".join(parts)
+
+
 def fmt(v: Any, digits: int = 1) -> str:
     if v is None:
         return "-"

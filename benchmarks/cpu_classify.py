@@ -307,9 +307,8 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
                                 + [r.get("load_after", []) for r in results.values()],
                                 [r.get("others_cpu_cores") for r in results.values()]),
         "",
-        f"Command: `.venv/bin/python benchmarks/cpu_classify.py --rows {args.rows}"
-        + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + "`; raw numbers in "
-        "the `.json` next to this file.",
+        f"Command: `{benchlib.command_line('cpu_classify.py', args)}`; raw numbers in the `.json` next to this "
+        "file.",
         "",
     ]
     return md, {"verdicts": verdicts}

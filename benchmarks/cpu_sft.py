@@ -496,8 +496,7 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
                                 + [r.get("load_after", []) for r in results.values()],
                                 [r.get("others_cpu_cores") for r in results.values()]),
         "",
-        f"Command: `.venv/bin/python benchmarks/cpu_sft.py --rows {args.rows}"
-        + (" --quick" if args.quick else "") + (f" --only {args.only}" if args.only else "") + "`; "
+        f"Command: `{benchlib.command_line('cpu_sft.py', args)}`; "
         "raw numbers (and each worker's resolved settings) in the `.json` next to this file.",
         "",
     ]
