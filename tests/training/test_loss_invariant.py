@@ -162,3 +162,26 @@ def test_the_mask_is_kept_for_left_padding_and_for_attention_that_is_not_causal(
     bidirectional = copy.deepcopy(tiny)
     bidirectional.model.layers[1].self_attn.is_causal = False  # e.g. an encoder loaded as an LM without is_decoder
     assert _mask_seen(bidirectional, right) is right["attention_mask"]
+
+
+def test_without_the_mask_a_sliding_window_still_applies():
+    """Mistral-style sliding-window attention (window 4, rows up to 21 tokens): transformers builds the window from
+    the positions when no mask is given, so dropping the padding mask leaves the loss as it was."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    import surefit.training.loss as loss_module
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=4))
+    batch = PadCollator(pad_token_id=0)(_examples())
+    assert _mask_seen(model, batch) is None
+    dropped, n = causal_lm_loss_sum(model, batch)
+    loss_module._causal[model] = False  # as if the model were not causal: the mask is passed on
+    assert _mask_seen(model, batch) is batch["attention_mask"]
+    kept, _ = causal_lm_loss_sum(model, batch)
+    assert torch.allclose(dropped, kept, rtol=1e-6, atol=1e-5)
+    windowed = copy.deepcopy(model)
+    windowed.config.sliding_window = 10**6  # a window that never bites gives another loss: the window was applied
+    loss_module._causal[windowed] = True
+    assert not torch.allclose(causal_lm_loss_sum(windowed, batch)[0], dropped, atol=1e-4)
