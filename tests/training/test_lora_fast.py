@@ -39,9 +39,9 @@ def _batch(seed=0, n=3):
     return PadCollator(pad_token_id=0)(_feats(seed, n))
 
 
-def _loss_and_grads(model, batch, bf16=False):
+def _loss_and_grads(model, batch, bf16=False, dtype=torch.bfloat16):
     model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # a 16-bit lm_head needs it, as in training
+    with torch.autocast("cpu", dtype=dtype, enabled=bf16):  # a 16-bit lm_head needs it, as in training
         loss, n = causal_lm_loss_sum(model, batch)
     (loss / n).backward()
     return (loss / n).item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
@@ -293,12 +293,7 @@ def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone(
     plain = measure_saved_bytes(model, forward)
     packed = measure_saved_bytes(model, forward, SavedActivationsIn())
     assert packed < 0.85 * plain  # measured 0.82 (0.78 before the MLP kept only gate and up, fp32 both ways)
-    model.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=half):
-        loss_ref, n = causal_lm_loss_sum(model, batch)
-    (loss_ref / n).backward()
-    loss_ref = (loss_ref / n).item()
-    g_ref = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    loss_ref, g_ref = _loss_and_grads(model, batch, bf16=True, dtype=half)
     model.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=half), SavedActivationsIn():
         loss, n = causal_lm_loss_sum(model, batch)
