@@ -10,6 +10,8 @@ process:
                           base's matmuls in bf16, adapters, their sum and the loss in fp32; fp32 on other CPUs)
     surefit_fp32          surefit --precision fp32
     surefit_ckpt          surefit's defaults plus --gradient_checkpointing (what memory costs in time)
+    surefit_noshare       surefit's defaults plus --share_prefixes false: every row computes its whole prompt, also
+                          the paragraph other questions in its batch share (what sharing buys on this data)
     trainer_seq2seq       transformers.Trainer + DataCollatorForSeq2Seq + length grouping, fp32 (Trainer's default)
     trainer_seq2seq_bf16  the same with bf16=True (CPU autocast)
     trl_sft               trl.SFTTrainer on a prompt/completion dataset at TRL's defaults (bf16=True and
@@ -56,6 +58,7 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
     "surefit": ("surefit", {}, "surefit defaults (precision auto)"),
     "surefit_fp32": ("surefit", {"precision": "fp32"}, "surefit --precision fp32"),
     "surefit_ckpt": ("surefit", {"gradient_checkpointing": True}, "surefit --gradient_checkpointing (memory for time)"),
+    "surefit_noshare": ("surefit", {"share_prefixes": False}, "surefit --share_prefixes false (every row in full)"),
     "trainer_seq2seq": ("seq2seq", {"bf16": False}, "Trainer + DataCollatorForSeq2Seq + length grouping, fp32"),
     "trainer_seq2seq_bf16": ("seq2seq", {"bf16": True}, "the same, bf16=True"),
     "trl_sft": ("trl", {}, "TRL SFTTrainer, prompt/completion, TRL defaults"),
@@ -223,6 +226,9 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
         "tokens_supervised_seen": result.data_report["encoding"]["train"]["supervised_tokens"],
         "tokens_padded": spec["surefit_padded"],
         "trainable_params": marks.get("trainable"),
+        # prompt-prefix tokens computed once for several rows of a micro-batch (absent with --share_prefixes false)
+        "shared_prefix_tokens": final.get("shared_prefix_tokens"),
+        "shared_prefix_rows": final.get("shared_prefix_rows"),
     }
 
 
@@ -389,6 +395,17 @@ def _tps(rec: dict[str, Any], key: str, spec: dict[str, Any]) -> float | None:
     return spec[key] / s if s else None
 
 
+def _shared_lines(ok: dict[str, dict[str, Any]], spec: dict[str, Any]) -> list[str]:
+    shared = {n: r for n, r in ok.items() if r.get("shared_prefix_tokens")}
+    if not shared:
+        return []
+    parts = [f"{n} {r['shared_prefix_rows']} rows, {benchlib.fmt(r['shared_prefix_tokens'])} tokens" for n, r in shared.items()]
+    return ["", "Shared prompt prefixes (surefit): rows whose batch holds another question on the same paragraph reuse "
+            "that paragraph's states, computed once (same loss; see the README). Prefix tokens not recomputed, of "
+            f"{benchlib.fmt(spec['ref_tokens'])}: " + "; ".join(parts) + ". Every tokens/s column still divides "
+            "the same token count, so it counts these tokens as trained, which they are."]
+
+
 def _trainable_line(ok: dict[str, dict[str, Any]]) -> str:
     counts = {n: r.get("trainable_params") for n, r in ok.items()}
     if len(set(counts.values())) == 1:
@@ -450,6 +467,7 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
         "tok/s column still counts answer tokens, for the same work.",
         "",
         _trainable_line(ok),
+        *_shared_lines(ok, spec),
         "",
         "## Goals (issue: surefit >= 2.5x the fastest anchor at defaults, >= 2x given bf16, RSS <= 0.7x, same loss)",
         "",

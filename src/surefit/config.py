@@ -184,6 +184,9 @@ class SFTConfig(TrainConfig):
         "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
     )
     augmentation_factor: int = opt(1, "N: each training row plus N-1 augmented variants (training rows only).")
+    share_prefixes: bool = opt(
+        True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
+        "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
     max_new_tokens: int | None = opt(
         None, "Generation length for evaluation. Default: the longest training target in tokens, plus 4."
     )

@@ -8,6 +8,7 @@ in counts, everything that happened to the data.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,13 @@ from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, squad_scores, token_f1
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.training.distributed import is_main_process, on_main
+from surefit.training.distributed import is_main_process, on_main, sum_over_processes
 from surefit.training.loop import Checkpointing, LoopSettings, evaluate_loss, fit, make_accelerator
 from surefit.training.lora_fast import fuse_lora
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.plan import plan_run, precision_name
+from surefit.training.prefixes import PrefixSharing, why_not_shared
 from surefit.training.run import (
     check_output_dir,
     open_metrics_log,
@@ -232,6 +234,27 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
         accelerator.unwrap_model(m).save_pretrained(folder, safe_serialization=True)
         tokenizer.save_pretrained(folder)
 
+    sharing, train_loss = None, causal_lm_loss_sum
+    if cfg.share_prefixes:
+        reason = why_not_shared(model)
+        if reason:
+            say(f"shared prompt prefixes: each row computes its own, because {reason}")
+        else:
+            sharing = PrefixSharing()
+            train_loss = functools.partial(causal_lm_loss_sum, share=sharing)
+
+    def on_epoch(record: dict[str, Any]) -> None:
+        if sharing is None:
+            return
+        c = sharing.take()
+        rows, saved, tokens, shared, batches = (int(v) for v in sum_over_processes(
+            [c["rows"], c["tokens_saved"], c["tokens"], c["shared_batches"], c["batches"]], accelerator.device))
+        record.update(shared_prefix_rows=rows, shared_prefix_tokens=saved)
+        if shared:
+            say(f"epoch {record['epoch']}: {rows} rows reused a prompt prefix computed once for another row of their "
+                f"micro-batch ({saved:,} of {tokens:,} tokens not recomputed, {saved / max(tokens, 1):.0%}; "
+                f"{shared} of {batches} micro-batches); --share_prefixes false computes every row in full")
+
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=save_model, resume_from=resume_from, resume_command=resume_command(cfg))
     settings = LoopSettings(
@@ -252,7 +275,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
             [e.features() for e in train_ex],
             [len(e.input_ids) for e in train_ex],
             [e.num_supervised for e in train_ex],
-            loss_fn=causal_lm_loss_sum,
+            loss_fn=train_loss,
             collate=collate,
             settings=settings,
             accelerator=accelerator,
@@ -260,6 +283,8 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
             checkpointing=checkpointing,
             log=log,
             say=say,
+            on_epoch=on_epoch,
+            counters=sharing,
         )
     finally:
         log.close()

@@ -314,6 +314,7 @@ def fit(
     log: MetricsLog,
     say: Callable[[str], None] = print,
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
+    counters: Any | None = None,
 ) -> list[dict[str, Any]]:
     """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
 
@@ -330,6 +331,9 @@ def fit(
         evaluate: ``(model, epoch) -> metrics``; called for epoch 0 (before training) and each epoch.
         on_epoch: called with each epoch's complete record (training and evaluation figures) before it is logged;
             it may add keys.
+        counters: the task's running counts for the epoch in progress (``state() -> {name: int}``, ``load(state)``;
+            e.g. :class:`~surefit.training.prefixes.PrefixSharing`): checkpoints keep them, summed over processes, so
+            a resumed epoch's record reports what an uninterrupted one does.
 
     With several processes, ``evaluate`` runs on the main process only, on the unwrapped model (the DDP wrapper's
     forward is a collective: called on one process it would wait for the others forever), while the others wait for
@@ -390,6 +394,8 @@ def fit(
                                 scheduler=scheduler, scaler=getattr(accelerator, "scaler", None))
         history, pos = state["history"], state["position"]
         guard.load(state.get("oom", {}))
+        if counters is not None:  # saved summed over processes: the main process carries them on
+            counters.load((state.get("counters") or {}) if main else {})
         if main:
             log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
         say(f"resumed from {checkpointing.resume_from}: epoch {pos['epoch']}, step {pos['step_in_epoch']} of "
@@ -401,6 +407,11 @@ def fit(
         history.append(record)
 
     def checkpoint(name: str, export: bool) -> Path:
+        counts = None
+        if counters is not None:  # every process takes part in the sum, so before the main process goes its own way
+            names = sorted(counters.state())
+            summed = sum_over_processes([float(counters.state()[k]) for k in names], accelerator.device)
+            counts = {k: int(v) for k, v in zip(names, summed, strict=True)}
         if not main:
             barrier()  # the main process writes it; every process goes on once it is complete
             return checkpointing.folder / name
@@ -413,7 +424,7 @@ def fit(
             # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
             # saving), so the micro-step of the position is always 0.
             state={"global_step": pos["global_step"], "position": pos, "micro_step": 0, "history": history,
-                   "oom": guard.state(),
+                   "oom": guard.state(), "counters": counts,
                    "metrics_bytes": log.bytes_written(),
                    "plan": {"batch_size": settings.batch_size, "micro_batch_size": micro, "grad_accum": accum,
                             "mixed_precision": str(accelerator.mixed_precision),

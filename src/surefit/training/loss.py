@@ -11,12 +11,15 @@ from __future__ import annotations
 import inspect
 import weakref
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from surefit.training.prefixes import PrefixSharing
 
 
 def count_supervised_tokens(labels: torch.Tensor) -> int:
@@ -107,7 +110,8 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, reduction="sum")
 
 
-def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values: int = CHUNK_VALUES) -> tuple[torch.Tensor, int]:
+def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values: int = CHUNK_VALUES,
+                       share: PrefixSharing | None = None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over supervised positions, and how many there are.
 
     The LM head runs only at positions whose next token is supervised (``logits_to_keep`` with a boolean mask), so a
@@ -124,23 +128,29 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
         batch: ``input_ids``, ``attention_mask``, ``labels`` (-100 where there is no loss), shape ``[B, T]``. A
             right-padded mask is not passed on to a causal model (see :func:`model_attention_mask`).
         chunk_values: logits size above which the head runs in chunks.
+        share: when given, rows of the batch that begin with the same prompt tokens have that prefix computed once
+            (see :class:`PrefixSharing`); the loss is the same.
 
     Returns:
         ``(loss_sum, n_tokens)``; ``loss_sum`` is a float32 scalar tensor.
     """
     from torch.utils.checkpoint import checkpoint
 
-    labels = batch["labels"]
-    target_mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]: position t predicts token t+1
-    targets = labels[:, 1:][target_mask]
+    packed = share.pack(model, batch) if share is not None else None
+    if packed is None:
+        labels = batch["labels"]
+        target_mask = labels[:, 1:] != IGNORE_INDEX  # [B, T-1]: position t predicts token t+1
+        targets = labels[:, 1:][target_mask]
+        keep = torch.zeros_like(labels, dtype=torch.bool)
+        keep[:, :-1] = target_mask
+        kwargs = {"input_ids": batch["input_ids"],
+                  "attention_mask": model_attention_mask(model, batch.get("attention_mask")), "use_cache": False}
+    else:
+        kwargs, keep, targets = packed
     n = int(targets.numel())
-    kwargs = {"input_ids": batch["input_ids"], "attention_mask": model_attention_mask(model, batch.get("attention_mask")),
-              "use_cache": False}
     if "logits_to_keep" not in _base_forward_params(model):
-        logits = model(**kwargs).logits[:, :-1][target_mask]
+        logits = model(**kwargs).logits[keep]
         return F.cross_entropy(logits.float(), targets, reduction="sum"), n
-    keep = torch.zeros_like(labels, dtype=torch.bool)
-    keep[:, :-1] = target_mask
     owner = _lm_head_owner(model) if n else None
     if owner is None or n * owner[0].get_output_embeddings().out_features <= chunk_values:
         logits = model(**kwargs, logits_to_keep=keep).logits  # [n, V], in (batch, position) order
