@@ -224,7 +224,7 @@ def run(cfg: SFTConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
     def evaluate(m: Any, epoch: int) -> dict[str, Any]:
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=eval_bs,
-                                                  accelerator=accelerator, say=say)
+                                                  accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes)
         _write_predictions(out / "predictions" / f"epoch_{epoch}.jsonl", val_ex, preds, golds, cfg.input_field)
         say(f"epoch {epoch}/{cfg.epochs}  eval_f1={metrics['eval_f1']:.4f}  eval_em={metrics['eval_em']:.4f}  "
             f"eval_loss={metrics['eval_loss']:.4f}")
@@ -319,20 +319,23 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
 
 def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
                       eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
-                      say=print) -> tuple[dict[str, float], list[str], list[list[str]]]:
+                      say=print, share_prefixes: bool = True) -> tuple[dict[str, float], list[str], list[list[str]]]:
     """Validation loss (per supervised token) and SQuAD F1 / exact match of greedy generations.
 
-    Used after every epoch of training and by ``surefit eval``, so both report the same numbers.
+    Used after every epoch of training and by ``surefit eval``, so both report the same numbers. With
+    ``share_prefixes`` the loss computes prompt prefixes that rows of a batch share once, as training does (the
+    same loss; see :mod:`surefit.training.prefixes`).
 
     Returns:
         ``({"eval_loss", "eval_f1", "eval_em"}, predictions, gold answers per example)``.
     """
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
+    share = share_prefixes and why_not_shared(model) is None
     loss = evaluate_loss(
         model,
         [e.features() for e in examples],
         [len(e.input_ids) for e in examples],
-        loss_fn=causal_lm_loss_sum,
+        loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing()) if share else causal_lm_loss_sum,
         collate=collate,
         batch_size=batch_size,
         accelerator=accelerator,
