@@ -104,6 +104,14 @@ def test_a_row_sharing_only_a_short_template_does_not_shorten_a_long_shared_para
     rows = [template + para + [50], template + para + [51], template + [60, 61]]
     groups = prefix_groups(rows, caps=[len(r) - 1 for r in rows], min_tokens=4)
     assert sorted((sorted(m), p) for m, p in groups) == [([0, 1], 34), ([2], 0)]
+    # the same with the template-only row sorting first, next to the paragraph rows
+    rows = [template + para + [50], template + [5, 6], template + para + [51]]
+    groups = prefix_groups(rows, caps=[len(r) - 1 for r in rows], min_tokens=4)
+    assert sorted((sorted(m), p) for m, p in groups) == [([0, 2], 34), ([1], 0)]
+    # three rows sharing 20 tokens save more together (2 x 20) than the two of them that share 30 (30)
+    rows = [list(range(100, 120)) + [1] * 10 + [7], list(range(100, 120)) + [1] * 10 + [8], list(range(100, 120)) + [9]]
+    groups = prefix_groups(rows, caps=[len(r) - 1 for r in rows], min_tokens=4)
+    assert [(sorted(m), p) for m, p in groups] == [([0, 1, 2], 20)]
     # with a minimum above the template's length nothing joins it either way; with a paragraph as short as the
     # template, all three share it
     rows = [template + [10, 50], template + [10, 51], template + [60, 61]]

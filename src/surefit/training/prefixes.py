@@ -105,24 +105,38 @@ def _common(a: list[int], b: list[int], limit: int) -> int:
 def prefix_groups(rows: list[list[int]], caps: list[int], min_tokens: int) -> list[tuple[list[int], int]]:
     """Rows grouped by a common prefix: ``[(row indices, prefix length)]``, singletons with length 0.
 
-    ``caps[r]`` is the longest prefix row ``r`` may share (up to the position before its first supervised token). Rows
-    are sorted by their tokens, so rows with common prefixes are adjacent; a row joins the current group when the
-    group's prefix stays at least ``min_tokens`` long and the tokens saved do not drop (a row that shares only a short
-    template must not shorten a long shared paragraph).
+    ``caps[r]`` is the longest prefix row ``r`` may share (up to the position before its first supervised token).
+    Sorted by their tokens, rows that share a prefix are adjacent, and a group's prefix is the shortest common prefix
+    of its neighbouring rows; the grouping into runs of sorted rows that saves the most tokens (a group of ``k`` rows
+    sharing ``p`` tokens saves ``(k - 1) * p``, each prefix at least ``min_tokens`` long) is found exactly, by
+    dynamic programming over the few rows of a micro-batch. So a row that shares only a short template with its
+    neighbours never shortens the long paragraph two of them share.
     """
     order = sorted(range(len(rows)), key=lambda r: rows[r])
+    n = len(order)
+    # link[i]: the prefix rows order[i] and order[i + 1] may share
+    link = [min(caps[order[i]], caps[order[i + 1]],
+                _common(rows[order[i]], rows[order[i + 1]], min(caps[order[i]], caps[order[i + 1]])))
+            for i in range(n - 1)]
+    best = [0] * (n + 1)  # best[i]: tokens saved by the best grouping of the first i sorted rows
+    cut = [0] * (n + 1)  # where the last group of that grouping starts
+    for i in range(1, n + 1):
+        best[i], cut[i] = best[i - 1], i - 1  # order[i - 1] alone
+        p = None
+        for j in range(i - 2, -1, -1):  # the group order[j .. i - 1]
+            p = link[j] if p is None else min(p, link[j])
+            if p < min_tokens:
+                break
+            if best[j] + (i - 1 - j) * p > best[i]:
+                best[i], cut[i] = best[j] + (i - 1 - j) * p, j
     groups: list[tuple[list[int], int]] = []
-    members, p = [order[0]], caps[order[0]]
-    for r in order[1:]:
-        q = min(p, caps[r], _common(rows[members[-1]], rows[r], min(p, caps[r])))
-        if q >= min_tokens and len(members) * q >= (len(members) - 1) * p:
-            members.append(r)
-            p = q
-        else:
-            groups.append((members, p if len(members) > 1 else 0))
-            members, p = [r], caps[r]
-    groups.append((members, p if len(members) > 1 else 0))
-    return groups
+    i = n
+    while i > 0:
+        j = cut[i]
+        members = [order[k] for k in range(j, i)]
+        groups.append((members, min(link[j : i - 1]) if len(members) > 1 else 0))
+        i = j
+    return groups[::-1]
 
 
 @dataclass
