@@ -167,3 +167,31 @@ def test_peft_lora_model_trains_the_same_with_shared_prefixes():
     assert grads.keys() == ref_grads.keys() and all("lora_" in k for k in grads)
     for name, grad in grads.items():
         assert torch.allclose(grad, ref_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_under_a_ddp_style_wrapper_around_peft_the_base_models_forward_is_read():
+    """DDP wraps the peft model (``module`` outermost). The forward surefit inspects must be the transformers
+    model's (it takes ``logits_to_keep`` and ``position_ids``), not peft's ``**kwargs`` one: reading peft's made
+    several processes compute the LM head at every position and share no prefix."""
+    from peft import LoraConfig, get_peft_model
+
+    from surefit.training.loss import _base_forward_params
+
+    class Wrapper(torch.nn.Module):  # what DistributedDataParallel looks like from outside: the model in `module`
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, **kwargs):
+            return self.module(**kwargs)
+
+    peft_model = get_peft_model(_model("llama").float(), LoraConfig(r=4, target_modules=["q_proj"]))
+    wrapped = Wrapper(peft_model)
+    assert {"logits_to_keep", "position_ids"} <= _base_forward_params(wrapped)
+    assert why_not_shared(wrapped) is None
+    batch = PadCollator(pad_token_id=0)(_rows())
+    share = PrefixSharing(min_tokens=4, max_share=1.0)
+    loss, n = causal_lm_loss_sum(wrapped, batch, share=share)
+    ref, ref_n = causal_lm_loss_sum(peft_model, batch)
+    assert share.take()["shared_batches"] == 1 and n == ref_n
+    assert abs(loss.item() - ref.item()) < 1e-4 * abs(ref.item())

@@ -409,9 +409,9 @@ def fit(
     def checkpoint(name: str, export: bool) -> Path:
         counts = None
         if counters is not None:  # every process takes part in the sum, so before the main process goes its own way
-            names = sorted(counters.state())
-            summed = sum_over_processes([float(counters.state()[k]) for k in names], accelerator.device)
-            counts = {k: int(v) for k, v in zip(names, summed, strict=True)}
+            mine = counters.state()
+            summed = sum_over_processes([float(v) for v in mine.values()], accelerator.device)
+            counts = {k: int(v) for k, v in zip(mine, summed, strict=True)}
         if not main:
             barrier()  # the main process writes it; every process goes on once it is complete
             return checkpointing.folder / name

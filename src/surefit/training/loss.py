@@ -27,14 +27,14 @@ def count_supervised_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+def inner_model(model: Any) -> Any:
+    """The transformers model inside DDP (``module``, outermost) and peft (``get_base_model``) wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 def _base_forward_params(model: Any) -> frozenset[str]:
-    inner = model
-    # peft (PeftModel -> LoraModel -> transformers model) and DDP (`module`) wrap the real model.
-    for attr in ("get_base_model",):
-        if hasattr(inner, attr):
-            inner = inner.get_base_model()
-    inner = getattr(inner, "module", inner)
-    return _params_of(type(inner))
+    return _params_of(type(inner_model(model)))
 
 
 @lru_cache(maxsize=64)
@@ -92,9 +92,7 @@ def _lm_head_owner(model: Any) -> tuple[Any, str] | None:
     """
     from torch import nn
 
-    inner = getattr(model, "module", model)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
+    inner = inner_model(model)
     cfg = getattr(inner, "config", None)
     if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
         return None

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from surefit.data.collate import IGNORE_INDEX
+from surefit.training.loss import _attends_causally, _base_forward_params, inner_model
 
 # Model types whose attention takes a custom 4D mask and whose positions come from position_ids alone, each tested
 # (tests/training/test_prefixes.py): shared-prefix loss and gradients equal the unshared batch's.
@@ -38,13 +39,6 @@ SHAREABLE_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma"
 _ATTENTION = {"sdpa", "eager"}
 
 _reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _inner(model: Any) -> Any:
-    inner = getattr(model, "module", model)  # DDP
-    if hasattr(inner, "get_base_model"):  # peft
-        inner = inner.get_base_model()
-    return inner
 
 
 def _window(cfg: Any) -> tuple[str | None, int | None]:
@@ -68,9 +62,7 @@ def why_not_shared(model: Any) -> str | None:
         return _reasons[model]
     except (KeyError, TypeError):
         pass
-    from surefit.training.loss import _attends_causally, _base_forward_params
-
-    inner = _inner(model)
+    inner = inner_model(model)
     cfg = getattr(inner, "config", None)
     text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
     kind = getattr(cfg, "model_type", None)
@@ -231,7 +223,7 @@ class PrefixSharing:
             allowed &= (positions[:, :, None] - positions[:, None, :]) < window
         allowed |= torch.eye(width, dtype=torch.bool, device=dev)  # a pad sees itself: no row of the softmax is empty
         mask4d = allowed[:, None]
-        if _inner(model).config._attn_implementation == "eager":  # eager attention adds the mask to its scores
+        if inner_model(model).config._attn_implementation == "eager":  # eager attention adds the mask to its scores
             mask4d = torch.zeros(mask4d.shape, device=dev).masked_fill_(~mask4d, torch.finfo(torch.float32).min)
         keep = targets != IGNORE_INDEX
         kwargs = {"input_ids": new_ids, "attention_mask": mask4d, "position_ids": positions, "use_cache": False}
@@ -239,5 +231,5 @@ class PrefixSharing:
 
 
 def _text_config(model: Any) -> Any:
-    cfg = _inner(model).config
+    cfg = inner_model(model).config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
