@@ -57,8 +57,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     them once for the reference token count."""
     from transformers import AutoTokenizer
 
+    from surefit.data.readers import read_rows
     from surefit.data.sampling import step_batches
-    from surefit.data.sources import read_rows
     from surefit.models import embedded_encoder_path
 
     sst2 = Path(args.shared) / "sst2"
@@ -99,9 +99,10 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     """surefit's classify task through its Python API; training time and loss from its metrics.jsonl."""
     import surefit
     import surefit.tasks.classify as cls
+    import surefit.tasks.common as common
 
     marks: dict[str, Any] = {"fit_start": None, "evals": []}
-    original_fit, original_predict = cls.fit, cls.predict_logits
+    original_fit, original_predict = common.fit, cls.predict_logits
 
     def fit(*a: Any, **k: Any) -> Any:
         marks["fit_start"] = time.perf_counter()
@@ -120,7 +121,7 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
             marks["evals"].append(time.perf_counter() - t0)
             benchlib.PHASES.switch("train" if len(marks["evals"]) == 1 else "after")
 
-    cls.fit = fit
+    common.fit = fit
     cls.predict_logits = predict
     out = workdir / f"run-{name}"
     shutil.rmtree(out, ignore_errors=True)

@@ -78,8 +78,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Read the SQuAD rows once (with surefit's reader, so every configuration trains on the same rows), encode them
     with surefit's encoder for the reference token counts, and write the files the workers read."""
     from surefit.data.encode import DEFAULT_TEMPLATE, build_prompt_format, encode_rows
+    from surefit.data.readers import read_rows
     from surefit.data.sampling import step_batches
-    from surefit.data.sources import read_rows
     from surefit.models import load_tokenizer, model_folder, resolve_model
 
     source = resolve_model(None)
@@ -149,10 +149,11 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     its step times, evaluation and checkpointing excluded) and the token-weighted ``train_loss``. Evaluation seconds
     are not logged by surefit, so its two evaluation functions are wrapped here with a timer (nothing else changes)."""
     import surefit
+    import surefit.tasks.common as common
     import surefit.tasks.sft as sft
 
     marks: dict[str, Any] = {"fit_start": None, "evals": []}
-    original_fit, original_loss, original_gen = sft.fit, sft.evaluate_loss, sft.greedy_generate
+    original_fit, original_loss, original_gen = common.fit, sft.evaluate_loss, sft.greedy_generate
 
     def fit(*a: Any, **k: Any) -> Any:
         marks["fit_start"] = time.perf_counter()
@@ -180,9 +181,9 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
         marks["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
         return model
 
-    original_lora = sft._apply_lora
-    sft._apply_lora = apply_lora
-    sft.fit = fit
+    original_lora = sft.apply_lora
+    sft.apply_lora = apply_lora
+    common.fit = fit
     sft.evaluate_loss = timed("loss", original_loss)
     sft.greedy_generate = timed("generate", original_gen)
     out = workdir / f"run-{name}"

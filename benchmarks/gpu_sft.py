@@ -65,7 +65,7 @@ def prepare(args: argparse.Namespace, folder: Path, workdir: Path) -> dict[str, 
     from transformers import AutoTokenizer
 
     from surefit.data.encode import DEFAULT_TEMPLATE, build_prompt_format, encode_rows
-    from surefit.data.sources import read_rows
+    from surefit.data.readers import read_rows
 
     problems: list = []
     rows = read_rows(Path(args.data), problems)

@@ -33,12 +33,12 @@ def main() -> None:
 
     from surefit.data.collate import PadCollator
     from surefit.data.encode import build_prompt_format, encode_rows
+    from surefit.data.readers import read_rows
     from surefit.data.sampling import step_batches
-    from surefit.data.sources import read_rows
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-    from surefit.training.lora_fast import SavedActivationsIn, fuse_lora
     from surefit.training.loss import causal_lm_loss_sum
-    from surefit.training.plan import store_frozen_in
+    from surefit.training.precision import store_frozen_in
+    from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
 
     source = resolve_model(None)
     path = model_folder(source, log=print)

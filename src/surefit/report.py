@@ -406,3 +406,39 @@ def write_report(run_dir: str | Path, say: Any = None) -> Path:
     if say is not None:
         say(f"wrote {run_dir / CURVES} and {target}")
     return target
+
+
+# ------------------------------------------------------------------------------------------------------ eval table
+
+
+def render_eval(result: dict[str, Any]) -> str:
+    """The evaluation as a table (and, for a classifier, per-class F1 and the confusion matrix)."""
+    metrics, training = result["metrics"], result["training"]
+    lines = [f"{result['task']} run {result['run']} on {result['data']}: {result['rows']} rows"]
+    scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    width = max(len(k) for k in scalars) if scalars else 6
+    head = f"  {'metric'.ljust(width)}  {'now':>8}"
+    if training:
+        head += f"  {'metrics.jsonl, epoch ' + str(training.get('epoch')):>25}"
+    lines.append(head)
+    for k, v in scalars.items():
+        line = f"  {k.ljust(width)}  {_eval_num(v):>8}"
+        if training and k in training:
+            line += f"  {_eval_num(training[k]):>25}"
+        lines.append(line)
+    per_class = metrics.get("eval_per_class_f1")
+    if per_class:
+        lines.append("  per-class F1: " + ", ".join(f"{name} {_eval_num(v)}" for name, v in per_class.items()))
+    cm = metrics.get("eval_confusion_matrix")
+    if cm:
+        names = [str(n) for n in metrics.get("labels", range(len(cm)))]
+        w = max(max(len(n) for n in names), max(len(str(x)) for row in cm for x in row), 4)
+        lines.append("  confusion (rows: gold, columns: predicted)")
+        lines.append("    " + " " * w + "  " + "  ".join(n.rjust(w) for n in names))
+        for name, row in zip(names, cm, strict=True):
+            lines.append("    " + name.rjust(w) + "  " + "  ".join(str(x).rjust(w) for x in row))
+    return "\n".join(lines)
+
+
+def _eval_num(v: float) -> str:
+    return str(v) if isinstance(v, int) else "nan" if math.isnan(v) else f"{v:.4f}"

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from surefit.data.readers import MAX_ROW_BYTES, Rejected, check_text_fields, read_rows
 from surefit.data.rows import Row
-from surefit.data.sources import MAX_ROW_BYTES, Rejected, check_text_fields, read_rows
 from surefit.errors import Problem, SurefitError
 
 FIELDS = [("input", "--input_field"), ("target", "--target_field")]

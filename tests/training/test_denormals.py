@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from surefit.training.loop import flush_denormals
+from surefit.training.precision import flush_denormals
 
 TINY = 1e-39  # below the smallest normal float32 (1.18e-38): a denormal
 

@@ -1,4 +1,4 @@
-"""The fused LoRA forward (training/lora_fast.py): peft's numbers in fp32, the adapter kept in fp32 under 16-bit
+"""The fused LoRA forward (training/speedups/lora_fast.py): peft's numbers in fp32, the adapter kept in fp32 under 16-bit
 base weights, dropout with the same distribution, and peft's own forward wherever the fused one does not apply."""
 
 import copy
@@ -9,9 +9,9 @@ from torch import nn
 
 from conftest import tiny_llama
 from surefit.data.collate import PadCollator
-from surefit.training.lora_fast import effective_p, fuse_lora, keep_mask
 from surefit.training.loss import causal_lm_loss_sum
-from surefit.training.plan import store_frozen_in
+from surefit.training.precision import store_frozen_in
+from surefit.training.speedups.lora_fast import effective_p, fuse_lora, keep_mask
 
 
 def _peft(model, dropout=0.0, **extra):
@@ -48,7 +48,7 @@ def _loss_and_grads(model, batch, bf16=False, dtype=torch.bfloat16):
 
 
 def test_fused_forward_gives_peft_loss_and_gradients_in_fp32(monkeypatch):
-    import surefit.training.lora_fast as lf
+    import surefit.training.speedups.lora_fast as lf
 
     ref = _peft(tiny_llama())
     fused = copy.deepcopy(ref)
@@ -167,7 +167,7 @@ def test_falls_back_to_peft_when_adapters_are_disabled_or_merged():
 
 
 def test_a_dropout_too_small_for_16_bit_draws_falls_back_to_peft_instead_of_vanishing(monkeypatch):
-    import surefit.training.lora_fast as lf
+    import surefit.training.speedups.lora_fast as lf
 
     model = _peft(tiny_llama(), dropout=1e-6)  # rounds to 0 in multiples of 2^-16
     fuse_lora(model)
@@ -185,7 +185,7 @@ def _rel(a, b):
 
 def test_on_16_bit_frozen_weights_the_mixed_path_runs_and_learns_as_fp32(monkeypatch):
     """bf16 matmuls (base and adapter), sum in fp32: loss and gradients within bf16 rounding of the fp32 path."""
-    import surefit.training.lora_fast as lf
+    import surefit.training.speedups.lora_fast as lf
 
     ref = _peft(tiny_llama())
     fuse_lora(ref)
@@ -239,7 +239,7 @@ def test_mixed_path_dropout_draws_the_fp32_paths_masks_and_folds_the_rescale_exa
 
 
 def test_adapters_reading_the_same_input_share_one_16_bit_copy_of_it():
-    from surefit.training.lora_fast import _shared_cast
+    from surefit.training.speedups.lora_fast import _shared_cast
 
     x = torch.randn(4, 8)
     a = _shared_cast(x, torch.bfloat16)
@@ -278,8 +278,8 @@ def test_a_fused_model_runs_under_inference_mode():
 def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone(half):
     """Under fp16 runs too (T4, V100, GTX 16xx: no bf16 arithmetic, but bf16 storage): the fp32 activations are
     stored in bf16, which has fp32's range, never in fp16."""
-    from surefit.training.lora_fast import SavedActivationsIn
     from surefit.training.plan import measure_saved_bytes
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
 
     model = _peft(tiny_llama(), dropout=0.0)
     fuse_lora(model)
@@ -305,7 +305,7 @@ def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone(
 
 
 def test_saved_activation_packing_keeps_parameters_small_and_16_bit_tensors_as_they_are():
-    from surefit.training.lora_fast import SavedActivationsIn, _Kept, _Packed
+    from surefit.training.speedups.lora_fast import SavedActivationsIn, _Kept, _Packed
 
     saved = SavedActivationsIn()
 
@@ -340,8 +340,8 @@ def test_a_forward_without_backward_under_packing_frees_its_graph():
     import gc
     import weakref
 
-    from surefit.training.lora_fast import SavedActivationsIn
     from surefit.training.plan import measure_saved_bytes
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
 
     w = nn.Parameter(torch.randn(128, 128))
     x = torch.randn(64, 128)
@@ -362,7 +362,7 @@ def test_a_forward_without_backward_under_packing_frees_its_graph():
 
 
 def test_changing_a_saved_tensor_in_place_is_still_caught_under_packing():
-    from surefit.training.lora_fast import SavedActivationsIn
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
 
     w = nn.Parameter(torch.randn(8, 8))
     with SavedActivationsIn():
@@ -379,7 +379,7 @@ def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch
     """``LoopSettings.saved_activations`` (set by the plan for LoRA on bf16 frozen weights) reaches the step."""
     from conftest import OneProcess
     from surefit.training.loop import accumulate_step
-    from surefit.training.lora_fast import SavedActivationsIn
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
 
     packed = []
     original = SavedActivationsIn.pack
@@ -452,7 +452,7 @@ def test_the_fused_mlp_computes_the_unfused_mixed_path_and_saves_only_gate_and_u
 
 
 def test_only_swiglu_mlps_whose_forward_is_the_known_one_are_fused():
-    from surefit.training.lora_fast import _is_swiglu_mlp
+    from surefit.training.speedups.lora_fast import _is_swiglu_mlp
 
     class Gated(nn.Module):
         def __init__(self, act):
@@ -475,7 +475,7 @@ def test_only_swiglu_mlps_whose_forward_is_the_known_one_are_fused():
 
 
 def test_a_hook_on_down_proj_or_the_activation_keeps_the_mlp_unfused_so_the_hook_runs(monkeypatch):
-    import surefit.training.lora_fast as lf
+    import surefit.training.speedups.lora_fast as lf
 
     model = _peft(tiny_llama())
     fuse_lora(model)

@@ -16,8 +16,8 @@ from surefit.training.plan import (
     make_plan,
     measure_saved_bytes,
     micro_candidates,
-    store_frozen_in,
 )
+from surefit.training.precision import store_frozen_in
 
 
 @pytest.fixture()

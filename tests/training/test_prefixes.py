@@ -7,7 +7,7 @@ import torch
 
 from surefit.data.collate import IGNORE_INDEX, PadCollator
 from surefit.training.loss import causal_lm_loss_sum
-from surefit.training.prefixes import PrefixSharing, prefix_groups, why_not_shared
+from surefit.training.speedups.prefixes import PrefixSharing, prefix_groups, why_not_shared
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
@@ -152,7 +152,7 @@ def test_peft_lora_model_trains_the_same_with_shared_prefixes():
     """Through peft and surefit's fused LoRA forward (dropout 0): the adapters' gradients match full rows."""
     from peft import LoraConfig, get_peft_model
 
-    from surefit.training.lora_fast import fuse_lora
+    from surefit.training.speedups.lora_fast import fuse_lora
 
     model = get_peft_model(_model("llama").float(), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                                target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -175,7 +175,7 @@ def test_under_a_ddp_style_wrapper_around_peft_the_base_models_forward_is_read()
     several processes compute the LM head at every position and share no prefix."""
     from peft import LoraConfig, get_peft_model
 
-    from surefit.training.loss import _base_forward_params
+    from surefit.training.loss import base_forward_params
 
     class Wrapper(torch.nn.Module):  # what DistributedDataParallel looks like from outside: the model in `module`
         def __init__(self, module):
@@ -187,7 +187,7 @@ def test_under_a_ddp_style_wrapper_around_peft_the_base_models_forward_is_read()
 
     peft_model = get_peft_model(_model("llama").float(), LoraConfig(r=4, target_modules=["q_proj"]))
     wrapped = Wrapper(peft_model)
-    assert {"logits_to_keep", "position_ids"} <= _base_forward_params(wrapped)
+    assert {"logits_to_keep", "position_ids"} <= base_forward_params(wrapped)
     assert why_not_shared(wrapped) is None
     batch = PadCollator(pad_token_id=0)(_rows())
     share = PrefixSharing(min_tokens=4, max_share=1.0)

@@ -19,39 +19,27 @@ class DoctorRefused(SurefitError):
     title = "the doctor found errors; training did not start"
 
 
-class DoctorOnly(Exception):
-    """Raised by a task after the checks when only the doctor was asked for; carries the report."""
-
-    def __init__(self, report: Report):
-        super().__init__("doctor only")
-        self.report = report
-
-
 def run_doctor(make_report: Callable[[], Report]) -> Report | None:
     """``make_report()`` on the main process; ``None`` on the others (pass it to :func:`gate` either way)."""
     return make_report() if is_main_process() else None
 
 
-def gate(report: Report | None, cfg: Any, say: Callable[[str], None], out: Path | None, doctor_only: bool) -> None:
-    """Print the report, save it, and stop (doctor only) or refuse to train on errors unless ``--force``.
+def gate(report: Report | None, cfg: Any, say: Callable[[str], None], out: Path | None) -> None:
+    """Print the report, save it (``OUTPUT/doctor.json``), and refuse to train on errors unless ``--force``.
 
     ``report`` is ``None`` on a process other than the main one: it waits for the main process's verdict.
     """
     if report is None:
         verdict = share_from_main(None)
-        if verdict == "doctor only":
-            raise DoctorOnly(Report())
         if verdict == "refused":
             raise DoctorRefused([Problem("the main process's doctor found errors (listed in its output)", "--force")])
         return
     say(str(report))
-    if out is not None and not doctor_only:
+    if out is not None:
         (out / "doctor.json").write_text(report.to_json(), encoding="utf-8")
     errors = [f for f in report.findings if f.severity == "error"]
-    refused = bool(errors) and not doctor_only and not getattr(cfg, "force", False)
-    share_from_main("doctor only" if doctor_only else "refused" if refused else "train")
-    if doctor_only:
-        raise DoctorOnly(report)
+    refused = bool(errors) and not getattr(cfg, "force", False)
+    share_from_main("refused" if refused else "train")
     if not errors:
         return
     if getattr(cfg, "force", False):

@@ -183,3 +183,18 @@ def diagnose(tr: Trace, batch: dict[str, torch.Tensor], model_args: dict[str, An
             lines.append(f"likely cause: {cause}")
     lines.append(f"(the raw error was: {type(tr.error).__name__}: {str(tr.error).splitlines()[0]})")
     return "\n".join(lines)
+
+
+def first_layers(tr: Trace, keys: list[str], passed: list[str]) -> list[str]:
+    """One line per input: its shape and dtype, the layer that first consumes it and whether the shapes agree
+    (``surefit inspect --model`` and the custom task's check before step 1 print these)."""
+    lines = []
+    for key in keys:
+        use = tr.uses.get(key)
+        if use is None:
+            status = "passed but not consumed by a layer before the pass ended" if key in passed else "not passed"
+            lines.append(f"  {key}: {status}")
+        else:
+            verdict = "" if use.agrees is None else " - shapes agree" if use.agrees else f" - MISMATCH: expects {use.expects}"
+            lines.append(f"  {key} {list(use.shape)} {use.dtype} -> first consumed by {use.module} ({use.layer}){verdict}")
+    return lines

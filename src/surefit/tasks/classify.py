@@ -1,4 +1,4 @@
-"""Sequence classification with a pretrained backbone: setup -> fit -> evaluate -> save, top to bottom.
+"""Sequence classification with a pretrained backbone: data -> labels -> model -> loop -> final/, top to bottom.
 
 Columns the model's forward does not take (``idx``, raw text, ...) never reach it: the batch is built from the
 tokenizer's outputs that the forward accepts plus the mapped labels, and a kept / dropped / why table says so once
@@ -10,49 +10,51 @@ from __future__ import annotations
 
 import inspect
 import json
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from surefit.config import ClassifyConfig
+from surefit.data.classes import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.collate import PadCollator
-from surefit.data.labels import Fields, LabelSpec, build_label_spec, detect_fields
+from surefit.data.readers import Rejected, check_text_fields, field_not_found, read_checked, read_splits
 from surefit.data.rows import Row
-from surefit.data.sources import Rejected, check_text_fields, read_splits
 from surefit.data.split import normalize_key, split_or_check
 from surefit.doctor import check
-from surefit.doctor.gate import gate, run_doctor
-from surefit.errors import ConfigError, ModelError, Problem, raise_input_problems
+from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_input_problems
 from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
-from surefit.models import resolve_model
-from surefit.training.distributed import is_main_process, on_main
-from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
-from surefit.training.lora_fast import fuse_lora
+from surefit.models import apply_lora, load_factory, model_folder, resolve_model
+from surefit.run_folder import COLUMNS, Run
+from surefit.tasks.common import Evaluation, Loaded, Prepared, chunks, render_columns, rows_from_texts, train
+from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
-from surefit.training.plan import plan_run, precision_name
-from surefit.training.run import (
-    check_output_dir,
-    open_metrics_log,
-    quiet_libraries,
-    resume_command,
-    resume_point,
-    save_final,
-    start_output_dir,
-    write_rejected,
-    write_run_report,
-)
+from surefit.training.precision import make_accelerator, precision_name, store_frozen_in
+from surefit.training.speedups.lora_fast import fuse_lora
 
+Say = Callable[[str], None]
 HF_PROBLEM_TYPES = {"single": "single_label_classification", "multi": "multi_label_classification",
                     "regression": "regression"}
 TOKEN_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+# The column flags of a classify run (``surefit eval`` / ``predict`` take them for other data).
+FIELDS = ("text_field", "text_pair_field", "label_field")
+
+
+def final_files(cfg: ClassifyConfig) -> list[tuple[str, ...]]:
+    """What ``final/`` holds: backbone + head, or a transformers classifier (full, or its LoRA adapter)."""
+    if cfg.head:
+        return [("backbone", "head.safetensors", "surefit_head.json")]
+    return [("adapter_config.json",), ("config.json",)]
 
 
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = None):
+def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None,
+              on_rejected: Callable[[list[Rejected]], None] | None = None):
     """Read, detect columns, type the labels, split. Every problem in every file is reported at once.
 
     Returns:
@@ -78,24 +80,25 @@ def load_data(cfg: ClassifyConfig, say=print, problems: list[Problem] | None = N
                 loaded[name] = _reject_missing_labels(loaded[name], fields.label, rejects)
         spec = build_label_spec([(str(path), loaded[name]) for name, path in sources], fields.label,
                                 cfg.problem_type, problems)
-    write_rejected(cfg, rejects or [], say)
+    if rejects and on_rejected is not None:
+        on_rejected(rejects)
     report["rejected_rows"] = len(rejects or [])
     raise_input_problems(problems)
     assert fields is not None and spec is not None
     report["notes"] = fields.notes + report["notes"]
 
-    key = lambda r: normalize_key(_text_of(r, fields))  # noqa: E731
-    train, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed, key,
-                                       "text")
+    key = lambda r: normalize_key(text_of(r, fields))  # noqa: E731
+    train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
+                                            key, "text")
     report["notes"] += notes
     report["notes"].append(spec.how)
     report["notes"].append(spec.summary())
-    report.update(train_rows=len(train), val_rows=len(val), problem_type=spec.problem_type,
+    report.update(train_rows=len(train_rows), val_rows=len(val), problem_type=spec.problem_type,
                   label2id=spec.label2id if spec.problem_type != "regression" else None,
                   fields={"text": fields.text, "pair": fields.pair, "label": fields.label})
     for note in report["notes"]:
         say(note)
-    return train, val, fields, spec, report
+    return train_rows, val, fields, spec, report
 
 
 def _reject_missing_labels(rows: list[Row], label: str, rejects: list[Rejected]) -> list[Row]:
@@ -111,7 +114,8 @@ def _reject_missing_labels(rows: list[Row], label: str, rejects: list[Rejected])
     return kept
 
 
-def _text_of(row: Row, fields: Fields) -> str:
+def text_of(row: Row, fields: Fields) -> str:
+    """The row's text (and second text of a pair), as shown in predictions and compared for leakage."""
     text = str(row.fields[fields.text])
     return text + "\n" + str(row.fields[fields.pair]) if fields.pair else text
 
@@ -145,6 +149,14 @@ def tokenize(rows: list[Row], tokenizer: Any, fields: Fields, max_len: int, keys
     return feats, report
 
 
+def _say_truncated(rep: dict[str, Any], max_len: int, say: Say, split: bool = False) -> None:
+    if rep["truncated"]:
+        head = f"{rep['split']}: " if split else ""
+        longest = f"longest {rep['longest_tokens']}; " if split else ""
+        say(f"{head}{rep['truncated']} of {rep['rows']} texts truncated to {max_len} tokens "
+            f"({longest}e.g. {', '.join(rep['truncated_rows'][:3])})")
+
+
 def column_table(rows: list[Row], fields: Fields, spec: LabelSpec, tokenizer_keys: list[str], accepted: set[str],
                  model_name: str) -> list[dict[str, str]]:
     """What happens to each data column and each tokenizer output: kept (and as what) or dropped (and why)."""
@@ -171,17 +183,62 @@ def column_table(rows: list[Row], fields: Fields, spec: LabelSpec, tokenizer_key
     return table
 
 
-def _render_table(table: list[dict[str, str]]) -> str:
-    width = max(len(r["column"]) for r in table)
-    lines = [f"  {'column'.ljust(width)}  kept?    why"]
-    lines += [f"  {r['column'].ljust(width)}  {r['status'].ljust(7)}  {r['why']}" for r in table]
-    return "\n".join(lines)
-
-
 # ------------------------------------------------------------------------------------------------------------ model
 
 
-def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say=print) -> Any:
+class HeadModel(nn.Module):
+    """Backbone (any transformers encoder/decoder returning hidden states) + a user head, by composition.
+
+    A head factory is any callable ``Factory(hidden_size=H, num_labels=K, **head_args) -> nn.Module`` whose module's
+    ``forward(hidden_states, attention_mask, pooled=None)`` returns logits ``[batch, num_labels]``; nobody subclasses
+    anything of ours. ``forward`` takes the tokenizer's outputs and returns an object with ``.logits``, like a
+    transformers sequence-classification model, so the loop, evaluation and the doctor treat both the same.
+    """
+
+    def __init__(self, backbone: nn.Module, head: nn.Module, problem_type: str = "single"):
+        super().__init__()
+        self.backbone = backbone
+        self.head = head
+        self.problem_type = problem_type
+        self._accepts = set(inspect.signature(backbone.forward).parameters)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> Any:
+        """Logits, and with ``labels`` the mean loss over the batch (as a transformers classifier returns it)."""
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        kwargs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if token_type_ids is not None and "token_type_ids" in self._accepts:
+            kwargs["token_type_ids"] = token_type_ids
+        out = self.backbone(**kwargs)
+        pooled = getattr(out, "pooler_output", None)
+        logits = self.head(out.last_hidden_state, attention_mask, pooled)
+        loss = None
+        if labels is not None:
+            loss = classification_loss_sum(logits, labels, PROBLEM_LOSS[self.problem_type]) / labels.shape[0]
+        return SequenceClassifierOutput(loss=loss, logits=logits)
+
+
+def build_head(spec: str, head_args: dict[str, Any], hidden_size: int, num_labels: int) -> nn.Module:
+    """The user's head from ``--head`` (imports the module the user named) and ``--head_args``."""
+    factory = load_factory(spec)
+    try:
+        head = factory(hidden_size=hidden_size, num_labels=num_labels, **head_args)
+    except TypeError as e:
+        raise ConfigError(
+            Problem(
+                f"{spec} could not be called as Factory(hidden_size={hidden_size}, num_labels={num_labels}, "
+                f"**{head_args}): {e}",
+                "--head",
+                "a head factory takes hidden_size and num_labels keywords, plus what --head_args gives",
+            )
+        ) from e
+    if not isinstance(head, nn.Module):
+        raise ConfigError(Problem(f"{spec} returned {type(head).__name__}, not a torch.nn.Module", "--head"))
+    return head
+
+
+def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say: Say = print) -> Any:
     """A transformers sequence classifier, or backbone + custom head, with the label mapping in its config."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
@@ -190,8 +247,6 @@ def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say=print) -> A
         label_kwargs.update(id2label=spec.id2label, label2id=spec.label2id)
     try:
         if cfg.head:
-            from surefit.heads import HeadModel, build_head
-
             backbone = AutoModel.from_pretrained(path, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
             for k, v in label_kwargs.items():
                 setattr(backbone.config, k, v)  # the saved backbone config carries the label mapping too
@@ -212,7 +267,7 @@ def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say=print) -> A
     return model
 
 
-def model_inputs(cfg: ClassifyConfig, model: Any, tokenizer: Any, say=print) -> tuple[int, list[str], set[str]]:
+def model_inputs(cfg: ClassifyConfig, model: Any, tokenizer: Any, say: Say = print) -> tuple[int, list[str], set[str]]:
     """Agree on padding, cap the length at the model's positions, and list what the forward takes.
 
     Call it on the model before LoRA wraps it (a peft wrapper's forward hides the argument names).
@@ -240,47 +295,25 @@ def model_inputs(cfg: ClassifyConfig, model: Any, tokenizer: Any, say=print) -> 
     return max_len, tokenizer_keys, accepted
 
 
-def _apply_lora(model: Any, cfg: ClassifyConfig, say=print) -> Any:
-    if cfg.lora_r == 0:
-        say(f"full fine-tuning: {sum(p.numel() for p in model.parameters()):,} trainable parameters")
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    targets: str | list[str] = "all-linear" if cfg.lora_targets == "all-linear" else [
-        t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-    try:
-        if cfg.head:  # adapters on the backbone; the user's head trains in full
-            model.backbone = get_peft_model(model.backbone, LoraConfig(
-                r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets))
-        else:
-            model = get_peft_model(model, LoraConfig(
-                r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout, target_modules=targets,
-                task_type="SEQ_CLS"))
-    except ValueError as e:
-        raise ConfigError(Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or Linear module names")) from e
-    fuse_lora(model)  # same weights and files; adapters summed in fp32, cheaper dropout (training/lora_fast.py)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    say(f"LoRA r={cfg.lora_r} alpha={cfg.resolved_lora_alpha}: {trainable:,} trainable of {total:,} parameters "
-        f"({100.0 * trainable / total:.2f}%; the classification head trains in full)")
+def _apply_lora(model: Any, cfg: ClassifyConfig, say: Say) -> Any:
+    """Adapters on the backbone; the classification head (a transformers one, or the user's) trains in full."""
+    note = "; the classification head trains in full"
+    if cfg.head:
+        model = apply_lora(model, cfg, None, say, note, part="backbone")
+    else:
+        model = apply_lora(model, cfg, "SEQ_CLS", say, note)
+    if cfg.lora_r:
+        fuse_lora(model)  # the same weights and files; adapters summed in fp32 (training/speedups/lora_fast.py)
     return model
 
 
-def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor, problem_type: str) -> torch.Tensor:
-    """Sum over examples (the loop divides by the example count of the whole accumulated batch)."""
-    logits = logits.float()  # fp32 loss under mixed precision
-    if problem_type == "single":
-        return F.cross_entropy(logits, labels.long(), reduction="sum")
-    if problem_type == "multi":
-        return F.binary_cross_entropy_with_logits(logits, labels.float(), reduction="none").mean(-1).sum()
-    return F.mse_loss(logits.squeeze(-1), labels.float(), reduction="sum")
-
-
 def make_loss_fn(problem_type: str):
+    kind = PROBLEM_LOSS[problem_type]
+
     def loss_fn(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, int]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs).logits
-        return loss_from_logits(logits, batch["labels"], problem_type), int(batch["labels"].shape[0])
+        return classification_loss_sum(logits, batch["labels"], kind), int(batch["labels"].shape[0])
 
     return loss_fn
 
@@ -300,7 +333,7 @@ def predict_logits(model: Any, feats: list[dict[str, Any]], collate: Any, batch_
         with accelerator.autocast():
             logits = model(**{k: v for k, v in batch.items() if k != "labels"}).logits.float()
         if "labels" in batch:  # unlabelled rows (surefit predict) have logits only
-            total += loss_from_logits(logits, batch["labels"], problem_type).item()
+            total += classification_loss_sum(logits, batch["labels"], PROBLEM_LOSS[problem_type]).item()
         for j, i in enumerate(idx):
             out[i] = logits[j].cpu()
     model.train(was)
@@ -347,41 +380,45 @@ HEADLINE = {"single": ("eval_accuracy", "eval_macro_f1"), "multi": ("eval_micro_
             "regression": ("eval_mse", "eval_pearson")}
 
 
-# ------------------------------------------------------------------------------------------------------------ run
+def _collator(tokenizer: Any, spec: LabelSpec) -> PadCollator:
+    return PadCollator(pad_token_id=tokenizer.pad_token_id,
+                       stack_keys=("labels",) if spec.problem_type == "multi" else ())
 
 
-def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
-    """Train a classifier, evaluating before the first epoch and after each; save under ``cfg.output_dir``."""
-    from accelerate.utils import set_seed
+def evaluate_features(model: Any, rows: list[Row], feats: list[dict[str, Any]], fields: Fields, spec: LabelSpec,
+                      collate: Any, batch_size: int, accelerator: Any, say: Say) -> Evaluation:
+    """Loss, the task's metrics and every row's prediction (after each epoch, and by ``surefit eval``)."""
+    logits, loss = shrink_on_oom(
+        lambda bs: predict_logits(model, feats, collate, bs, accelerator, spec.problem_type),
+        batch_size, "evaluation", say)
+    metrics, preds = scores(logits, feats, spec)
+    records = [{"where": row.where, "text": text_of(row, fields), "gold": row.fields[spec.field], "prediction": pred}
+               for row, pred in zip(rows, preds, strict=True)]
+    return Evaluation({"eval_loss": loss, **metrics}, records)
+
+
+# ------------------------------------------------------------------------------------------------------------ prepare
+
+
+def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None,
+            on_rejected: Callable[[list[Rejected]], None] | None = None) -> Prepared:
+    """Everything the loop needs: rows -> typed labels and tokens, the classifier (with LoRA or a custom head), the
+    collator, the loss and the per-epoch evaluation. Nothing is written to the run folder."""
     from transformers import AutoTokenizer
 
-    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
-    quiet_libraries()
-    out = Path(cfg.output_dir)
-    set_seed(cfg.seed)
-
-    early: list[Problem] = []
+    early = list(problems or [])
     try:
         source = resolve_model(cfg.model, default="encoder")
-        if source.kind == "gguf":
-            from surefit.models import model_folder
-
-            path = model_folder(source, log=say)  # a GGUF causal LM can serve as a decoder-only classifier
-        else:
-            path = source.path
+        # a GGUF causal LM can serve as a decoder-only classifier
+        path = model_folder(source, log=say) if source.kind == "gguf" else source.path
     except ModelError as e:
-        early, source, path = e.problems, None, None
+        early, source, path = early + e.problems, None, None
     if cfg.head:
         try:
-            from surefit.heads import load_factory
-
             load_factory(cfg.head)
         except ConfigError as e:
             early += e.problems
-    previous = check_output_dir(cfg, early)
-    resume_from = resume_point(cfg, early, say)
-    train_rows, val_rows, fields, spec, report = load_data(cfg, say, early)
-    out = start_output_dir(cfg, previous, say, report)
+    train_rows, val_rows, fields, spec, report = load_data(cfg, say, early, on_rejected)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -391,83 +428,289 @@ def run(cfg: ClassifyConfig, say=print, doctor_only: bool = False) -> dict[str, 
     max_len, tokenizer_keys, accepted = model_inputs(cfg, model, tokenizer, say)
     keys = [k for k in tokenizer_keys if k in accepted]
     table = column_table(train_rows + val_rows, fields, spec, tokenizer_keys, accepted, type(model).__name__)
-    say("columns:\n" + _render_table(table))
-    if is_main_process():
-        (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
+    say("columns:\n" + render_columns(table))
 
     train_feats, train_rep = encode(train_rows, tokenizer, fields, spec, max_len, keys, "train")
     val_feats, val_rep = encode(val_rows, tokenizer, fields, spec, max_len, keys, "validation")
     for rep in (train_rep, val_rep):
-        if rep["truncated"]:
-            say(f"{rep['split']}: {rep['truncated']} of {rep['rows']} texts truncated to {max_len} tokens "
-                f"(longest {rep['longest_tokens']}; e.g. {', '.join(rep['truncated_rows'][:3])})")
+        _say_truncated(rep, max_len, say, split=True)
     report["encoding"] = {"train": train_rep, "validation": val_rep}
-    if is_main_process():
-        (out / "data_report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
 
     if cfg.gradient_checkpointing:
-        target = model.backbone if cfg.head else model
-        enable_gradient_checkpointing(target, lora=cfg.lora_r > 0)
+        enable_gradient_checkpointing(model.backbone if cfg.head else model, lora=cfg.lora_r > 0)
         say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
-    accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers, project_dir=out)
+    accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
+                                   project_dir=cfg.output_dir)
     say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device} (the batch is "
         "cut as the memory plan below says)")
 
-    collate = PadCollator(pad_token_id=tokenizer.pad_token_id,
-                          stack_keys=("labels",) if spec.problem_type == "multi" else ())
-    doctor_report = run_doctor(lambda: check(model, tokenizer, train_feats, val_feats, collate,
-                                             args={"batch_size": cfg.micro_batch_size}, task="classify"))
-    gate(doctor_report, cfg, say, out, doctor_only)
-    plan = plan_run(cfg, model, accelerator, features=train_feats, lengths=[len(f["input_ids"]) for f in train_feats],
-                    counts=[1] * len(train_feats), collate=collate, loss_fn=make_loss_fn(spec.problem_type),
-                    eval_lengths=[len(f["input_ids"]) for f in val_feats], lora=cfg.lora_r > 0, say=say, out=out)
-    log = open_metrics_log(cfg, out, accelerator)
-    if is_main_process():
-        (out / "predictions").mkdir(exist_ok=True)
+    collate = _collator(tokenizer, spec)
     first, second = HEADLINE[spec.problem_type]
 
-    def evaluate(m: Any, epoch: int) -> dict[str, Any]:
-        logits, loss = shrink_on_oom(
-            lambda bs: predict_logits(m, val_feats, collate, bs, accelerator, spec.problem_type),
-            plan.eval_batch_size, "evaluation", say)
-        metrics, preds = scores(logits, val_feats, spec)
-        with (out / "predictions" / f"epoch_{epoch}.jsonl").open("w", encoding="utf-8") as fh:
-            for row, pred in zip(val_rows, preds, strict=True):
-                fh.write(json.dumps({"where": row.where, "text": _text_of(row, fields),
-                                     "gold": row.fields[spec.field], "prediction": pred}, ensure_ascii=False) + "\n")
+    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+        result = evaluate_features(m, val_rows, val_feats, fields, spec, collate, batch_size, accelerator, say)
+        metrics = result.metrics
         say(f"epoch {epoch}/{cfg.epochs}  {first}={metrics[first]:.4f}  {second}={metrics[second]:.4f}  "
-            f"eval_loss={loss:.4f}")
-        return {"eval_loss": loss, **metrics}
+            f"eval_loss={metrics['eval_loss']:.4f}")
+        return result
 
-    def save_model(m: Any, folder: Path) -> None:
-        m = accelerator.unwrap_model(m)
-        if cfg.head:
-            from safetensors.torch import save_file
+    loss_fn = make_loss_fn(spec.problem_type)
+    return Prepared(
+        cfg=cfg, model=model, accelerator=accelerator, features=train_feats,
+        lengths=[len(f["input_ids"]) for f in train_feats], counts=[1] * len(train_feats), collate=collate,
+        loss_fn=loss_fn, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),
+        check=lambda: check(model, tokenizer, train_feats, val_feats, collate,
+                            args={"batch_size": cfg.micro_batch_size}, task="classify"),
+        data_report=report, files={COLUMNS: table},
+        plan={"eval_lengths": [len(f["input_ids"]) for f in val_feats], "lora": cfg.lora_r > 0},
+        saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer",
+        rejected=report["rejected_rows"])
 
-            m.backbone.save_pretrained(folder / "backbone", safe_serialization=True)
-            save_file({k: v.contiguous() for k, v in m.head.state_dict().items()}, folder / "head.safetensors")
-            (folder / "surefit_head.json").write_text(json.dumps({
-                "head": cfg.head, "head_args": json.loads(cfg.head_args or "{}"), "num_labels": spec.num_labels,
-                "id2label": spec.id2label, "problem_type": spec.problem_type}, indent=2), encoding="utf-8")
-        else:
-            m.save_pretrained(folder, safe_serialization=True)
-        tokenizer.save_pretrained(folder)
 
-    checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
-                                  export=save_model, resume_from=resume_from, resume_command=resume_command(cfg))
+def run(cfg: ClassifyConfig, say: Say = print) -> dict[str, Any]:
+    """Train a classifier, evaluating before the first epoch and after each; see :func:`surefit.tasks.common.train`."""
+    return train(cfg, prepare, say)
 
-    settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size,
-                            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
-                            max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, log_every=cfg.log_every,
-                            saved_activations=plan.saved_activations)
+
+def save(model: Any, tokenizer: Any, cfg: ClassifyConfig, spec: LabelSpec, folder: Path) -> None:
+    """``final/``: the classifier (or its LoRA adapter) with label2id in its config, or backbone/ + the head's
+    weights and ``surefit_head.json`` (factory, arguments, labels); the tokenizer either way."""
+    if cfg.head:
+        from safetensors.torch import save_file
+
+        model.backbone.save_pretrained(folder / "backbone", safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in model.head.state_dict().items()}, folder / "head.safetensors")
+        (folder / "surefit_head.json").write_text(json.dumps({
+            "head": cfg.head, "head_args": json.loads(cfg.head_args or "{}"), "num_labels": spec.num_labels,
+            "id2label": spec.id2label, "problem_type": spec.problem_type}, indent=2), encoding="utf-8")
+    else:
+        model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+# ------------------------------------------------------------------------------------------------------------ a finished run
+
+_HF_TO_OURS = {v: k for k, v in HF_PROBLEM_TYPES.items()}
+
+
+def label_spec(run: Run, label_field: str | None = None) -> LabelSpec:
+    """The run's labels (as training built them), from ``data_report.json`` or the saved model's config."""
+    report = run.report
+    ptype = report.get("problem_type")
+    label2id = report.get("label2id")
+    if ptype is None:
+        saved = _saved_label_config(run)
+        ptype, label2id = saved.get("problem_type"), saved.get("label2id")
+    if ptype is None:
+        raise SurefitError(Problem(f"cannot tell the labels of {run.folder}: data_report.json has no problem_type and "
+                                   "the saved model has no label mapping", "--run",
+                                   "the run folder is incomplete; train the run again"))
+    names = [] if ptype == "regression" else [n for n, _ in sorted(label2id.items(), key=lambda kv: kv[1])]
+    fields = report.get("fields") or {}
+    label = label_field or fields.get("label") or run.cfg.label_field or "label"
+    return LabelSpec(problem_type=ptype, field=label, names=names, kind="str", how=f"the labels of {run.folder}")
+
+
+def _saved_label_config(run: Run) -> dict[str, Any]:
+    if (run.final / "surefit_head.json").is_file():
+        spec = json.loads((run.final / "surefit_head.json").read_text(encoding="utf-8"))
+        id2label = {int(k): v for k, v in (spec.get("id2label") or {}).items()}
+        return {"problem_type": spec.get("problem_type"), "label2id": {v: k for k, v in id2label.items()}}
+    if (run.final / "config.json").is_file():
+        config = json.loads((run.final / "config.json").read_text(encoding="utf-8"))
+        return {"problem_type": _HF_TO_OURS.get(config.get("problem_type")), "label2id": config.get("label2id")}
+    return {}
+
+
+def _base_path(run: Run, say: Say) -> str:
     try:
-        history = fit(model, train_feats, [len(f["input_ids"]) for f in train_feats], [1] * len(train_feats),
-                      loss_fn=make_loss_fn(spec.problem_type), collate=collate, settings=settings,
-                      accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say)
-    finally:
-        log.close()
-    final = save_final(out, lambda d: save_model(model, d))
-    say(f"saved {'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer to {final}")
-    write_run_report(out, accelerator, say)
-    return {"output_dir": out, "final_dir": final, "history": history, "data_report": report}
+        return model_folder(resolve_model(run.cfg.model, default="encoder"), log=say)
+    except ModelError as e:
+        raise run.config_problem(e, ("model",)) from e
+
+
+def load(run: Run, spec: LabelSpec, say: Say = print, as_trained: bool = True) -> Loaded:
+    """The classifier as it was trained: a transformers classifier (full or base + adapter) or backbone + head."""
+    from transformers import AutoTokenizer
+
+    run.require(*final_files(run.cfg))
+    cfg = run.cfg
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(run.final), trust_remote_code=cfg.trust_remote_code)
+    except Exception as e:  # noqa: BLE001
+        raise ModelError(Problem(f"cannot load the tokenizer saved in {run.final}: {type(e).__name__}: {e}", "--run",
+                                 "the run folder is incomplete; train the run again")) from e
+    lora = cfg.lora_r > 0
+    if cfg.head:
+        path = _base_path(run, say) if lora else str(run.final / "backbone")
+    else:
+        path = _base_path(run, say) if lora else str(run.final)
+    try:
+        model = build_model(cfg, path, spec, say=lambda _: None)  # its head is replaced by the trained one below
+    except ConfigError as e:
+        raise run.config_problem(e, ("head", "head_args")) from e
+    max_len, tokenizer_keys, accepted = model_inputs(cfg, model, tokenizer, say=lambda _: None)
+    if cfg.head:
+        from safetensors.torch import load_file
+
+        if lora:
+            from peft import PeftModel
+
+            model.backbone = PeftModel.from_pretrained(model.backbone, str(run.final / "backbone"),
+                                                       is_trainable=bool(run.frozen_dtype))
+        model.head.load_state_dict(load_file(str(run.final / "head.safetensors")))
+    elif lora:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(run.final), is_trainable=bool(run.frozen_dtype))
+    if lora and as_trained:
+        fuse_lora(model)  # the forward training used (adapters summed in fp32)
+        if run.frozen_dtype:
+            store_frozen_in(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[run.frozen_dtype])
+    accelerator = make_accelerator(run.precision)
+    model.to(accelerator.device).eval()
+    keys = [k for k in tokenizer_keys if k in accepted]
+    return Loaded(model, tokenizer, accelerator, {"max_len": max_len, "keys": keys})
+
+
+def _run_fields(run: Run, fields: dict[str, str], texts_given: bool = False) -> Fields:
+    """The columns the run was trained on (flags override): data_report.json, else the run's columns.json."""
+    saved = run.report.get("fields") or _fields_from_columns(run.folder / COLUMNS)
+    text = fields.get("text_field") or saved.get("text") or run.cfg.text_field
+    pair = fields.get("text_pair_field") or saved.get("pair") or run.cfg.text_pair_field
+    label = fields.get("label_field") or saved.get("label") or run.cfg.label_field
+    if text is None and texts_given:
+        text = "text"  # --input texts are not read from a column: any name will do
+    if text is None:
+        raise SurefitError(Problem(f"cannot tell which field the run {run.folder} read its text from "
+                                   "(neither data_report.json nor columns.json says)", "--text_field",
+                                   "pass --text_field NAME (and --text_pair_field NAME for pairs)"))
+    return Fields(text=text, pair=pair, label=label or "label")
+
+
+def _fields_from_columns(path: Path) -> dict[str, str]:
+    """Runs trained before data_report.json recorded the fields: the kept / dropped table names them."""
+    if not path.is_file():
+        return {}
+    roles = {"text:": "text", "second text of the pair": "pair", "label:": "label"}
+    found: dict[str, str] = {}
+    for entry in json.loads(path.read_text(encoding="utf-8")):
+        for prefix, role in roles.items():
+            if entry.get("status") == "kept" and str(entry.get("why", "")).startswith(prefix):
+                found.setdefault(role, entry["column"])
+    return found
+
+
+def _text_fields(flds: Fields) -> list[tuple[str, str]]:
+    return [(flds.text, "--text_field")] + ([(flds.pair, "--text_pair_field")] if flds.pair else [])
+
+
+def _check_labels(rows: list[Row], spec: LabelSpec, source: str) -> None:
+    """Every row's label must be one the run was trained on; one problem lists every bad row."""
+    present = sorted({name for row in rows for name in row.fields})
+    if spec.field not in present:
+        raise DataError(field_not_found(spec.field, "--label_field", present, source))
+    bad: list[str] = []
+    for row in rows:
+        try:
+            spec.encode(row.fields.get(spec.field))
+        except ValueError:
+            loc = row.where[len(source) + 1 :] if row.where.startswith(f"{source} ") else row.where
+            bad.append(f"{loc} ({row.fields.get(spec.field)!r})")
+    if bad:
+        known = "numbers" if spec.problem_type == "regression" else ", ".join(repr(n) for n in spec.names)
+        more = f" and {len(bad) - 10} more" if len(bad) > 10 else ""
+        raise DataError(Problem(f"{len(bad)} of {len(rows)} rows have a label '{spec.field}' the run was not trained "
+                                f"on: {', '.join(bad[:10])}{more}", source,
+                                f"the run's labels are {known}; fix or remove these rows"))
+
+
+def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | None, fields: dict[str, str],
+             say: Say = print) -> tuple[str, int, dict[str, Any], list[dict[str, Any]]]:
+    """``surefit eval`` of a classify run: its validation split re-derived as training did (or ``data``).
+
+    Returns:
+        ``(what was evaluated, rows, metrics, prediction records)``.
+    """
+    cfg = run.cfg
+    if data is None:
+        run.check_training_data()
+        _, rows, flds, spec, _ = load_data(cfg, say=lambda _: None)
+        described = run.validation_described()
+    else:
+        flds = _run_fields(run, fields)
+        spec = label_spec(run, flds.label)
+        rows = read_checked(data, _text_fields(flds))
+        _check_labels(rows, spec, data)
+        described = str(data)
+    loaded = load(run, spec, say)
+    feats, rep = encode(rows, loaded.tokenizer, flds, spec, loaded.extra["max_len"], loaded.extra["keys"], "evaluation")
+    _say_truncated(rep, loaded.extra["max_len"], say)
+    result = evaluate_features(loaded.model, rows, feats, flds, spec, _collator(loaded.tokenizer, spec), batch_size,
+                               loaded.accelerator, say)
+    return described, len(rows), result.metrics, result.records or []
+
+
+def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_size: int,
+            max_new_tokens: int | None, fields: dict[str, str], say: Say = print) -> Iterator[list[dict[str, Any]]]:
+    """The label (``labels`` for multi-label, ``value`` for regression) and probabilities per label, one batch of
+    records at a time, in input order."""
+    flds = _run_fields(run, fields, texts_given=file is None)
+    text_fields = _text_fields(flds)
+    rows = read_checked(str(file), text_fields) if file is not None else rows_from_texts(inputs, text_fields)
+    spec = label_spec(run, flds.label)
+    loaded = load(run, spec, say)
+    max_len = loaded.extra["max_len"]
+    collate = PadCollator(pad_token_id=loaded.tokenizer.pad_token_id)
+    for part in chunks(rows, batch_size):
+        feats, rep = tokenize(part, loaded.tokenizer, flds, max_len, loaded.extra["keys"], "predict")
+        _say_truncated(rep, max_len, say)
+        logits, _ = shrink_on_oom(
+            lambda b, feats=feats: predict_logits(loaded.model, feats, collate, b, loaded.accelerator,
+                                                  spec.problem_type),
+            batch_size, "prediction", say)
+        batch = []
+        for row, lg in zip(part, logits, strict=True):
+            rec: dict[str, Any] = {"where": row.where, "text": str(row.fields[flds.text])}
+            if flds.pair:
+                rec["text_pair"] = str(row.fields[flds.pair])
+            if spec.problem_type == "single":
+                probs = lg.softmax(-1).tolist()
+                rec["label"] = spec.names[int(lg.argmax())]
+                rec["probabilities"] = {n: round(p, 6) for n, p in zip(spec.names, probs, strict=True)}
+            elif spec.problem_type == "multi":
+                probs = lg.sigmoid().tolist()
+                rec["labels"] = [n for n, p in zip(spec.names, probs, strict=True) if p > 0.5]
+                rec["probabilities"] = {n: round(p, 6) for n, p in zip(spec.names, probs, strict=True)}
+            else:
+                rec["value"] = float(lg.reshape(-1)[0])
+            batch.append(rec)
+        yield batch
+
+
+def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
+    """Write the run's model into ``folder`` (new); with ``merge``, a LoRA adapter folded into the base weights: a
+    plain sequence classifier with label2id/id2label in its config, or (with a custom head) backbone/ merged plus
+    the head's files. Returns what was written, in words."""
+    run.require(*final_files(run.cfg))
+    lora_dir = run.final / "backbone" if run.cfg.head else run.final
+    lora = (lora_dir / "adapter_config.json").is_file()
+    if not (merge and lora):
+        shutil.copytree(run.final, folder)
+        if merge:
+            say(f"--merge: {run.folder} was trained in full (no LoRA adapter); copied the model as it is")
+        return "LoRA adapter (load with peft; its base model is named in adapter_config.json)" if lora else "model"
+    folder.mkdir(parents=True)
+    loaded = load(run, label_spec(run), say, as_trained=False)
+    model = loaded.model
+    if run.cfg.head:
+        from safetensors.torch import save_file
+
+        model.backbone.merge_and_unload().save_pretrained(folder / "backbone", safe_serialization=True)
+        save_file({k: v.contiguous() for k, v in model.head.state_dict().items()}, folder / "head.safetensors")
+        shutil.copy2(run.final / "surefit_head.json", folder / "surefit_head.json")
+    else:
+        model.merge_and_unload().save_pretrained(folder, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(folder)
+    return "merged model (adapter folded into the base weights)"

@@ -1,4 +1,4 @@
-"""Any ``nn.Module`` on named tensors: setup -> shape check -> fit -> evaluate -> save, top to bottom.
+"""Any ``nn.Module`` on named tensors: data -> model -> shape check -> loop -> final/, top to bottom.
 
 The model comes from a factory (``--model file.py:build --model_args '{"vocab": 271}'``). Its forward is called as
 ``forward(**batch)`` with the keys it accepts (or ``forward(batch)`` when it takes one argument) and returns a loss
@@ -16,30 +16,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from surefit.config import CustomConfig
-from surefit.data.tensors import TensorData, load_tensor_data
+from surefit.data.shards import TensorData, load_tensor_data
 from surefit.doctor import check
-from surefit.doctor.gate import gate, run_doctor
-from surefit.doctor.shapes import diagnose, trace
-from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_input_problems
-from surefit.heads import load_factory
-from surefit.tasks.classify import _render_table
-from surefit.training.distributed import is_main_process, on_main
-from surefit.training.loop import Checkpointing, LoopSettings, fit, make_accelerator
-from surefit.training.plan import plan_run, precision_name
-from surefit.training.run import (
-    check_output_dir,
-    open_metrics_log,
-    quiet_libraries,
-    resume_command,
-    resume_point,
-    save_final,
-    start_output_dir,
-    write_run_report,
-)
+from surefit.doctor.shapes import diagnose, first_layers, trace
+from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if, raise_input_problems
+from surefit.models import load_factory
+from surefit.run_folder import COLUMNS, Run
+from surefit.tasks.common import Evaluation, Loaded, Prepared, render_columns, train
+from surefit.training.loss import classification_loss_sum
+from surefit.training.precision import make_accelerator, precision_name
+
+# A custom run has no column flags for other data (its tensors are named by the shards).
+FIELDS: tuple[str, ...] = ()
+
+
+def final_files(cfg: CustomConfig) -> list[tuple[str, ...]]:
+    """What ``final/`` holds: the model's weights and the factory that builds it."""
+    return [("model.safetensors", "surefit_model.json")]
+
 
 # ------------------------------------------------------------------------------------------------------------ protocol
 
@@ -82,19 +79,6 @@ def split_output(out: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return getattr(out, "loss", None), getattr(out, "logits", None)
 
 
-def loss_sum_from_logits(logits: torch.Tensor, labels: torch.Tensor, kind: str) -> torch.Tensor:
-    """Sum over examples of each example's mean loss (the loop divides by the example count of the step)."""
-    logits = logits.float()
-    if kind == "cross_entropy":
-        per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(), reduction="none")
-        return per.reshape(labels.shape[0], -1).mean(1).sum()
-    if logits.shape != labels.shape and logits.shape[-1] == 1:
-        logits = logits.squeeze(-1)
-    fn = F.mse_loss if kind == "mse" else F.binary_cross_entropy_with_logits
-    per = fn(logits, labels.float().reshape(logits.shape), reduction="none")
-    return per.reshape(labels.shape[0], -1).mean(1).sum()
-
-
 class Caller:
     """Calls the user's model per its protocol and turns the output into ``(loss_sum, n_examples)``."""
 
@@ -113,7 +97,7 @@ class Caller:
         if self.cfg.loss == "auto":
             # A model's own loss is taken as the mean over its batch; times n makes it a sum over examples.
             return loss.float() * n, n  # type: ignore[union-attr]
-        return loss_sum_from_logits(logits, batch[self.cfg.labels_key], self.cfg.loss), n  # type: ignore[arg-type]
+        return classification_loss_sum(logits, batch[self.cfg.labels_key], self.cfg.loss), n  # type: ignore[arg-type]
 
 
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -162,11 +146,9 @@ def check_before_step_1(model: nn.Module, caller: Caller, data: TensorData, cfg:
     if message:
         return [Problem(message, "--data", "fix the data or the model as the likely cause says; "
                         "`surefit inspect --data DIR --model ...` shows every input's first layer")]
-    rows = [f"  {u.input} {list(u.shape)} {u.dtype} -> {u.module} ({u.layer})"
-            + ("" if u.agrees is None else "  ok" if u.agrees else f"  MISMATCH: expects {u.expects}")
-            for u in tr.uses.values()]
-    if rows:
-        say("first layer of each input (one forward on 2 real examples):\n" + "\n".join(rows))
+    if tr.uses:
+        say("first layer of each input (one forward on 2 real examples):\n"
+            + "\n".join(first_layers(tr, list(tr.uses), caller.passed)))
     for u in tr.uses.values():
         if u.agrees is False:
             problems.append(Problem(f"'{u.input}' arrives at {u.module} ({u.layer}) as {list(u.shape)} {u.dtype}, "
@@ -235,25 +217,30 @@ class _Rows:
         return {k: v[0] for k, v in self.data.batch([i]).items() if k in self.keys}
 
 
-# ------------------------------------------------------------------------------------------------------------ run
+# ------------------------------------------------------------------------------------------------------------ prepare
 
 
-def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, Any]:
-    """Train the factory's model on tensor shards; report avg_train_loss, avg_valid_loss, time_per_epoch."""
-    from accelerate.utils import set_seed
-    from safetensors.torch import save_model
+def _build(cfg: CustomConfig, factory: Any) -> tuple[nn.Module, dict[str, Any]]:
+    model_args = json.loads(cfg.model_args or "{}")
+    try:
+        model = factory(**model_args)
+    except Exception as e:  # noqa: BLE001 - the user's factory; show its error in our terms
+        raise ConfigError(Problem(f"{cfg.model}(**{model_args}) failed: {type(e).__name__}: {e}", "--model_args",
+                                  "check the factory's arguments")) from e
+    if not isinstance(model, nn.Module):
+        raise ConfigError(Problem(f"{cfg.model} returned {type(model).__name__}, not a torch.nn.Module", "--model"))
+    return model, model_args
 
-    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
-    quiet_libraries()
-    set_seed(cfg.seed)
-    early: list[Problem] = []
+
+def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None, on_rejected: Any = None) -> Prepared:
+    """Everything the loop needs: the shards, the factory's model, how to call it, a real forward under hooks
+    before step 1 (a shape mismatch stops here, naming the input and the layer), the split and the loss."""
+    early = list(problems or [])
     factory = None
     try:
         factory = load_factory(cfg.model, flag="--model")
     except ConfigError as e:
         early += e.problems
-    previous = check_output_dir(cfg, early)
-    resume_from = resume_point(cfg, early, say)
     data = val = None
     try:
         data = load_tensor_data(cfg.data, cfg.max_memory_gb)
@@ -273,14 +260,7 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
             raise DataError(Problem(f"validation data lacks {', '.join(missing)} (training has {', '.join(data.arrays)})",
                                     "--val_data", "give both the same arrays"))
 
-    model_args = json.loads(cfg.model_args or "{}")
-    try:
-        model = factory(**model_args)
-    except Exception as e:  # noqa: BLE001 - the user's factory; show its error in our terms
-        raise ConfigError(Problem(f"{cfg.model}(**{model_args}) failed: {type(e).__name__}: {e}", "--model_args",
-                                  "check the factory's arguments")) from e
-    if not isinstance(model, nn.Module):
-        raise ConfigError(Problem(f"{cfg.model} returned {type(model).__name__}, not a torch.nn.Module", "--model"))
+    model, model_args = _build(cfg, factory)
     keys = list(data.arrays)
     mode, passed, problems = forward_protocol(model, keys)
     caller = Caller(cfg, mode, passed)
@@ -293,7 +273,7 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
             table.append({"column": k, "status": "kept", "why": f"targets for --loss {cfg.loss} (not passed to forward)"})
         else:
             table.append({"column": k, "status": "dropped", "why": f"not an argument of {type(model).__name__}.forward"})
-    say("columns:\n" + _render_table(table))
+    say("columns:\n" + render_columns(table))
     if not problems:
         problems = check_before_step_1(model, caller, data, cfg, model_args, say)
     if problems:
@@ -303,9 +283,6 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
     takes_labels = cfg.labels_key in forward_protocol(model, [cfg.labels_key])[1]
     rows = _Rows(data, [k for k in keys if k in caller.passed or (k == cfg.labels_key and takes_labels)])
     checked = _AsCalled(model, caller) if mode == "single" else model
-    doctor_report = run_doctor(lambda: check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size},
-                                             task="custom"))
-    gate(doctor_report, cfg, say, None, doctor_only)
 
     # Split by index when there is no validation folder: tensor rows are independent examples.
     n = len(data)
@@ -316,53 +293,117 @@ def run(cfg: CustomConfig, say=print, doctor_only: bool = False) -> dict[str, An
             f"{cfg.val_fraction}, seed {cfg.seed})")
     else:
         train_idx, val_idx, val_source = list(range(n)), list(range(len(val))), val
-    out = start_output_dir(cfg, previous, say)
-    if is_main_process():
-        (out / "columns.json").write_text(json.dumps(table, indent=2), encoding="utf-8")
-        if doctor_report is not None:  # gate() could not save it: the run folder did not exist yet
-            (out / "doctor.json").write_text(doctor_report.to_json(), encoding="utf-8")
 
-    accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=out)
+    accelerator = make_accelerator(cfg.precision, report_to=cfg.trackers, project_dir=cfg.output_dir)
     say(f"model {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} parameters); precision "
         f"{precision_name(accelerator)}; device {accelerator.device}")
 
-    def to_batch(indices: list[int], source: TensorData) -> dict[str, torch.Tensor]:
-        return model_batch(source, indices, caller)
+    def collate(idx: Any) -> dict[str, torch.Tensor]:
+        return model_batch(data, list(idx), caller)
 
-    def evaluate(m: Any, epoch: int) -> dict[str, Any]:
-        avg = mean_loss(m, caller, val_source, val_idx, plan.eval_batch_size, accelerator)
+    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+        avg = mean_loss(m, caller, val_source, val_idx, batch_size, accelerator)
         if epoch == 0:
             say(f"epoch 0/{cfg.epochs}  avg_valid_loss={avg:.4f}")
-        return {"eval_loss": avg, "avg_valid_loss": avg}
+        return Evaluation({"eval_loss": avg, "avg_valid_loss": avg})
 
     def on_epoch(record: dict[str, Any]) -> None:
         record["avg_train_loss"] = record["train_loss"]
         say(f"epoch {record['epoch']}/{cfg.epochs}  avg_train_loss={record['avg_train_loss']:.4f}  "
             f"avg_valid_loss={record['avg_valid_loss']:.4f}  time_per_epoch={record['time_per_epoch']:.1f}s")
 
-    def export(m: Any, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        save_model(accelerator.unwrap_model(m), str(folder / "model.safetensors"))
-        (folder / "surefit_model.json").write_text(json.dumps({"factory": cfg.model, "model_args": model_args},
-                                                              indent=2), encoding="utf-8")
+    ones = [1] * len(train_idx)
+    return Prepared(
+        cfg=cfg, model=model, accelerator=accelerator, features=train_idx, lengths=ones, counts=ones,
+        collate=collate, loss_fn=caller, evaluate=evaluate, save=lambda m, folder: save(m, cfg, model_args, folder),
+        check=lambda: check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size}, task="custom"),
+        data_report={"train_rows": len(train_idx), "val_rows": len(val_idx),
+                     "arrays": {k: list(v.shape) for k, v in data.arrays.items()}},
+        files={COLUMNS: table}, saved="the model (safetensors) and its factory spec", on_epoch=on_epoch)
 
-    log = open_metrics_log(cfg, out, accelerator)
-    plan = plan_run(cfg, model, accelerator, features=train_idx, lengths=[1] * len(train_idx),
-                    counts=[1] * len(train_idx), collate=lambda idx: to_batch(list(idx), data), loss_fn=caller,
-                    say=say, out=out)
-    settings = LoopSettings(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size,
-                            lr=cfg.lr, weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio,
-                            max_grad_norm=cfg.max_grad_norm, seed=cfg.seed, log_every=cfg.log_every)
-    checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
-                                  export=export, resume_from=resume_from, resume_command=resume_command(cfg))
+
+def run(cfg: CustomConfig, say=print) -> dict[str, Any]:
+    """Train the factory's model on tensor shards; report avg_train_loss, avg_valid_loss, time_per_epoch."""
+    return train(cfg, prepare, say)
+
+
+def save(model: nn.Module, cfg: CustomConfig, model_args: dict[str, Any], folder: Path) -> None:
+    """``final/``: ``model.safetensors`` and ``surefit_model.json`` (the factory and its arguments)."""
+    from safetensors.torch import save_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(model, str(folder / "model.safetensors"))
+    (folder / "surefit_model.json").write_text(json.dumps({"factory": cfg.model, "model_args": model_args}, indent=2),
+                                               encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------------------------------------ a finished run
+
+
+def load(run: Run, keys: list[str]) -> Loaded:
+    """The factory's model with the trained weights, and how surefit calls it (``keys``: the data's arrays)."""
+    from safetensors.torch import load_model
+
+    run.require(*final_files(run.cfg))
+    spec_path = run.final / "surefit_model.json"
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
     try:
-        history = fit(model, train_idx, [1] * len(train_idx), [1] * len(train_idx), loss_fn=caller,
-                      collate=lambda idx: to_batch(list(idx), data), settings=settings, accelerator=accelerator,
-                      evaluate=evaluate, checkpointing=checkpointing, log=log, say=say, on_epoch=on_epoch)
-    finally:
-        log.close()
-    final = save_final(out, lambda d: export(model, d))
-    say(f"saved the model (safetensors) and its factory spec to {final}")
-    write_run_report(out, accelerator, say)
-    return {"output_dir": out, "final_dir": final, "history": history, "data_report": {"train_rows": len(train_idx),
-            "val_rows": len(val_idx), "arrays": {k: list(v.shape) for k, v in data.arrays.items()}}}
+        factory = load_factory(spec["factory"], flag="--model")
+    except ConfigError as e:
+        raise run.config_problem(e, ("model",)) from e
+    model = factory(**spec.get("model_args", {}))
+    missing, unexpected = load_model(model, str(run.final / "model.safetensors"), strict=False)
+    if missing or unexpected:
+        raise ModelError(Problem(
+            f"{run.final / 'model.safetensors'} does not fit the model {spec['factory']} builds: missing "
+            f"{', '.join(missing[:5]) or 'none'}; unexpected {', '.join(unexpected[:5]) or 'none'}",
+            f"{spec_path} 'factory'", "the factory changed since training; restore it or train again"))
+    mode, passed, problems = forward_protocol(model, keys)
+    raise_if(problems, DataError)
+    accelerator = make_accelerator(run.precision)
+    model.to(accelerator.device).eval()
+    return Loaded(model, None, accelerator, {"caller": Caller(run.cfg, mode, passed)})
+
+
+def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | None, fields: dict[str, str],
+             say=print) -> tuple[str, int, dict[str, Any], list[dict[str, Any]]]:
+    """``surefit eval`` of a custom run: the mean loss on its validation split (re-derived) or on ``data``."""
+    cfg = run.cfg
+    if data is None:
+        run.check_training_data()
+        if cfg.val_data:
+            source = load_tensor_data(cfg.val_data, cfg.max_memory_gb)
+            indices = list(range(len(source)))
+        else:
+            source = load_tensor_data(cfg.data, cfg.max_memory_gb)
+            indices = split_indices(len(source), cfg.val_fraction, cfg.seed)[1]
+        described = run.validation_described()
+    else:
+        source = load_tensor_data(data, cfg.max_memory_gb)
+        indices = list(range(len(source)))
+        described = str(data)
+    loaded = load(run, list(source.arrays))
+    caller = loaded.extra["caller"]
+    if cfg.loss != "auto" and cfg.labels_key not in source.arrays:
+        raise DataError(Problem(f"{described} has no '{cfg.labels_key}' array (it has {', '.join(source.arrays)}); "
+                                f"the run's loss {cfg.loss} needs it", "--data", f"add a '{cfg.labels_key}' array"))
+    avg = mean_loss(loaded.model, caller, source, indices, batch_size, loaded.accelerator)
+    return described, len(indices), {"eval_loss": avg, "avg_valid_loss": avg}, []
+
+
+def predict(run: Run, *args: Any, **kwargs: Any) -> Any:
+    """Custom models have no text inputs to predict on."""
+    raise ConfigError(Problem(f"{run.folder} is a custom-task run: predict works on text runs (sft, classify)",
+                              "--run", "load final/model.safetensors with your factory (see final/surefit_model.json), "
+                              "or use `surefit eval --run ... --data FOLDER` for its loss"))
+
+
+def export(run: Run, folder: Path, merge: bool, say=print) -> str:
+    """A copy of ``final/`` (custom models have no adapter to merge)."""
+    import shutil
+
+    run.require(*final_files(run.cfg))
+    shutil.copytree(run.final, folder)
+    if merge:
+        say(f"--merge: {run.folder} was trained in full (no LoRA adapter); copied the model as it is")
+    return "model"

@@ -13,16 +13,14 @@ the main process evaluates, logs and writes checkpoints; ``training/distributed.
 
 from __future__ import annotations
 
-import functools
-import json
 import math
 import signal
 import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +30,7 @@ from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
-from surefit.training.trackers import Trackers
+from surefit.training.precision import flushing_denormals, saved_activations_in
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -51,140 +49,15 @@ class LoopSettings:
     seed: int
     log_every: int
     # "bf16": activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights; see
-    # training/lora_fast.SavedActivationsIn). None: as autograd saves them.
+    # training/speedups/lora_fast.SavedActivationsIn). None: as autograd saves them.
     saved_activations: str | None = None
 
-
-class MetricsLog:
-    """``metrics.jsonl``: one JSON object per line, flushed as written so a crashed run keeps what it logged.
-
-    Args:
-        trackers: also send each record's numbers to these experiment trackers (``--report_to``).
-        after_epoch: called after each epoch record is written (e.g. to redraw ``curves.png``); a failure there is
-            reported, never fatal to training.
-    """
-
-    def __init__(self, path: str | Path, trackers: Trackers | None = None,
-                 after_epoch: Callable[[], None] | None = None):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a", encoding="utf-8")
-        self._t0 = time.time()
-        self.trackers = trackers
-        self.after_epoch = after_epoch
-
-    def bytes_written(self) -> int:
-        self._fh.flush()
-        return self._fh.tell()
-
-    def truncate(self, size: int) -> None:
-        """Cut the log back to ``size`` bytes (the length it had when a checkpoint was written)."""
-        self._fh.flush()
-        self._fh.truncate(size)
-        self._fh.seek(size)
-        if self.trackers is not None:
-            # The trackers already hold the interrupted process's later points: TensorBoard drops them from here on.
-            self.trackers.start(purge_step=_last_step(self.path, size) + 1)
-
-    def write(self, record: dict[str, Any]) -> None:
-        record = {**record, "time": round(time.time() - self._t0, 3)}
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
-        if self.trackers is not None:
-            self.trackers.log(record)
-        if self.after_epoch is not None and record.get("type") == "epoch":
-            try:
-                self.after_epoch()
-            except Exception as e:  # noqa: BLE001 - a plot must not stop training; say so and go on
-                print(f"warning: could not refresh the run's curves: {type(e).__name__}: {e}", file=sys.stderr)
-
-    def close(self) -> None:
-        self._fh.close()
-        if self.trackers is not None:
-            self.trackers.finish()
-
-
-def _last_step(path: Path, size: int) -> int:
-    """The highest global step among the first ``size`` bytes of a metrics.jsonl (0 when none)."""
-    with path.open("rb") as fh:
-        head = fh.read(size)
-    steps = [0]
-    for line in head.decode("utf-8", errors="replace").splitlines():
-        try:
-            steps.append(int(json.loads(line).get("step") or 0))
-        except (ValueError, AttributeError, TypeError):
-            continue
-    return max(steps)
-
-
-def cpu_has_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX-512 BF16 or AMX): only then is bf16 faster on a CPU."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
-
-
-def resolve_precision(precision: str, lora: bool = False) -> str:
-    """``auto`` -> bf16 on GPUs that support it, fp16 on other GPUs; on a CPU, bf16 for LoRA runs when the CPU has
-    native bf16 matmuls, fp32 otherwise. Returns accelerate's name.
-
-    Why LoRA only on a CPU: with LoRA the 16-bit part is the frozen base's matmuls, while the adapters, their
-    contribution and the loss stay fp32 (``training/lora_fast.py``), so the run learns as in fp32 (benchmarks/
-    cpu_sft.py: final loss within noise of fp32). Full fine-tuning under autocast rounds small updates of the weights
-    away in the forward pass; there fp32 stays the CPU default, where speed is not worth the difference.
-    """
-    if precision == "auto":
-        if torch.cuda.is_available():
-            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        return "bf16" if lora and cpu_has_bf16_matmul() else "no"
-    return {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}[precision]
-
-
-def make_accelerator(precision: str, *, lora: bool = False, report_to: Sequence[str] = (),
-                     project_dir: str | Path | None = None) -> Any:
-    """The run's accelerator; ``lora``: only adapters train (see :func:`resolve_precision`); ``report_to`` names
-    experiment trackers (``tensorboard``, ``wandb``), which log under ``project_dir`` (``project_dir/tensorboard``)."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-
-    mixed = resolve_precision(precision, lora)
-    if AcceleratorState._shared_state.get("_mixed_precision", mixed) != mixed:
-        # accelerate allows one precision per process; a later run in the same process (the Python API, a notebook:
-        # an sft run resolving auto to bf16, then a classify run to fp32) starts its state afresh. The process
-        # group, if any, is kept.
-        AcceleratorState._reset_state(reset_partial_state=False)
-    if not report_to:
-        return Accelerator(mixed_precision=mixed, **_process_settings())
-    from accelerate.utils import ProjectConfiguration
-
-    from surefit.training.trackers import TENSORBOARD_DIR
-
-    folder = Path(project_dir or ".")
-    project = ProjectConfiguration(project_dir=str(folder), logging_dir=str(folder / TENSORBOARD_DIR))
-    return Accelerator(mixed_precision=mixed, log_with=list(report_to), project_config=project,
-                       **_process_settings())
-
-
-def _process_settings() -> dict[str, Any]:
-    """How several processes are set up (no effect on one process).
-
-    ``cpu``: without a GPU, accelerate only forms a group of CPU processes (gloo) when told it runs on the CPU.
-    ``find_unused_parameters``: decided in ``fit`` (:func:`unused_parameters`) before the model is wrapped.
-    ``timeout``: the others wait while the main process evaluates.
-    """
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-
-    from surefit.training.distributed import WAIT, cpu_processes
-
-    return {"cpu": cpu_processes(),
-            "kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True),
-                                InitProcessGroupKwargs(timeout=WAIT)]}
+    @classmethod
+    def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
+        """A task config's settings, with the micro-batch and activation storage the memory plan chose."""
+        return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
+                   weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
+                   seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations)
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -259,23 +132,6 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-@contextmanager
-def flush_denormals(device: Any):
-    """On a CPU, treat denormal floats (below 1.2e-38) as zero while training.
-
-    x86 CPUs compute with denormals through a microcode slow path. Under bf16 base matmuls they turn up often enough
-    that an epoch of ``benchmarks/cpu_sft.py`` (SmolLM2-135M, LoRA) ran 1.23x faster with flushing, with the same
-    losses to 4 decimals (fp32 runs were unaffected either way). GPUs flush in most kernels already. torch can set
-    this process-wide flag but not read it, so it is switched back off afterwards, torch's default.
-    """
-    on = getattr(device, "type", None) == "cpu" and torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        if on:
-            torch.set_flush_denormal(False)
-
-
 def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW, with torch's fused kernel where it runs (CPU and CUDA floating-point parameters), else foreach.
 
@@ -289,32 +145,245 @@ def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: flo
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
 
 
-def _flushing_denormals(fn: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with flush_denormals(getattr(kwargs.get("accelerator"), "device", None)):
-            return fn(*args, **kwargs)
+@dataclass
+class Progress:
+    """Where the run is and the running sums of the epoch in progress; a checkpoint stores it so that a resumed epoch
+    reports the same ``train_loss`` as an uninterrupted one.
 
-    return wrapper
+    Attributes:
+        epoch: the epoch in progress (1-based); step_in_epoch: optimizer steps done in it; global_step: in the run.
+        loss_sum, items, tokens, examples, seconds: sums over the epoch's steps so far.
+        window_loss, window_items: sums since the last ``step`` record of metrics.jsonl.
+    """
+
+    epoch: int = 1
+    step_in_epoch: int = 0
+    global_step: int = 0
+    loss_sum: float = 0.0
+    items: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    window_loss: float = 0.0
+    window_items: int = 0
+    examples: int = 0
+
+    def add(self, step: StepResult) -> None:
+        self.global_step += 1
+        self.step_in_epoch += 1
+        self.loss_sum += step.loss_sum
+        self.items += step.items
+        self.tokens += step.tokens
+        self.examples += step.examples
+        self.seconds += step.seconds
+        self.window_loss += step.loss_sum
+        self.window_items += step.items
+
+    def next_epoch(self) -> None:
+        self.epoch += 1
+        self.step_in_epoch = self.items = self.tokens = self.examples = 0
+        self.loss_sum = self.seconds = 0.0
 
 
-@_flushing_denormals
+@dataclass
+class StepResult:
+    """One optimizer step: its loss summed over every process's share, its counts, and whether to stop after it."""
+
+    loss_sum: float
+    items: int
+    tokens: int
+    examples: int
+    seconds: float
+    grad_norm: float | None
+    stop: bool
+
+
+class _Fit:
+    """The state of one ``fit`` call: model, optimizer and schedule as prepared by accelerate, the progress, and the
+    steps the loop takes (see :func:`fit` for what each argument means)."""
+
+    def __init__(self, model: Any, features: Sequence[Any], lengths: list[int], counts: list[int], *,
+                 loss_fn: LossFn, collate: Callable[[list[Any]], dict[str, torch.Tensor]], settings: LoopSettings,
+                 accelerator: Any, evaluate: Callable[[Any, int], dict[str, Any]], checkpointing: Checkpointing,
+                 log: Any, say: Callable[[str], None], counters: Any) -> None:
+        from transformers import get_cosine_schedule_with_warmup
+
+        self.features, self.lengths, self.counts = features, lengths, counts
+        self.loss_fn, self.collate, self.settings = loss_fn, collate, settings
+        self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
+        self.log, self.say, self.counters = log, say, counters
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = make_adamw(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
+        self.steps_per_epoch = math.ceil(len(features) / settings.batch_size)
+        total_steps = self.steps_per_epoch * settings.epochs
+        self.scheduler = get_cosine_schedule_with_warmup(optimizer, int(settings.warmup_ratio * total_steps),
+                                                         total_steps)
+        _refuse_sharded(accelerator)
+        if world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
+            unused = unused_parameters(model, features, collate, loss_fn, accelerator)
+            # DDP must be told about parameters that get no gradient, or it fails at the next step; looking for them
+            # walks the autograd graph every step, so only when there are some.
+            accelerator.ddp_handler.find_unused_parameters = bool(unused)
+            if unused:
+                say(f"{len(unused)} trainable parameters get no gradient (e.g. {unused[0]}): DDP looks for them every "
+                    "step")
+        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.world, self.main = accelerator.num_processes, accelerator.is_main_process
+        if self.world != world_size():
+            raise SurefitError(Problem(
+                f"the launcher started {world_size()} processes (WORLD_SIZE), but accelerate formed a group of "
+                f"{self.world}: each process would train alone", "accelerate config",
+                "launch with torchrun, accelerate launch, or surefit train --num_processes N, with a matching config"))
+        self.micro, self.accum = process_micro_batches(settings.batch_size, settings.micro_batch_size, self.world)
+        if self.world > 1:
+            say(describe_processes(settings.batch_size, settings.micro_batch_size, self.world))
+        self.progress = Progress()
+        self.guard = OOMGuard()
+        self.history: list[dict[str, Any]] = []
+
+    # -- evaluation and resume
+
+    def evaluate(self, epoch: int) -> dict[str, Any]:
+        """The task's evaluation, on the main process only (the DDP wrapper's forward is a collective: called on one
+        process it would wait for the others forever); the others receive its result."""
+        t0 = time.perf_counter()
+        if self.world == 1:
+            metrics = self.evaluate_fn(self.model, epoch)
+        else:
+            unwrapped = self.accelerator.unwrap_model(self.model)
+            metrics = share_from_main(self.evaluate_fn(unwrapped, epoch) if self.main else None)
+        return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
+
+    def start(self) -> None:
+        """Resume from the checkpoint named, or evaluate the model before the first step (epoch 0)."""
+        from surefit.training.checkpoint import load_checkpoint
+
+        folder = self.checkpointing.resume_from
+        if folder is None:
+            self.record({"type": "epoch", "epoch": 0, **self.evaluate(0)})
+            return
+        state = load_checkpoint(folder, model=self.accelerator.unwrap_model(self.model), optimizer=self.optimizer,
+                                scheduler=self.scheduler, scaler=getattr(self.accelerator, "scaler", None))
+        self.history, self.progress = state["history"], Progress(**state["position"])
+        self.guard.load(state.get("oom", {}))
+        if self.counters is not None:  # saved summed over processes: the main process carries them on
+            self.counters.load((state.get("counters") or {}) if self.main else {})
+        if self.main:
+            self.log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
+        p = self.progress
+        self.say(f"resumed from {folder}: epoch {p.epoch}, step {p.step_in_epoch} of {self.steps_per_epoch} (global "
+                 f"step {p.global_step})")
+
+    def record(self, record: dict[str, Any]) -> None:
+        if self.main:
+            self.log.write(record)
+        self.history.append(record)
+
+    # -- one optimizer step
+
+    def optimizer_step(self, step_indices: list[int], stop: _StopSignal) -> StepResult:
+        """Accumulate the step's micro-batches (splitting any that run out of memory), clip, step, and agree with the
+        other processes on the step's loss and on whether to stop after it (one exchange per step)."""
+        t0 = time.perf_counter()
+        loss_sum = accumulate_step(
+            self.model, self.features, step_indices, self.lengths, self.counts, micro_batch_size=self.micro,
+            loss_fn=self.loss_fn, collate=self.collate, accelerator=self.accelerator, guard=self.guard, say=self.say,
+            saved_activations=self.settings.saved_activations)
+        loss_sum, stops = sum_over_processes([loss_sum, float(stop.requested is not None)], self.accelerator.device)
+        grad_norm = None
+        if self.settings.max_grad_norm > 0:
+            grad_norm = float(self.accelerator.clip_grad_norm_(self.params, self.settings.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(loss_sum=loss_sum, items=sum(self.counts[i] for i in step_indices),
+                          tokens=sum(self.lengths[i] for i in step_indices), examples=len(step_indices),
+                          seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)
+
+    def log_step(self, step: StepResult) -> None:
+        """Every ``log_every`` steps, a ``step`` record of the loss since the previous one."""
+        p = self.progress
+        if p.global_step % self.settings.log_every:
+            return
+        if self.main:
+            self.log.write({"type": "step", "step": p.global_step, "epoch": p.epoch,
+                            "loss": p.window_loss / max(p.window_items, 1), "lr": self.scheduler.get_last_lr()[0],
+                            "grad_norm": step.grad_norm, "tokens_per_s": step.tokens / max(step.seconds, 1e-9),
+                            "oom_splits": self.guard.splits})
+        p.window_loss, p.window_items = 0.0, 0
+
+    # -- the end of an epoch, checkpoints
+
+    def end_epoch(self, on_epoch: Callable[[dict[str, Any]], None] | None) -> Path:
+        """The epoch record (training and evaluation figures), then an epoch checkpoint carrying the model."""
+        p = self.progress
+        record = {"type": "epoch", "epoch": p.epoch, "step": p.global_step,
+                  "train_loss": p.loss_sum / max(p.items, 1),
+                  "train_tokens_per_s": p.tokens / max(p.seconds, 1e-9), "time_per_epoch": p.seconds,
+                  "examples_seen": p.examples, "oom_splits": self.guard.splits}
+        record.update(self.evaluate(p.epoch))
+        if on_epoch is not None:
+            on_epoch(record)
+        self.record(record)
+        name = f"epoch-{p.epoch}"
+        p.next_epoch()
+        return self.checkpoint(name, export=True)
+
+    def checkpoint(self, name: str, export: bool) -> Path:
+        """Save a checkpoint (the main process writes it; every process goes on once it is complete)."""
+        from surefit.training.checkpoint import prune, save_checkpoint
+
+        counts = None
+        if self.counters is not None:  # every process takes part in the sum, so before the main process goes its own way
+            mine = self.counters.state()
+            summed = sum_over_processes([float(v) for v in mine.values()], self.accelerator.device)
+            counts = {k: int(v) for k, v in zip(mine, summed, strict=True)}
+        ck = self.checkpointing
+        if not self.main:
+            barrier()
+            return ck.folder / name
+        acc = self.accelerator
+        folder = save_checkpoint(
+            ck.folder / name, model=acc.unwrap_model(self.model), optimizer=self.optimizer, scheduler=self.scheduler,
+            scaler=getattr(acc, "scaler", None),  # fp16 loss scaling state (None otherwise)
+            # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
+            # saving), so the micro-step of the position is always 0.
+            state={"global_step": self.progress.global_step, "position": asdict(self.progress), "micro_step": 0,
+                   "history": self.history, "oom": self.guard.state(), "counters": counts,
+                   "metrics_bytes": self.log.bytes_written(),
+                   "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
+                            "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
+                            "processes": acc.num_processes}},
+            export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
+            before_commit=ck.before_commit,
+        )
+        prune(ck.folder, ck.keep, self.say)
+        barrier()
+        return folder
+
+    def interrupted(self, stop: _StopSignal, where: str, folder: Path) -> TrainingInterrupted:
+        return TrainingInterrupted(Problem(
+            f"stopped by {stop.requested or 'a signal to another process'} {where}; checkpoint saved to {folder}",
+            fix=f"resume with: {self.checkpointing.resume_command}"))
+
+
+@flushing_denormals
 def fit(
     model: Any,
-    features: Sequence[dict[str, Any]],
+    features: Sequence[Any],
     lengths: list[int],
     counts: list[int],
     *,
     loss_fn: LossFn,
-    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
     settings: LoopSettings,
     accelerator: Any,
     evaluate: Callable[[Any, int], dict[str, Any]],
     checkpointing: Checkpointing,
-    log: MetricsLog,
+    log: Any,
     say: Callable[[str], None] = print,
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
     counters: Any | None = None,
+    epoch_batches: Callable[[int], list[list[int]]] | None = None,
 ) -> list[dict[str, Any]]:
     """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
 
@@ -329,15 +398,17 @@ def fit(
             per example (tokens for a language model, 1 for a classifier) used to normalise the loss.
         loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
         evaluate: ``(model, epoch) -> metrics``; called for epoch 0 (before training) and each epoch.
+        log: the run's :class:`~surefit.training.trackers.MetricsLog`.
         on_epoch: called with each epoch's complete record (training and evaluation figures) before it is logged;
             it may add keys.
         counters: the task's running counts for the epoch in progress (``state() -> {name: int}``, ``load(state)``;
-            e.g. :class:`~surefit.training.prefixes.PrefixSharing`): checkpoints keep them, summed over processes, so
-            a resumed epoch's record reports what an uninterrupted one does.
+            e.g. :class:`~surefit.training.speedups.prefixes.PrefixSharing`): checkpoints keep them, summed over
+            processes, so a resumed epoch's record reports what an uninterrupted one does.
+        epoch_batches: ``epoch -> steps`` (lists of example indices), the same on every process and for the same
+            epoch; default: length-grouped batches of ``settings.batch_size`` (:func:`~surefit.data.sampling.step_batches`).
 
-    With several processes, ``evaluate`` runs on the main process only, on the unwrapped model (the DDP wrapper's
-    forward is a collective: called on one process it would wait for the others forever), while the others wait for
-    its result; ``log`` and checkpoints are written by the main process only.
+    With several processes, ``evaluate`` runs on the main process only, on the unwrapped model, while the others wait
+    for its result; ``log`` and checkpoints are written by the main process only.
 
     Returns:
         One record per evaluation (epoch 0 first).
@@ -346,182 +417,45 @@ def fit(
         TrainingInterrupted: after saving, when a stop signal arrived.
     """
     from tqdm.auto import tqdm
-    from transformers import get_cosine_schedule_with_warmup
 
-    from surefit.training.checkpoint import load_checkpoint, prune, save_checkpoint
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_adamw(params, lr=settings.lr, weight_decay=settings.weight_decay)
-    steps_per_epoch = math.ceil(len(features) / settings.batch_size)
-    total_steps = steps_per_epoch * settings.epochs
-    warmup = int(settings.warmup_ratio * total_steps)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
-    _refuse_sharded(accelerator)
-    if world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
-        unused = unused_parameters(model, features, collate, loss_fn, accelerator)
-        # DDP must be told about parameters that get no gradient, or it fails at the next step; looking for them
-        # walks the autograd graph every step, so only when there are some.
-        accelerator.ddp_handler.find_unused_parameters = bool(unused)
-        if unused:
-            say(f"{len(unused)} trainable parameters get no gradient (e.g. {unused[0]}): DDP looks for them every step")
-    model, optimizer = accelerator.prepare(model, optimizer)
-    world, main = accelerator.num_processes, accelerator.is_main_process
-    if world != world_size():
-        raise SurefitError(Problem(
-            f"the launcher started {world_size()} processes (WORLD_SIZE), but accelerate formed a group of {world}: "
-            "each process would train alone", "accelerate config",
-            "launch with torchrun, accelerate launch, or surefit train --num_processes N, with a matching config"))
-    micro, accum = process_micro_batches(settings.batch_size, settings.micro_batch_size, world)
-    if world > 1:
-        say(describe_processes(settings.batch_size, settings.micro_batch_size, world))
-
-    def run_evaluate(epoch: int) -> dict[str, Any]:
-        t0 = time.perf_counter()
-        if world == 1:
-            metrics = evaluate(model, epoch)
-        else:
-            metrics = share_from_main(evaluate(accelerator.unwrap_model(model), epoch) if main else None)
-        return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
-
-    # Position and running sums of the epoch in progress; a checkpoint stores them so a resumed epoch reports the
-    # same train_loss as an uninterrupted one.
-    pos: dict[str, Any] = {"epoch": 1, "step_in_epoch": 0, "global_step": 0, "loss_sum": 0.0, "items": 0,
-                           "tokens": 0, "seconds": 0.0, "window_loss": 0.0, "window_items": 0, "examples": 0}
-    guard = OOMGuard()
-    history: list[dict[str, Any]] = []
-    if checkpointing.resume_from is not None:
-        state = load_checkpoint(checkpointing.resume_from, model=accelerator.unwrap_model(model), optimizer=optimizer,
-                                scheduler=scheduler, scaler=getattr(accelerator, "scaler", None))
-        history, pos = state["history"], state["position"]
-        guard.load(state.get("oom", {}))
-        if counters is not None:  # saved summed over processes: the main process carries them on
-            counters.load((state.get("counters") or {}) if main else {})
-        if main:
-            log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
-        say(f"resumed from {checkpointing.resume_from}: epoch {pos['epoch']}, step {pos['step_in_epoch']} of "
-            f"{steps_per_epoch} (global step {pos['global_step']})")
-    else:
-        record = {"type": "epoch", "epoch": 0, **run_evaluate(0)}
-        if main:
-            log.write(record)
-        history.append(record)
-
-    def checkpoint(name: str, export: bool) -> Path:
-        counts = None
-        if counters is not None:  # every process takes part in the sum, so before the main process goes its own way
-            mine = counters.state()
-            summed = sum_over_processes([float(v) for v in mine.values()], accelerator.device)
-            counts = {k: int(v) for k, v in zip(mine, summed, strict=True)}
-        if not main:
-            barrier()  # the main process writes it; every process goes on once it is complete
-            return checkpointing.folder / name
-        folder = save_checkpoint(
-            checkpointing.folder / name,
-            model=accelerator.unwrap_model(model),
-            optimizer=optimizer,
-            scheduler=scheduler,
-            scaler=getattr(accelerator, "scaler", None),  # fp16 loss scaling state (None otherwise)
-            # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
-            # saving), so the micro-step of the position is always 0.
-            state={"global_step": pos["global_step"], "position": pos, "micro_step": 0, "history": history,
-                   "oom": guard.state(), "counters": counts,
-                   "metrics_bytes": log.bytes_written(),
-                   "plan": {"batch_size": settings.batch_size, "micro_batch_size": micro, "grad_accum": accum,
-                            "mixed_precision": str(accelerator.mixed_precision),
-                            "processes": accelerator.num_processes}},
-            export=(lambda d: checkpointing.export(model, d)) if export and checkpointing.export else None,
-            before_commit=checkpointing.before_commit,
-        )
-        prune(checkpointing.folder, checkpointing.keep, say)
-        barrier()
-        return folder
-
-    with _StopSignal(announce=main) as stop:
-        while pos["epoch"] <= settings.epochs:
-            epoch = pos["epoch"]
-            model.train()
-            batches = step_batches(lengths, settings.batch_size, settings.seed, epoch)
+    run = _Fit(model, features, lengths, counts, loss_fn=loss_fn, collate=collate, settings=settings,
+               accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say,
+               counters=counters)
+    run.start()
+    p = run.progress
+    with _StopSignal(announce=run.main) as stop:
+        while p.epoch <= settings.epochs:
+            run.model.train()
+            batches = (epoch_batches(p.epoch) if epoch_batches is not None
+                       else step_batches(lengths, settings.batch_size, settings.seed, p.epoch))
             # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
-            tty = sys.stderr.isatty()
-            bar = tqdm(total=len(batches), initial=pos["step_in_epoch"], desc=f"epoch {epoch}/{settings.epochs}",
-                       unit="step", dynamic_ncols=True, mininterval=0.5 if tty else 30.0, disable=not main)
-            for step_indices in batches[pos["step_in_epoch"] :]:
-                t0 = time.perf_counter()
-                n_items = sum(counts[i] for i in step_indices)
-                step_loss = accumulate_step(
-                    model, features, step_indices, lengths, counts,
-                    micro_batch_size=micro, loss_fn=loss_fn, collate=collate,
-                    accelerator=accelerator, guard=guard, say=say, saved_activations=settings.saved_activations,
-                )
-                # One exchange per step: the step's loss over every process's share, and whether any process was
-                # asked to stop (so that all of them stop after the same step).
-                step_loss, stops = sum_over_processes([step_loss, float(stop.requested is not None)],
-                                                      accelerator.device)
-                stop_now = stops > 0
-                grad_norm = None
-                if settings.max_grad_norm > 0:
-                    grad_norm = float(accelerator.clip_grad_norm_(params, settings.max_grad_norm))
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                tokens = sum(lengths[i] for i in step_indices)
-                dt = time.perf_counter() - t0
-                pos["global_step"] += 1
-                pos["step_in_epoch"] += 1
-                pos["loss_sum"] += step_loss
-                pos["items"] += n_items
-                pos["tokens"] += tokens
-                pos["examples"] += len(step_indices)
-                pos["seconds"] += dt
-                pos["window_loss"] += step_loss
-                pos["window_items"] += n_items
-                bar.set_postfix(loss=f"{step_loss / max(n_items, 1):.4f}", tok_s=f"{tokens / max(dt, 1e-9):.0f}",
-                                refresh=False)
+            bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{settings.epochs}",
+                       unit="step", dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0,
+                       disable=not run.main)
+            for step_indices in batches[p.step_in_epoch :]:
+                step = run.optimizer_step(step_indices, stop)
+                p.add(step)
+                bar.set_postfix(loss=f"{step.loss_sum / max(step.items, 1):.4f}",
+                                tok_s=f"{step.tokens / max(step.seconds, 1e-9):.0f}", refresh=False)
                 bar.update(1)
-                if pos["global_step"] % settings.log_every == 0 and main:
-                    log.write({"type": "step", "step": pos["global_step"], "epoch": epoch,
-                               "loss": pos["window_loss"] / max(pos["window_items"], 1),
-                               "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                               "tokens_per_s": tokens / max(dt, 1e-9), "oom_splits": guard.splits})
-                if pos["global_step"] % settings.log_every == 0:
-                    pos["window_loss"], pos["window_items"] = 0.0, 0
-                last_of_epoch = pos["step_in_epoch"] == len(batches)
-                if stop_now and not last_of_epoch:
+                run.log_step(step)
+                if p.step_in_epoch == len(batches):
+                    break  # the epoch's end saves a checkpoint and handles a stop request
+                if step.stop:
                     bar.close()
-                    folder = checkpoint(f"step-{pos['global_step']:07d}", export=False)
-                    raise TrainingInterrupted(Problem(
-                        f"stopped by {stop.requested or 'a signal to another process'} after epoch {epoch}, step "
-                        f"{pos['step_in_epoch']} of {len(batches)}; checkpoint saved to {folder}",
-                        fix=f"resume with: {checkpointing.resume_command}"))
-                if checkpointing.save_every and pos["global_step"] % checkpointing.save_every == 0 and not last_of_epoch:
-                    checkpoint(f"step-{pos['global_step']:07d}", export=False)
+                    folder = run.checkpoint(f"step-{p.global_step:07d}", export=False)
+                    raise run.interrupted(stop, f"after epoch {p.epoch}, step {p.step_in_epoch} of {len(batches)}",
+                                          folder)
+                if checkpointing.save_every and p.global_step % checkpointing.save_every == 0:
+                    run.checkpoint(f"step-{p.global_step:07d}", export=False)
             bar.close()
-            record = {
-                "type": "epoch",
-                "epoch": epoch,
-                "step": pos["global_step"],
-                "train_loss": pos["loss_sum"] / max(pos["items"], 1),
-                "train_tokens_per_s": pos["tokens"] / max(pos["seconds"], 1e-9),
-                "time_per_epoch": pos["seconds"],
-                "examples_seen": pos["examples"],
-                "oom_splits": guard.splits,
-            }
-            record.update(run_evaluate(epoch))
-            if on_epoch is not None:
-                on_epoch(record)
-            if main:
-                log.write(record)
-            history.append(record)
-            pos.update(epoch=epoch + 1, step_in_epoch=0, loss_sum=0.0, items=0, tokens=0, seconds=0.0, examples=0)
-            folder = checkpoint(f"epoch-{epoch}", export=True)
+            epoch = p.epoch
+            folder = run.end_epoch(on_epoch)
             # A signal may have come during the evaluation: agree again, so no process goes on alone.
             stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
             if stop_now and epoch < settings.epochs:
-                raise TrainingInterrupted(Problem(
-                    f"stopped by {stop.requested or 'a signal to another process'} at the end of epoch {epoch}; "
-                    f"checkpoint saved to {folder}",
-                    fix=f"resume with: {checkpointing.resume_command}"))
-    return history
+                raise run.interrupted(stop, f"at the end of epoch {epoch}", folder)
+    return run.history
 
 
 def process_micro_batches(batch_size: int, micro_batch_size: int, processes: int) -> tuple[int, int]:
@@ -595,14 +529,6 @@ def _refuse_sharded(accelerator: Any) -> None:
             "surefit train --num_processes N"))
 
 
-def _saved_in(dtype: str | None) -> Any:
-    if dtype is None:
-        return nullcontext()
-    from surefit.training.lora_fast import SavedActivationsIn
-
-    return SavedActivationsIn({"bf16": torch.bfloat16}[dtype])
-
-
 def accumulate_step(
     model: Any,
     features: Sequence[dict[str, Any]],
@@ -653,7 +579,7 @@ def accumulate_step(
                 # Gradients are only all-reduced on the last micro-batch of a step.
                 last = j == len(parts) - 1
                 sync = nullcontext() if last else accelerator.no_sync(model)
-                with sync, accelerator.autocast(), _saved_in(saved_activations):
+                with sync, accelerator.autocast(), saved_activations_in(saved_activations):
                     loss_sum, _ = loss_fn(model, batch)
                 in_sync_backward = last
                 accelerator.backward(loss_sum * scale)

@@ -11,15 +11,20 @@ from __future__ import annotations
 import inspect
 import weakref
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
 
-if TYPE_CHECKING:
-    from surefit.training.prefixes import PrefixSharing
+
+class BatchPacker(Protocol):
+    """Lays a batch out differently for the same loss (e.g. :class:`~surefit.training.speedups.prefixes.PrefixSharing`):
+    ``pack`` returns the forward's keyword arguments, the positions to keep and their targets, or ``None``."""
+
+    def pack(self, model: Any, batch: dict[str, torch.Tensor]) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor] | None:
+        ...
 
 
 def count_supervised_tokens(labels: torch.Tensor) -> int:
@@ -33,7 +38,8 @@ def inner_model(model: Any) -> Any:
     return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
-def _base_forward_params(model: Any) -> frozenset[str]:
+def base_forward_params(model: Any) -> frozenset[str]:
+    """The argument names of the forward of the transformers model inside any DDP / peft wrappers."""
     return _params_of(type(inner_model(model)))
 
 
@@ -45,7 +51,7 @@ def _params_of(cls: type) -> frozenset[str]:
 _causal: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _attends_causally(model: Any) -> bool:
+def attends_causally(model: Any) -> bool:
     """True when the model has attention layers and every one of them is causal (transformers marks each attention
     module with ``is_causal``; a BERT loaded as an LM without ``is_decoder``, for one, is not). Read once per model."""
     try:
@@ -73,7 +79,7 @@ def model_attention_mask(model: Any, mask: torch.Tensor | None) -> torch.Tensor 
     """
     if mask is None or mask.dim() != 2 or mask.shape[1] < 2:
         return mask
-    if not bool((mask[:, 1:] <= mask[:, :-1]).all()) or not _attends_causally(model):
+    if not bool((mask[:, 1:] <= mask[:, :-1]).all()) or not attends_causally(model):
         return mask  # left padding, holes, or an attention that is not causal: the mask is needed
     return None
 
@@ -109,7 +115,7 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values: int = CHUNK_VALUES,
-                       share: PrefixSharing | None = None) -> tuple[torch.Tensor, int]:
+                       share: BatchPacker | None = None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over supervised positions, and how many there are.
 
     The LM head runs only at positions whose next token is supervised (``logits_to_keep`` with a boolean mask), so a
@@ -146,7 +152,7 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
     else:
         kwargs, keep, targets = packed
     n = int(targets.numel())
-    if "logits_to_keep" not in _base_forward_params(model):
+    if "logits_to_keep" not in base_forward_params(model):
         logits = model(**kwargs).logits[keep]
         return F.cross_entropy(logits.float(), targets, reduction="sum"), n
     owner = _lm_head_owner(model) if n else None
@@ -172,3 +178,28 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
 def _chunk_loss_from_logits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # fp32 for the softmax: bf16 log-probabilities over a large vocabulary lose about 2 digits.
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets, reduction="sum")
+
+
+# --------------------------------------------------------------------------------------------- classification losses
+
+ClassLoss = Literal["cross_entropy", "bce", "mse"]
+# The loss each kind of classification trains with (--problem_type of the classify task).
+PROBLEM_LOSS: dict[str, ClassLoss] = {"single": "cross_entropy", "multi": "bce", "regression": "mse"}
+
+
+def classification_loss_sum(logits: torch.Tensor, labels: torch.Tensor, kind: ClassLoss) -> torch.Tensor:
+    """Sum over examples of each example's mean loss; the loop divides by the example count of the whole step.
+
+    ``cross_entropy``: class ids ``[B]`` (or ``[B, ...]`` for per-position classes) against logits ``[B, ..., C]``;
+    ``bce``: multi-hot or probability targets of the logits' shape; ``mse``: values of the logits' shape (a trailing
+    dimension of 1 is squeezed). The loss is computed in fp32 under mixed precision.
+    """
+    logits = logits.float()
+    if kind == "cross_entropy":
+        per = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1).long(), reduction="none")
+        return per.reshape(labels.shape[0], -1).mean(1).sum()
+    if logits.shape != labels.shape and logits.shape[-1] == 1:
+        logits = logits.squeeze(-1)
+    fn = F.mse_loss if kind == "mse" else F.binary_cross_entropy_with_logits
+    per = fn(logits, labels.float().reshape(logits.shape), reduction="none")
+    return per.reshape(labels.shape[0], -1).mean(1).sum()

@@ -33,6 +33,7 @@ import torch
 from surefit.errors import Problem, SurefitError
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
+from surefit.training.precision import holds_bf16, precision_name, store_frozen_in
 
 GB = 2**30  # budgets are quoted the way GPU memory is: "4 GB" means 4 GiB
 # Of a budget, the planner fills at most this share: the allocator's fragmentation and the CUDA context (a few
@@ -62,7 +63,7 @@ class Plan:
     measured: dict[str, Any] = field(default_factory=dict)
     changes: list[str] = field(default_factory=list)
     # "bf16" when fp32 activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights,
-    # bf16 or fp16 runs: see training/lora_fast.SavedActivationsIn); None: as autograd saves them.
+    # bf16 or fp16 runs: see training/speedups/lora_fast.SavedActivationsIn); None: as autograd saves them.
     saved_activations: str | None = None
 
     @property
@@ -210,9 +211,9 @@ def analytic_act_per_token(model: Any, mixed: bool) -> float | None:
 def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any = None) -> int:
     """Bytes of the distinct tensors autograd saves for the backward pass of one forward (exact, any device).
 
-    ``packer``: a :class:`~surefit.training.lora_fast.SavedActivationsIn` the run will train under; what it stores
+    ``packer``: a :class:`~surefit.training.speedups.lora_fast.SavedActivationsIn` the run will train under; what it stores
     is counted."""
-    from surefit.training.lora_fast import SavedActivationsIn, _Packed, keep_saved
+    from surefit.training.speedups.lora_fast import SavedActivationsIn, _Packed, keep_saved
 
     seen: dict[tuple[int, int], int] = {}
 
@@ -347,7 +348,7 @@ def make_plan(
     if work.forward is not None and order:
         packer = None
         if pack_saved:
-            from surefit.training.lora_fast import SavedActivationsIn
+            from surefit.training.speedups.lora_fast import SavedActivationsIn
 
             packer = SavedActivationsIn(torch.bfloat16)
         measured_act = (measure_saved_bytes(model, lambda: work.forward([order[0]]), packer),
@@ -451,16 +452,6 @@ def make_plan(
                 saved_activations="bf16" if pack_saved else None)
 
 
-def holds_bf16(device: torch.device) -> bool:
-    """Whether ``device`` can store bf16 tensors (casts only: GPUs without bf16 arithmetic, Turing's T4 and GTX 16xx,
-    V100, convert in software, which is all that storing saved activations needs)."""
-    try:
-        torch.ones(1, device=device).to(torch.bfloat16).float()
-    except (RuntimeError, TypeError):  # pragma: no cover - a backend without bf16 storage
-        return False
-    return True
-
-
 def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixed: bool) -> int:
     """The largest evaluation batch (<= requested) whose forward and generation cache fit next to the weights."""
     fixed = fp.at(1, 1, 0, False)
@@ -481,7 +472,7 @@ def _gpu_probe(work: Workload, order: list[int], pack_saved: bool = False) -> Ca
         return None
     from contextlib import nullcontext
 
-    from surefit.training.lora_fast import SavedActivationsIn
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
 
     def probe(micro: int, ckpt: bool) -> int:
         torch.cuda.synchronize()
@@ -514,64 +505,6 @@ def set_checkpointing(model: Any, on: bool, lora: bool) -> None:
         inner.gradient_checkpointing_disable()
 
 
-def store_frozen_in(model: Any, dtype: torch.dtype) -> int:
-    """Store frozen ``nn.Linear`` and ``nn.Embedding`` weights in ``dtype`` (autocast would cast the Linear ones to it
-    at every matmul anyway). Returns bytes saved.
-
-    Norms and everything trainable stay as they are. An embedding's lookups come out in its old dtype (fp32): the
-    values are rounded to ``dtype`` once, the residual stream stays fp32. Why embeddings too: a tied output layer
-    (SmolLM2, Qwen3-0.6B) otherwise has autocast cast the whole fp32 table to 16 bits at every forward and keep that
-    copy for the backward pass (57 MB for SmolLM2-135M), on top of the fp32 table itself (113 MB). A weight shared
-    with any other kind of module, or trainable, is left alone.
-    """
-    users: dict[int, list[Any]] = {}
-    for m in model.modules():
-        for p in m.parameters(recurse=False):
-            users.setdefault(id(p), []).append(m)
-    kinds = (torch.nn.Linear, torch.nn.Embedding)
-    saved, converted = 0, set()
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if not isinstance(m, kinds) or not isinstance(w, torch.nn.Parameter) or w.requires_grad \
-                or not all(isinstance(u, kinds) for u in users.get(id(w), [])):
-            continue
-        if w.dtype == torch.float32:  # (a tied weight is met twice: converted at the first meeting)
-            before = w.numel() * w.element_size()
-            w.data = w.data.to(dtype)
-            saved += before - w.numel() * w.element_size()
-            converted.add(id(w))
-        if isinstance(m, torch.nn.Linear) and m.bias is not None and not m.bias.requires_grad \
-                and m.bias.dtype == torch.float32:
-            m.bias.data = m.bias.data.to(dtype)
-        if isinstance(m, torch.nn.Embedding) and id(w) in converted:
-            m._surefit_lookup_in = torch.float32
-            m.register_forward_hook(_lookup_in_fp32)
-    if saved:
-        _own_copies(model, dtype)
-    return saved
-
-
-def _lookup_in_fp32(module: Any, args: Any, output: torch.Tensor) -> torch.Tensor:
-    return output.to(module._surefit_lookup_in) if output.is_floating_point() else output
-
-
-def _own_copies(model: Any, dtype: torch.dtype) -> None:
-    """Copy the frozen CPU tensors left in their dtype (embeddings, norms, buffers) out of the checkpoint file.
-
-    Weights are loaded from safetensors by memory-mapping the file, and the whole mapping lives while any tensor
-    still points into it: once the Linear weights have 16-bit copies, the fp32 embedding alone kept the file's pages
-    resident, counted in the process's memory on top of the copies. Measured on SmolLM2-135M: 525 MB of file pages
-    for 110 MB of fp32 tensors that are really needed (``benchmarks/results/cpu_sft.md``).
-    """
-    done: set[int] = set()
-    for m in model.modules():
-        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
-            if id(t) in done or t.device.type != "cpu" or t.requires_grad or t.dtype == dtype:
-                continue
-            done.add(id(t))
-            t.data = t.data.clone()
-
-
 def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn`` (a probe) and put every RNG back, so a planned run draws the same dropout masks as an unplanned one."""
     import random
@@ -588,15 +521,6 @@ def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
         torch.set_rng_state(state[2])
         if state[3] is not None:
             torch.cuda.set_rng_state_all(state[3])
-
-
-# ------------------------------------------------------------------------------------------------ for the tasks
-
-
-def precision_name(accelerator: Any) -> str:
-    """accelerate calls fp32 "no"; users set and read "fp32"."""
-    name = str(accelerator.mixed_precision)
-    return "fp32" if name == "no" else name
 
 
 def plan_run(

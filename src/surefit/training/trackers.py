@@ -15,6 +15,10 @@ TensorBoard event files go to ``OUTPUT/tensorboard/surefit/`` (``tensorboard --l
 from __future__ import annotations
 
 import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +111,65 @@ class Trackers:
         for tracker in getattr(self.accelerator, "trackers", []):
             tracker.finish()
         self.started = False
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON object per line, flushed as written so a crashed run keeps what it logged.
+
+    Args:
+        trackers: also send each record's numbers to these experiment trackers (``--report_to``).
+        after_epoch: called after each epoch record is written (e.g. to redraw ``curves.png``); a failure there is
+            reported, never fatal to training.
+    """
+
+    def __init__(self, path: str | Path, trackers: Trackers | None = None,
+                 after_epoch: Callable[[], None] | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = self.path.open("a", encoding="utf-8")
+        self._t0 = time.time()
+        self.trackers = trackers
+        self.after_epoch = after_epoch
+
+    def bytes_written(self) -> int:
+        self._fh.flush()
+        return self._fh.tell()
+
+    def truncate(self, size: int) -> None:
+        """Cut the log back to ``size`` bytes (the length it had when a checkpoint was written)."""
+        self._fh.flush()
+        self._fh.truncate(size)
+        self._fh.seek(size)
+        if self.trackers is not None:
+            # The trackers already hold the interrupted process's later points: TensorBoard drops them from here on.
+            self.trackers.start(purge_step=_last_step(self.path, size) + 1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {**record, "time": round(time.time() - self._t0, 3)}
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+        if self.trackers is not None:
+            self.trackers.log(record)
+        if self.after_epoch is not None and record.get("type") == "epoch":
+            try:
+                self.after_epoch()
+            except Exception as e:  # noqa: BLE001 - a plot must not stop training; say so and go on
+                print(f"warning: could not refresh the run's curves: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def close(self) -> None:
+        self._fh.close()
+        if self.trackers is not None:
+            self.trackers.finish()
+
+
+def _last_step(path: Path, size: int) -> int:
+    """The highest global step among the first ``size`` bytes of a metrics.jsonl (0 when none)."""
+    with path.open("rb") as fh:
+        head = fh.read(size)
+    steps = [0]
+    for line in head.decode("utf-8", errors="replace").splitlines():
+        try:
+            steps.append(int(json.loads(line).get("step") or 0))
+        except (ValueError, AttributeError, TypeError):
+            continue
+    return max(steps)

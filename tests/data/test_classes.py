@@ -1,4 +1,4 @@
-"""Tests for surefit.data.labels: field detection, label typing, problem types, label2id and every label problem."""
+"""Tests for surefit.data.classes: field detection, label typing, problem types, label2id and every label problem."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from surefit.data.labels import LABEL_CANDIDATES, TEXT_CANDIDATES, Fields, LabelSpec, build_label_spec, detect_fields
+from surefit.data.classes import LABEL_CANDIDATES, TEXT_CANDIDATES, Fields, LabelSpec, build_label_spec, detect_fields
+from surefit.data.readers import read_rows
 from surefit.data.rows import Row
-from surefit.data.sources import read_rows
 from surefit.errors import DataError, Problem
 
 _NO_FIELD = object()  # marks a row that lacks the label field entirely

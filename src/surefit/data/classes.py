@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from surefit.data.readers import MAX_WHERES, _count, _have, _is_nan, _short, _wheres, field_not_found
 from surefit.data.rows import Row
-from surefit.data.sources import MAX_WHERES, _count, _field_not_found, _have, _is_nan, _short, _wheres
 from surefit.errors import Problem
 
 # (text, pair) in priority order. GLUE/SuperGLUE and the common Hugging Face classification sets use these names.
@@ -84,7 +84,7 @@ def detect_fields(
     text column, so a pair dataset never silently loses its second text.
 
     Args:
-        rows: rows from :func:`surefit.data.sources.read_rows`.
+        rows: rows from :func:`surefit.data.readers.read_rows`.
         source: the data source as shown in messages (usually its path).
         problems: every problem found is appended here.
         text_field: ``--text_field``, or ``None`` to detect it.
@@ -102,7 +102,7 @@ def detect_fields(
     given = [(text_field, "--text_field"), (text_pair_field, "--text_pair_field"), (label_field, "--label_field")]
     for name, flag in given:
         if name is not None and name not in present:
-            problems.append(_field_not_found(name, flag, present, source))
+            problems.append(field_not_found(name, flag, present, source))
     flags_of: dict[str, list[str]] = {}
     for name, flag in given:
         if name is not None:
@@ -576,7 +576,7 @@ def _scan(source: str, rows: list[Row], field_name: str, problems: list[Problem]
         return _Scan(source, field_name, [], None)
     if all(field_name not in row.fields for row in rows):
         present = sorted({name for row in rows for name in row.fields})
-        problems.append(_field_not_found(field_name, "--label_field", present, source))
+        problems.append(field_not_found(field_name, "--label_field", present, source))
         return _Scan(source, field_name, [], None)
 
     no_field: list[Row] = []

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from surefit.data.collate import IGNORE_INDEX
-from surefit.training.loss import _attends_causally, _base_forward_params, inner_model
+from surefit.training.loss import attends_causally, base_forward_params, inner_model
 
 # Model types whose attention takes a custom 4D mask and whose positions come from position_ids alone, each tested
 # (tests/training/test_prefixes.py): shared-prefix loss and gradients equal the unshared batch's.
@@ -66,7 +66,7 @@ def why_not_shared(model: Any) -> str | None:
     cfg = getattr(inner, "config", None)
     text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
     kind = getattr(cfg, "model_type", None)
-    params = _base_forward_params(model)
+    params = base_forward_params(model)
     if kind not in SHAREABLE_MODEL_TYPES:
         reason = (f"model type {kind!r} is not one of those verified for it "
                   f"({', '.join(sorted(SHAREABLE_MODEL_TYPES))})")
@@ -74,7 +74,7 @@ def why_not_shared(model: Any) -> str | None:
         reason = f"attention implementation {getattr(cfg, '_attn_implementation', None)!r} takes no custom mask"
     elif not {"position_ids", "logits_to_keep"} <= params:
         reason = "its forward takes no position_ids or logits_to_keep"
-    elif not _attends_causally(model):
+    elif not attends_causally(model):
         reason = "not every attention layer is causal"
     else:
         reason = _window(text)[0]

@@ -49,7 +49,7 @@ MAX_RAW_CHARS = 2000
 _JSONL_EXTS = {".jsonl", ".ndjson"}
 _DATA_EXTS = _JSONL_EXTS | {".json", ".csv", ".tsv", ".parquet"}
 _KIND = {".jsonl": "JSONL", ".ndjson": "JSONL", ".json": "JSON", ".csv": "CSV", ".tsv": "TSV"}
-_SKIP_HINT = "or pass --on_bad_rows skip to drop such rows (they are written to rejected_rows.jsonl)"
+SKIP_HINT = "or pass --on_bad_rows skip to drop such rows (they are written to rejected_rows.jsonl)"
 # Binary sniffing looks at the start of the file only, as git and file(1) do: a text file does not turn binary later.
 _SNIFF_BYTES = 8192
 _MAX_CONTROL_SHARE = 0.3
@@ -102,7 +102,7 @@ def _raw_json(value: Any) -> str | None:
 
 
 def _with_hint(fix: str) -> str:
-    return f"{fix}; {_SKIP_HINT}" if fix else _SKIP_HINT
+    return f"{fix}; {SKIP_HINT}" if fix else SKIP_HINT
 
 
 class _Capped:
@@ -1167,7 +1167,7 @@ def check_text_fields(
         if rows and len(missing) == len(rows):
             if present is None:
                 present = sorted({name for row in rows for name in row.fields})
-            problems.append(_field_not_found(field, flag, present, source))
+            problems.append(field_not_found(field, flag, present, source))
             explained = True
             continue
         if numeric:
@@ -1234,7 +1234,7 @@ def check_text_fields(
     return kept, notes
 
 
-def _field_not_found(field: str, flag: str, present: list[str], source: str) -> Problem:
+def field_not_found(field: str, flag: str, present: list[str], source: str) -> Problem:
     listed = ", ".join(repr(_short(name)) for name in present) if present else "(none)"
     lowered = {name.lower(): name for name in present}
     guess = lowered.get(field.lower())
@@ -1293,3 +1293,20 @@ def read_splits(data: str, val_data: str | None, limit: int | None, problems: li
             rows = rows[:limit]
         loaded[name] = rows
     return loaded
+
+
+def read_checked(path: str, text_fields: list[tuple[str, str]]) -> list[Row]:
+    """Every row of ``path`` with each of ``text_fields`` (``(field, flag)``) checked, for a command that must give
+    every row a result (``surefit eval --data``, ``predict --file``): no row is skipped, so the readers' hint about
+    ``--on_bad_rows skip`` (a training flag) is left out. Raises every problem at once, each with file and line."""
+    import dataclasses
+
+    from surefit.errors import raise_input_problems
+
+    problems: list[Problem] = []
+    rows = read_rows(path, problems)
+    if rows:
+        rows, _ = check_text_fields(rows, text_fields, problems, str(path))
+    raise_input_problems([dataclasses.replace(p, fix=p.fix.replace(f"; {SKIP_HINT}", "").replace(SKIP_HINT, ""))
+                          for p in problems])
+    return rows

@@ -1,4 +1,4 @@
-"""Tests for surefit.data.sources: every format, every user error, and the text-field checks."""
+"""Tests for surefit.data.readers: every format, every user error, and the text-field checks."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from surefit.data.readers import SUPPORTED_FORMATS, check_text_fields, flatten_squad, read_rows
 from surefit.data.rows import Row
-from surefit.data.sources import SUPPORTED_FORMATS, check_text_fields, flatten_squad, read_rows
 from surefit.errors import Problem
 
 REPO = Path(__file__).resolve().parents[2]

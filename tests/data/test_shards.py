@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from surefit.data.tensors import GB, TensorData, load_tensor_data
+from surefit.data.shards import GB, TensorData, load_tensor_data
 from surefit.errors import DataError
 
 ORDER = [5, 0, 7, 8, 9]

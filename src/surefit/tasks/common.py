@@ -1,0 +1,209 @@
+"""What the three tasks share: the prepared run, and the run itself (doctor, memory plan, loop, final save).
+
+Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
+
+- ``prepare(cfg) -> Prepared``: data, model, collator, loss and evaluation, everything the loop needs, built
+  without writing to the run folder (the doctor calls it too, so it checks exactly what training would use);
+- ``run(cfg)``: :func:`train` on what ``prepare`` built;
+- ``save(...)`` / ``load(run)``: the task's format of ``final/``, written and read in the same file;
+- ``evaluate(run, data)`` / ``predict(run, ...)``: use a finished run, scored as training scored each epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from surefit.data.rows import Row
+from surefit.doctor.core import Report
+from surefit.doctor.gate import gate, run_doctor
+from surefit.errors import ConfigError, Problem, raise_if
+from surefit.models import quiet_libraries
+from surefit.run_folder import (
+    check_output_dir,
+    open_metrics_log,
+    predictions_path,
+    resume_command,
+    resume_point,
+    save_final,
+    start_output_dir,
+    write_json,
+    write_jsonl,
+    write_rejected,
+    write_run_report,
+)
+from surefit.training.distributed import on_main
+from surefit.training.loop import Checkpointing, LoopSettings, LossFn, fit
+from surefit.training.plan import plan_run
+
+Say = Callable[[str], None]
+
+
+@dataclass
+class Evaluation:
+    """One evaluation: the metrics (``eval_loss`` and the task's own) and, per validation row, its prediction record
+    (``None`` when the task has none, e.g. custom models)."""
+
+    metrics: dict[str, Any]
+    records: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class Prepared:
+    """Everything a training run needs, built by a task's ``prepare`` without writing to the run folder.
+
+    Attributes:
+        cfg: the task's config.
+        model: the model as it will train (adapters applied); accelerator: the run's accelerator.
+        features, lengths, counts: the training examples as the collator takes them, their token lengths, and the
+            items each carries in the loss (supervised tokens, or 1 per example).
+        collate: pads a list of features into a batch (nothing else; see ``data/collate.py``).
+        loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
+        evaluate: ``(model, epoch, batch_size) -> Evaluation``; prints the epoch's line.
+        save: ``(model, folder)``: writes the model in the task's ``final/`` format.
+        check: the doctor on exactly these objects (``() -> Report``).
+        data_report: counts of what happened to the data (``data_report.json``).
+        files: other JSON files of the run folder by name (``columns.json``); jsonl: JSON-lines files by name
+            (``excluded_rows.jsonl``), written when not empty.
+        plan: keyword arguments for the memory planner beyond the training examples (``eval_lengths``,
+            ``generate_lengths``, ``lora``, and ``collate`` or ``loss_fn`` where the probe uses other ones).
+        saved: what ``final/`` holds, in words, for the last line of the run.
+        on_epoch, counters, epoch_batches: passed on to :func:`~surefit.training.loop.fit`.
+        rejected: rows dropped under ``--on_bad_rows skip`` (already written to ``rejected_rows.jsonl``).
+    """
+
+    cfg: Any
+    model: Any
+    accelerator: Any
+    features: Sequence[Any]
+    lengths: list[int]
+    counts: list[int]
+    collate: Callable[[list[Any]], dict[str, Any]]
+    loss_fn: LossFn
+    evaluate: Callable[[Any, int, int], Evaluation]
+    save: Callable[[Any, Path], None]
+    check: Callable[[], Report]
+    data_report: dict[str, Any]
+    saved: str
+    files: dict[str, Any] = field(default_factory=dict)
+    jsonl: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    plan: dict[str, Any] = field(default_factory=dict)
+    on_epoch: Callable[[dict[str, Any]], None] | None = None
+    counters: Any = None
+    epoch_batches: Callable[[int], list[list[int]]] | None = None
+    rejected: int = 0
+
+
+PrepareFn = Callable[..., Prepared]
+
+
+def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
+    """Prepare the run, start its folder, run the doctor, plan the memory, train, and save ``final/``.
+
+    Returns:
+        ``{"output_dir", "final_dir", "history", "data_report"}``.
+    """
+    from accelerate.utils import set_seed
+
+    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
+    quiet_libraries()
+    set_seed(cfg.seed)
+    # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
+    early: list[Problem] = []
+    previous = check_output_dir(cfg, early)
+    resume_from = resume_point(cfg, early, say)
+    p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
+    out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
+    write_json(out, "data_report.json", p.data_report)
+    for name, value in p.files.items():
+        write_json(out, name, value)
+    for name, records in p.jsonl.items():
+        if records:
+            write_jsonl(out / name, records)
+
+    gate(run_doctor(p.check), cfg, say, out)
+    acc = p.accelerator
+    plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
+    plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
+                    collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
+                    out=out, **plan_args)
+    log = open_metrics_log(cfg, out, acc)
+
+    def evaluate(model: Any, epoch: int) -> dict[str, Any]:
+        result = p.evaluate(model, epoch, plan.eval_batch_size)
+        if result.records is not None:
+            write_jsonl(predictions_path(out, epoch), result.records)
+        return result.metrics
+
+    def export(model: Any, folder: Path) -> None:
+        p.save(acc.unwrap_model(model), folder)
+
+    checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
+                                  export=export, resume_from=resume_from, resume_command=resume_command(cfg))
+    try:
+        history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
+                      settings=LoopSettings.from_config(cfg, plan), accelerator=acc, evaluate=evaluate,
+                      checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
+                      epoch_batches=p.epoch_batches)
+    finally:
+        log.close()
+    final = save_final(out, lambda d: export(p.model, d))
+    say(f"saved {p.saved} to {final}")
+    write_run_report(out, acc, say)
+    return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
+
+
+def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
+    """The doctor's report on the setup ``prepare`` builds, exactly as training would use it; nothing is written."""
+    quiet_libraries()
+    p = prepare(cfg, say)
+    report = p.check()
+    say(str(report))
+    return report
+
+
+# ------------------------------------------------------------------------------------------------------------ using a run
+
+
+@dataclass
+class Loaded:
+    """A finished run's model, ready for inference, with what its task needs to encode inputs."""
+
+    model: Any
+    tokenizer: Any
+    accelerator: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def rows_from_texts(inputs: str | list[str] | None, text_fields: list[tuple[str, str]]) -> list[Row]:
+    """Rows for ``surefit predict --input TEXT ...``; every empty input is reported at once."""
+    texts = [inputs] if isinstance(inputs, str) else list(inputs or [])
+    problems = []
+    if len(text_fields) > 1:
+        problems.append(Problem(f"the run classifies text pairs ('{text_fields[0][0]}' + '{text_fields[1][0]}'); "
+                                "--input gives one text", "--input", "give rows holding both fields with --file"))
+    rows = []
+    for i, text in enumerate(texts):
+        where = "--input" if len(texts) == 1 else f"--input #{i + 1}"
+        if not isinstance(text, str) or not text.strip():
+            problems.append(Problem(f"empty input ({text!r})", where, "give the text to predict on"))
+        rows.append(Row({text_fields[0][0]: text}, where, i))
+    if not texts:
+        problems.append(Problem("no input given", "--input", "give the text to predict on"))
+    raise_if(problems, ConfigError)
+    return rows
+
+
+def render_columns(table: list[dict[str, str]]) -> str:
+    """The kept / dropped / why table of a run's columns (``columns.json``), as printed before training."""
+    width = max(len(r["column"]) for r in table)
+    lines = [f"  {'column'.ljust(width)}  kept?    why"]
+    lines += [f"  {r['column'].ljust(width)}  {r['status'].ljust(7)}  {r['why']}" for r in table]
+    return "\n".join(lines)
+
+
+def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
