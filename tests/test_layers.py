@@ -1,0 +1,100 @@
+"""The import graph: layers import downward only, and no module imports itself back through others.
+
+Every ``import`` and ``from ... import`` of a surefit module is read with ``ast``, wherever it stands (module level,
+inside a function, under ``if TYPE_CHECKING``): a lazy import is still a dependency a reader has to follow.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+# Highest first. A module may import its own layer or any layer below it (docs/architecture.md draws this).
+LAYERS: list[tuple[str, ...]] = [
+    ("surefit", "surefit.__main__", "surefit.cli", "surefit.api", "surefit.launch"),
+    ("surefit.tasks",),
+    ("surefit.doctor",),
+    ("surefit.training", "surefit.run_folder", "surefit.report"),
+    ("surefit.data", "surefit.eval", "surefit.models"),
+    ("surefit.config", "surefit.errors", "surefit.units"),
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("surefit"):
+            found.add(node.module)
+            # ``from surefit.training import loss`` imports the module surefit.training.loss
+            for alias in node.names:
+                if (SRC / Path(*node.module.split(".")) / f"{alias.name}.py").is_file():
+                    found.add(f"{node.module}.{alias.name}")
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{path}: relative import; use the absolute surefit.* name")
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name == "surefit" or a.name.startswith("surefit.")}
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    return {_module_name(p): _imports(p) for p in sorted((SRC / "surefit").rglob("*.py"))}
+
+
+def _layer(module: str) -> int:
+    best, layer = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, layer = len(prefix), i
+    assert layer is not None, f"{module} is in no layer: add it to LAYERS in tests/test_layers.py"
+    return layer
+
+
+def test_every_module_is_in_a_layer_and_imports_only_its_own_layer_or_lower():
+    graph = _graph()
+    upward = [f"{m} (layer {_layer(m)}) imports {d} (layer {_layer(d)})"
+              for m, deps in graph.items() for d in sorted(deps) if d in graph and _layer(d) < _layer(m)]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = _graph()
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for d in sorted(graph[m]):
+            if d not in graph or d == m:
+                continue
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d])
+            elif d not in state:
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    # A package's __init__ that re-exports a submodule, imported by that submodule, is still a circle a reader meets.
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_checks_see_the_imports_they_claim(tmp_path):
+    """The reader itself: a lazy import inside a function and a ``from package import module`` both count."""
+    f = tmp_path / "m.py"
+    f.write_text("def g():\n    from surefit.training import loss\n    import surefit.tasks.sft\n", encoding="utf-8")
+    assert {"surefit.training", "surefit.training.loss", "surefit.tasks.sft"} <= _imports(f)
+    assert _layer("surefit.tasks.sft") < _layer("surefit.training.loss") < _layer("surefit.errors")
