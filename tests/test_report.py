@@ -70,8 +70,7 @@ def test_resumed_run_replaces_the_points_logged_after_its_checkpoint(tmp_path):
     """A run killed after its checkpoint had logged more points; resuming logs them again, and TensorBoard must
     show each step once, with the resumed values (purge_step)."""
     from surefit.training.precision import make_accelerator
-    from surefit.training.trackers import MetricsLog
-    from surefit.training.trackers import Trackers
+    from surefit.training.trackers import MetricsLog, Trackers
 
     def log_for():
         acc = make_accelerator("fp32", report_to=["tensorboard"], project_dir=tmp_path)
