@@ -143,3 +143,40 @@ def test_nan_in_data_and_bad_factory_are_reported(tmp_path, capsys):
                  "--output_dir", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert "cannot import 'no_such_module_xyz'" in err and "--model" in err
+
+
+def test_npz_shards_under_a_bound_are_read_once_per_epoch(tmp_path, monkeypatch):
+    """.npz shards load whole into a bounded cache: the epoch's order must visit them shard by shard, not at random."""
+    from surefit.config import CustomConfig
+    from surefit.data import sampling
+    from surefit.tasks import custom
+
+    rng = np.random.default_rng(0)
+    for folder, shards in (("train", 8), ("val", 1)):
+        (tmp_path / folder).mkdir()
+        for s in range(shards):
+            x = rng.random((40, 20, 17), dtype=np.float32)  # 54 KB a shard
+            np.savez(tmp_path / folder / f"part-{s:02d}.npz", inputs_embeds=x, labels=rng.integers(0, 4, 40))
+    opened = []
+    monkeypatch.setattr(custom, "load_tensor_data", lambda *a, **k: opened.append(custom.TensorData(*a, **k))
+                        or opened[-1])
+    cfg = CustomConfig(model=MODEL, model_args='{"vocab": 17, "hidden": 8}', data=str(tmp_path / "train"),
+                       val_data=str(tmp_path / "val"), batch_size=16, max_memory_gb=0.00016,  # ~3 shards fit
+                       output_dir=str(tmp_path / "o"))
+    p = custom.prepare(cfg, say=lambda _: None)
+    data = opened[0]
+    assert p.epoch_batches is not None
+
+    def loads_for(batches):
+        seen, before = [], data.shard_loads
+        for step in batches:
+            p.collate([p.features[i] for i in step])
+            seen += step
+        assert sorted(seen) == list(range(len(p.features)))  # every example once
+        return data.shard_loads - before
+
+    for epoch in (1, 2):
+        assert loads_for(p.epoch_batches(epoch)) <= 8 + 1  # each shard once (+1: the one cached from the check)
+    assert p.epoch_batches(1) != p.epoch_batches(2)  # still shuffled per epoch
+    random_loads = loads_for(sampling.step_batches(p.lengths, 16, 0, 1))
+    assert random_loads > 3 * 8, random_loads  # what the plain shuffled order costs on the same data

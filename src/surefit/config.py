@@ -276,7 +276,7 @@ class CustomConfig(TrainConfig):
     )
     labels_key: str = opt("labels", "The batch key holding the targets (for --loss and the label checks).")
     max_memory_gb: float | None = opt(
-        None, "RAM the data may take: shards are streamed so that only the batch (and small shard caches) are held."
+        None, "RAM the data may take, in GiB: shards are streamed so that only the batch (and small shard caches) are held."
     )
     lora_r: int = opt(0, "LoRA is not available for custom models: full training (0).")
     batch_size: int = opt(32, "Examples per optimizer step (the effective batch).")

@@ -21,6 +21,8 @@ from typing import Any
 
 import yaml
 
+from surefit.units import human_bytes
+
 CURVES = "curves.png"
 REPORT = "report.html"
 # Task metrics drawn per epoch, in this order, when the records hold them: sft (eval_f1, eval_em), classification
@@ -197,15 +199,8 @@ def _value_html(value: Any, key: str = "", depth: int = 0) -> str:
         return _e(_clip(json.dumps(value)))
     text = _fmt(value)
     if isinstance(value, int) and not isinstance(value, bool) and (key.endswith("bytes") or key == "estimate"):
-        text += f" ({_human_bytes(value)})"
+        text += f" ({human_bytes(value)})"
     return _e(_clip(text))
-
-
-def _human_bytes(n: int) -> str:
-    for unit, size in (("GB", 2**30), ("MB", 2**20), ("KB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def _kv_table(mapping: dict[str, Any], depth: int = 0, parent: str = "") -> str:

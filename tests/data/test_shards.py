@@ -292,7 +292,7 @@ def test_whole_shards_above_the_bound_and_unsafe_pt(tmp_path):
     with pytest.raises(DataError) as excinfo:
         TensorData(tmp_path, max_memory_gb=0.001)
     (problem,) = _problems(excinfo)
-    assert "shard big.npz needs 1.2 MB, above --max_memory_gb 0.001" in problem
+    assert "shard big.npz needs 1.1 MB, above --max_memory_gb 0.001" in problem  # 1.2e6 bytes in GiB units
     assert "re-save it as .npy or .safetensors shards to stream it" in problem
     assert len(TensorData(tmp_path, max_memory_gb=0.01)) == 300
 
@@ -315,7 +315,7 @@ def test_batch_above_the_bound_is_refused(tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((100, 2500), np.float32))  # 10 kB a row
     td = TensorData(tmp_path, max_memory_gb=0.0001)  # 100 kB
     assert td.batch(range(10))["x"].shape == (10, 2500)
-    with pytest.raises(DataError, match=r"a batch of 11 examples needs 110.0 kB, above --max_memory_gb 0.0001"):
+    with pytest.raises(DataError, match=r"a batch of 11 examples needs 107.4 KB, above --max_memory_gb 0.0001"):
         td.batch(range(11))
 
 
@@ -429,10 +429,10 @@ _PRELUDE = "import sys\nfrom pathlib import Path\nimport numpy as np\nout = Path
 
 
 def test_npy_streaming_stays_within_max_memory_gb(tmp_path):
-    rows, shards = 2_500, 4
+    rows, shards = 2_700, 4
     _write_in_subprocess(
         f"for s in range({shards}):\n"
-        f"    a = np.zeros(({rows}, 100, 100), np.float32)  # 100 MB a shard, 400 MB in all\n"
+        f"    a = np.zeros(({rows}, 100, 100), np.float32)  # 108 MB a shard, 432 MB in all (> 4 x 0.1 GiB)\n"
         f"    a[:, 0, 0] = np.arange(s * {rows}, (s + 1) * {rows})\n"
         f"    np.save(out / f'inputs_embeds-{{s:05d}}.npy', a)\n"
         f"np.save(out / 'ids.npy', np.arange({rows * shards}, dtype=np.int64))\n",

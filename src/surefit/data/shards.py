@@ -14,7 +14,7 @@ example count.
 RAM: ``.npy`` and ``.safetensors`` rows are read with explicit positioned reads (``os.preadv``) straight into the
 batch's tensor. Memory mappings are avoided on purpose: pages touched through a mapping stay in the process RSS, which
 would grow to the dataset size over an epoch. ``.npz`` and ``.pt`` cannot be read by row, so whole shards are loaded
-into an LRU cache kept within ``max_memory_gb`` (1 GB = 10**9 bytes). With a bound, the data's RAM is the current batch
+into an LRU cache kept within ``max_memory_gb`` (GiB, as every ``_gb`` setting: see ``units.py``). With a bound, the data's RAM is the current batch
 plus that cache.
 
 Every problem with the folder is collected and raised as one :class:`~surefit.errors.DataError`, each naming the file
@@ -44,8 +44,9 @@ import numpy as np
 import torch
 
 from surefit.errors import DataError, Problem, raise_if
+from surefit.units import GiB, human_bytes
 
-GB = 10**9
+GB = GiB  # every _gb setting counts GiB (units.py)
 # Row chunks for stats(): large enough for few reads, small enough that the temporaries (masks, float copies) of
 # one chunk stay a small multiple of it.
 STATS_CHUNK_BYTES = 64 * 2**20
@@ -132,14 +133,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def human_bytes(n: float) -> str:
-    """``1.3 GB``, ``21.7 MB``, ``8.0 kB``, ``12 B`` (decimal units, as ``--max_memory_gb``)."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
 def _shape_text(shape: Sequence[int]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
@@ -163,7 +156,7 @@ class TensorData:
 
     Args:
         folder: the shard folder (a single shard file is accepted too).
-        max_memory_gb: RAM the data may take, in GB (10**9 bytes); ``None``: no bound (loaded shards stay cached).
+        max_memory_gb: RAM the data may take, in GiB; ``None``: no bound (loaded shards stay cached).
 
     Raises:
         DataError: with every problem found in the folder (missing, empty, unknown files, unreadable or truncated
@@ -341,32 +334,36 @@ class TensorData:
         lines.append(f"{self._n:,} examples, {human_bytes(self.footprint())} in all")
         return "\n".join(lines)
 
-    def epoch_order(self, seed: int) -> list[int]:
-        """A shuffled order of all examples that reads well from this data.
+    @property
+    def loads_whole_shards(self) -> bool:
+        """Whether reads load whole shards into a bounded cache (``.npz``/``.pt`` under ``max_memory_gb``): then the
+        order of the examples decides how often each shard is read (see :meth:`epoch_order`)."""
+        return self._whole and self._budget is not None
+
+    def epoch_order(self, seed: int | Sequence[int], among: Sequence[int] | None = None) -> list[int]:
+        """A shuffled order of the examples (all, or those in ``among``) that reads well from this data.
 
         For ``.npz``/``.pt`` shards under a bound, fully random batches would touch every shard and reload each one
         per batch; this order shuffles the shards, then shuffles rows within groups of shards that fit in the cache
-        together. Otherwise it is a plain permutation.
+        together, so each shard is loaded once per pass. Otherwise it is a plain permutation.
         """
         rng = np.random.default_rng(seed)
-        if not (self._whole and self._budget is not None):
-            return rng.permutation(self._n).tolist()
+        wanted = np.arange(self._n) if among is None else np.asarray(among, dtype=np.int64)
+        if not self.loads_whole_shards:
+            return rng.permutation(wanted).tolist()
+        shard_of = np.searchsorted(self._shard_starts, wanted, side="right") - 1
         order: list[int] = []
         group: list[int] = []
         group_bytes = 0
         capacity = int(self._budget * 0.9)  # room left for the batch being built
         for s in rng.permutation(len(self._shard_files)).tolist():
             if group and group_bytes + self._shard_bytes[s] > capacity:
-                order.extend(self._shuffled_rows(group, rng))
+                order.extend(rng.permutation(wanted[np.isin(shard_of, group)]).tolist())
                 group, group_bytes = [], 0
             group.append(s)
             group_bytes += self._shard_bytes[s]
-        order.extend(self._shuffled_rows(group, rng))
+        order.extend(rng.permutation(wanted[np.isin(shard_of, group)]).tolist())
         return order
-
-    def _shuffled_rows(self, shards: list[int], rng: np.random.Generator) -> list[int]:
-        rows = np.concatenate([np.arange(self._shard_starts[s], self._shard_starts[s + 1]) for s in shards])
-        return rng.permutation(rows).tolist()
 
     # ----------------------------------------------------------------------------------------------------------------
     # reading

@@ -312,6 +312,15 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
         say(f"epoch {record['epoch']}/{cfg.epochs}  avg_train_loss={record['avg_train_loss']:.4f}  "
             f"avg_valid_loss={record['avg_valid_loss']:.4f}  time_per_epoch={record['time_per_epoch']:.1f}s")
 
+    epoch_batches = None
+    if data.loads_whole_shards:
+        # Random batches would reload a cached .npz/.pt shard batch after batch; this order reads each once an epoch.
+        position = {example: i for i, example in enumerate(train_idx)}
+
+        def epoch_batches(epoch: int) -> list[list[int]]:
+            order = [position[e] for e in data.epoch_order([cfg.seed, epoch], among=train_idx)]
+            return [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
+
     ones = [1] * len(train_idx)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, features=train_idx, lengths=ones, counts=ones,
@@ -319,7 +328,8 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
         check=lambda: check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size}, task="custom"),
         data_report={"train_rows": len(train_idx), "val_rows": len(val_idx),
                      "arrays": {k: list(v.shape) for k, v in data.arrays.items()}},
-        files={COLUMNS: table}, saved="the model (safetensors) and its factory spec", on_epoch=on_epoch)
+        files={COLUMNS: table}, saved="the model (safetensors) and its factory spec", on_epoch=on_epoch,
+        epoch_batches=epoch_batches)
 
 
 def run(cfg: CustomConfig, say=print) -> dict[str, Any]:

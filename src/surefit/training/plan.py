@@ -34,8 +34,9 @@ from surefit.errors import Problem, SurefitError
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in
+from surefit.units import GiB, human_bytes
 
-GB = 2**30  # budgets are quoted the way GPU memory is: "4 GB" means 4 GiB
+GB = GiB
 # Of a budget, the planner fills at most this share: the allocator's fragmentation and the CUDA context (a few
 # hundred MB that torch does not count) live in the rest.
 FILL = 0.9
@@ -92,14 +93,14 @@ class Plan:
             + ("; activations saved in bf16" if self.saved_activations else "")
         lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
                      f"{self.precision}{stored}; evaluation batch {self.eval_batch_size}")
-        parts = " + ".join(f"{k} {_gb(v)}" for k, v in self.estimate.items() if v)
-        lines.append(f"  estimate {_gb(self.estimated_bytes)} = {parts}")
+        parts = " + ".join(f"{k} {human_bytes(v)}" for k, v in self.estimate.items() if v)
+        lines.append(f"  estimate {human_bytes(self.estimated_bytes)} = {parts}")
         if self.measured:
             m = self.measured
             lines.append(f"  measured: {m['how']}")
         if self.budget_gb:
             peak = self.measured.get("peak_bytes", self.estimated_bytes)
-            lines.append(f"  headroom {_gb(self.budget_gb * GB - peak)} of {self.budget_gb:g} GB")
+            lines.append(f"  headroom {human_bytes(self.budget_gb * GB - peak)} of {self.budget_gb:g} GB")
         lines += [f"  changed: {c}" for c in self.changes]
         return "\n".join(lines)
 
@@ -110,13 +111,6 @@ class Plan:
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
-
-
-def _gb(n: float) -> str:
-    v = n / GB
-    if abs(v) >= 0.1 or v == 0:
-        return f"{v:.2f} GB"
-    return f"{v * 1024:.0f} MB" if abs(v) * 1024 >= 1 else f"{n / 1024:.0f} KB"
 
 
 # --------------------------------------------------------------------------------------------------- the budget
@@ -406,17 +400,17 @@ def make_plan(
             if peak is not None and peak + opt_states <= (budget_gb or math.inf) * GB * FILL:
                 chosen = (micro, ckpt)
                 measured.update(peak_bytes=peak + opt_states, how=(
-                    f"peak {_gb(peak + opt_states)} (forward + backward of the longest micro-batch, {micro} x "
-                    f"{longest} tokens, + AdamW states {_gb(opt_states)}), estimate {_gb(est)}"))
+                    f"peak {human_bytes(peak + opt_states)} (forward + backward of the longest micro-batch, {micro} x "
+                    f"{longest} tokens, + AdamW states {human_bytes(opt_states)}), estimate {human_bytes(est)}"))
                 break
             changes.append(f"micro-batch {micro}{' with checkpointing' if ckpt else ''} measured "
-                           + ("out of memory" if peak is None else f"{_gb(peak + opt_states)} (over the budget)"))
+                           + ("out of memory" if peak is None else f"{human_bytes(peak + opt_states)} (over the budget)"))
     if chosen is None:
         one = estimate(1, True)
-        shown = " + ".join(f"{k} {_gb(v)}" for k, v in one.items() if v)
+        shown = " + ".join(f"{k} {human_bytes(v)}" for k, v in one.items() if v)
         raise MemoryPlanError(Problem(
             f"one example of {longest} tokens does not fit in {budget_gb:g} GB even with gradient checkpointing: "
-            f"estimate {_gb(sum(one.values()))} = {shown}",
+            f"estimate {human_bytes(sum(one.values()))} = {shown}",
             "--gpu_memory_gb",
             "shorten --max_seq_length, train LoRA adapters (--lora_r 16) instead of the full model, compute in "
             "bf16/fp16 (--precision), or use a larger GPU"))
@@ -442,7 +436,7 @@ def make_plan(
         if eval_bs < eval_batch_size:
             changes.append(f"evaluation batch {eval_batch_size} -> {eval_bs} to fit the budget")
     if not measured.get("how") and measured_act:
-        measured["how"] = (f"{_gb(measured_act[0])} of activations saved for the backward pass of the longest "
+        measured["how"] = (f"{human_bytes(measured_act[0])} of activations saved for the backward pass of the longest "
                            f"example ({measured_act[1]} tokens; counted, not estimated), scaled to the micro-batch")
     return Plan(batch_size=batch_size, processes=processes, micro_batch_size=micro, grad_accum=accum,
                 gradient_checkpointing=ckpt, precision=precision,
