@@ -107,31 +107,9 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     Returns:
         The report text (also passed to ``say``).
     """
-    import json as _json
+    from surefit.tasks.custom import inspect_inputs
 
-    from surefit.config import CustomConfig
-    from surefit.data.shards import load_tensor_data
-    from surefit.doctor.shapes import diagnose, first_layers, trace
-    from surefit.models import load_factory
-    from surefit.tasks.custom import Caller, forward_protocol
-
-    tensors = load_tensor_data(data, max_memory_gb)
-    lines = [tensors.describe()]
-    if model:
-        args = _json.loads(model_args or "{}")
-        net = load_factory(model, flag="--model")(**args)
-        mode, passed, problems = forward_protocol(net, list(tensors.arrays))
-        lines += [f"problem: {p.what}" for p in problems]
-        caller = Caller(CustomConfig(data=data, model=model, loss="cross_entropy"), mode, passed)
-        batch = tensors.batch(list(range(min(2, len(tensors)))))
-        net.eval()
-        tr = trace(net, batch, lambda: caller.forward(net, batch))
-        lines.append(f"model {type(net).__name__}: forward({'batch' if mode == 'single' else ', '.join(passed)})")
-        lines += first_layers(tr, list(tensors.arrays), passed)
-        message = diagnose(tr, batch, args)
-        if message:
-            lines.append(message)
-    text = "\n".join(lines)
+    text = inspect_inputs(data, model, model_args, max_memory_gb)
     say(text)
     return text
 

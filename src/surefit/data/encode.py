@@ -178,7 +178,7 @@ def encode_rows(
     eos = tokenizer.eos_token_id
     inputs = [str(r.fields[input_field]) for r in rows]
     targets = [str(r.fields[target_field]) for r in rows]
-    # One batched call per column: the fast tokenizers parallelise it, per-row calls are ~10x slower.
+    # One batched call per column: the fast tokenizers parallelise it; per-row calls are much slower.
     input_ids = tokenizer(inputs, add_special_tokens=False)["input_ids"]
     target_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
     fixed = len(fmt.prefix_ids) + len(fmt.suffix_ids)

@@ -138,11 +138,7 @@ def check_before_step_1(model: nn.Module, caller: Caller, data: TensorData, cfg:
                         model_args: dict[str, Any], say=print) -> list[Problem]:
     """One forward on a real batch under hooks, then the output, label and value checks."""
     problems: list[Problem] = []
-    batch = data.batch(list(range(min(2, len(data)))))
-    model.eval()
-    tr = trace(model, batch, lambda: caller.forward(model, batch))
-    model.train()
-    message = diagnose(tr, batch, model_args)
+    tr, batch, message = first_forward(model, caller, data, model_args)
     if message:
         return [Problem(message, "--data", "fix the data or the model as the likely cause says; "
                         "`surefit inspect --data DIR --model ...` shows every input's first layer")]
@@ -190,6 +186,39 @@ def check_before_step_1(model: nn.Module, caller: Caller, data: TensorData, cfg:
                     f"'{name}' has {st['nan']} NaN and {st['inf']} inf values (first at row {st['first_bad_row']}); "
                     "one of them makes every loss NaN", "--data", "clean or drop these rows before training"))
     return problems
+
+
+def first_forward(model: nn.Module, caller: Caller, data: TensorData, model_args: dict[str, Any]) -> tuple[Any, Any, str | None]:
+    """One forward on the first two examples with hooks on every layer: ``(trace, batch, mismatch message or None)``.
+
+    Training runs it before step 1 and ``surefit inspect`` shows it, so both name the same layer and cause."""
+    batch = data.batch(list(range(min(2, len(data)))))
+    was = model.training
+    model.eval()
+    try:
+        tr = trace(model, batch, lambda: caller.forward(model, batch))
+    finally:
+        model.train(was)
+    return tr, batch, diagnose(tr, batch, model_args)
+
+
+def inspect_inputs(data: str, model: str | None = None, model_args: str | None = None,
+                   max_memory_gb: float | None = None) -> str:
+    """Every array of a tensor dataset; with a model factory, each input's first layer and any mismatch."""
+    tensors = load_tensor_data(data, max_memory_gb)
+    lines = [tensors.describe()]
+    if model:
+        args = json.loads(model_args or "{}")
+        net = load_factory(model, flag="--model")(**args)
+        mode, passed, problems = forward_protocol(net, list(tensors.arrays))
+        lines += [f"problem: {p.what}" for p in problems]
+        caller = Caller(CustomConfig(data=data, model=model, loss="cross_entropy"), mode, passed)
+        tr, _, message = first_forward(net, caller, tensors, args)
+        lines.append(f"model {type(net).__name__}: forward({'batch' if mode == 'single' else ', '.join(passed)})")
+        lines += first_layers(tr, list(tensors.arrays), passed)
+        if message:
+            lines.append(message)
+    return "\n".join(lines)
 
 
 class _AsCalled(nn.Module):

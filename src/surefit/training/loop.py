@@ -135,9 +135,8 @@ class _StopSignal:
 def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
     """AdamW, with torch's fused kernel where it runs (CPU and CUDA floating-point parameters), else foreach.
 
-    The same update; the fused kernel does each parameter's whole step in one pass. On a 2-core CPU a step over
-    33M parameters took 18 ms fused against 101 ms foreach (7.7M LoRA parameters: 12 vs 37 ms), where a
-    MiniLM classification step takes about 300 ms (benchmarks/cpu_classify.py). The Trainer's default is fused too.
+    The same update; the fused kernel does each parameter's whole step in one pass, several times faster than
+    foreach on a CPU (docs/performance.md). The Trainer's default is fused too.
     """
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16,
                                                                                   torch.bfloat16, torch.float64)

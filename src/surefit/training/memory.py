@@ -1,6 +1,6 @@
 """Memory levers shared by the tasks, and recovery from running out of memory without losing an example.
 
-(The planner that picks micro-batch, checkpointing and precision from a measured budget is a later piece of work.)
+The planner that fits micro-batch, checkpointing and precision to a budget before step 1 is ``training/plan.py``.
 """
 
 from __future__ import annotations

@@ -437,7 +437,7 @@ def make_plan(
             changes.append(f"evaluation batch {eval_batch_size} -> {eval_bs} to fit the budget")
     if not measured.get("how") and measured_act:
         measured["how"] = (f"{human_bytes(measured_act[0])} of activations saved for the backward pass of the longest "
-                           f"example ({measured_act[1]} tokens; counted, not estimated), scaled to the micro-batch")
+                           f"example ({measured_act[1]} token{'s' if measured_act[1] != 1 else ''}; counted, not estimated), scaled to the micro-batch")
     return Plan(batch_size=batch_size, processes=processes, micro_batch_size=micro, grad_accum=accum,
                 gradient_checkpointing=ckpt, precision=precision,
                 frozen_dtype={"bf16": "bf16", "fp16": "fp16"}[precision] if frozen_half else None,

@@ -178,8 +178,7 @@ def _own_copies(model: Any, dtype: torch.dtype) -> None:
 
     Weights are loaded from safetensors by memory-mapping the file, and the whole mapping lives while any tensor
     still points into it: once the Linear weights have 16-bit copies, the fp32 embedding alone kept the file's pages
-    resident, counted in the process's memory on top of the copies. Measured on SmolLM2-135M: 525 MB of file pages
-    for 110 MB of fp32 tensors that are really needed (``benchmarks/results/cpu_sft.md``).
+    resident, counted in the process's memory on top of the copies (docs/performance.md).
     """
     done: set[int] = set()
     for m in model.modules():

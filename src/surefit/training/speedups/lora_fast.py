@@ -1,37 +1,15 @@
 """A faster, mixed-precision-safe forward for peft's LoRA ``Linear`` layers (weights and checkpoints unchanged).
 
-peft computes ``base(x) + lora_B(lora_A(dropout(x))) * scaling`` and casts the sum back to the base output's dtype.
-Two things follow, both measured on SmolLM2-135M (LoRA r=16 on every linear layer, batch 4 x ~290 tokens, 2-core
-CPU; ``benchmarks/cpu_sft.py``):
+- Under bf16 autocast peft adds the adapter's output to a bf16 base output and rounds the sum to bf16, so a young
+  adapter's small contribution rounds away. Here every matmul still runs in 16 bits, but the sum (and the input's
+  gradient) is formed in fp32 (``_LoraMixed``).
+- Dropout draws 16-bit random numbers, keeps a byte per element and recomputes the dropped input in the backward pass
+  (same distribution; seeds, resume and checkpoint replays draw the same masks).
+- :class:`SavedActivationsIn` stores fp32 saved activations in bf16, and ``_SwiGLUDown`` keeps only ``gate`` and
+  ``up`` of a gated MLP for the backward pass.
 
-- Under bf16 autocast the adapter's contribution is added to a base output that is already a bf16 number, and the
-  sum is rounded back to bf16. A young adapter's contribution (a few 1e-3 of the output) is below half a bf16 step
-  (2^-9 relative), so it rounds away: an update makes the model no better although its gradient says it should.
-  After one to five AdamW steps the loss was 0.08-0.22 above fp32 (``benchmarks/results/lora_bf16_drift.md``). Here,
-  on 16-bit frozen weights (``_LoraMixed``), every matmul still runs in 16 bits (the base's, where the FLOPs are, and
-  the adapter's), but the sum is formed in fp32 and stays there, and the input's gradient is summed in fp32; the
-  same steps then match fp32 within 0.03. One 16-bit copy of the input serves every adapter that reads it (q/k/v,
-  gate/up) and is what the backward pass keeps.
-- ``nn.Dropout`` draws a float Bernoulli mask with a slow RNG path, and the dropped copy of ``x`` is saved for
-  ``lora_A``'s gradient: on a CPU about a third of the step went to dropout. Here the mask comes from 16 random bits
-  per element (four per 64-bit draw), is saved as one byte per element, the dropout's rescale is folded into the
-  rank-r projection, and the dropped input is recomputed in the backward pass from ``x``, which is saved once
-  however many adapters read it.
-
-Because the outputs are fp32, what follows them (norms, the MLP's activation, the residual stream) runs and is saved
-in fp32 too; :class:`SavedActivationsIn`, which the training loop applies with 16-bit frozen weights, stores those
-saved activations in bf16. A gated MLP (``down_proj(silu(gate_proj(x)) * up_proj(x))``) with a LoRA ``down_proj`` on
-16-bit weights runs the product and ``down_proj`` as one function (``_SwiGLUDown``) that keeps only ``gate`` and
-``up`` for the backward pass.
-
-The distribution is the same: each element is kept independently with probability ``1 - p`` (``p`` rounded to a
-multiple of 2^-16, and the kept values scaled by the inverse of that exact keep rate, so the expectation is ``x``).
-The random numbers come from torch's generator, so seeding, checkpoint/resume and activation-checkpointing
-recomputation (which restores the RNG state) draw the same masks; only the stream differs from ``nn.Dropout``'s.
-
-Anything this path does not cover (merged or disabled adapters, several active adapters, DoRA and other variants,
-``lora_bias``, mixed-adapter batches, hooks on the adapter modules, a base layer that is not ``nn.Linear``) falls back
-to peft's own forward at call time.
+Anything else (merged or disabled adapters, several active adapters, DoRA, ``lora_bias``, hooks, a non-``nn.Linear``
+base) falls back to peft's own forward at call time. Why and what was measured: docs/performance.md.
 """
 
 from __future__ import annotations

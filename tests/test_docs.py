@@ -1,0 +1,167 @@
+"""The docs cannot rot: every ``console`` block of README.md and docs/*.md is run, and its output is compared.
+
+A ``console`` block holds ``$ command`` lines (a trailing ``\\`` continues one), each followed by the output it
+printed. The commands of one page run in order in one scratch folder (``examples/`` and ``src/`` linked in), so a page
+may train a run and then evaluate it. ``surefit`` is this checkout's CLI and ``python`` this interpreter. The shown
+output must appear in the real output in order (other lines may come between: a page shows what matters), compared
+after each run of digits is replaced by ``N``, so that timings and losses may move while every message, table and
+column stays checked. A line ``...`` only marks that lines were left out.
+
+    python tests/test_docs.py docs/custom.md     # run a page's commands and write their real output under them
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINKED = ("examples", "src", "benchmarks")
+_FENCE = re.compile(r"^```console[^\n]*\n(.*?)^```", re.S | re.M)
+_NUMBER = re.compile(r"\d+")
+
+
+@dataclass
+class Command:
+    line: int  # where the command starts in its page (1-based)
+    text: str
+    expected: list[str] = field(default_factory=list)
+
+
+def commands_in(block: str, first: int = 1) -> list[Command]:
+    """The ``$`` commands of one console block, each with the output lines shown after it."""
+    out: list[Command] = []
+    pending = ""
+    for i, raw in enumerate(block.splitlines()):
+        if pending or raw.startswith("$ "):
+            pending += raw[2:] if not pending else raw.strip()
+            if pending.endswith("\\"):
+                pending = pending[:-1].rstrip() + " "
+                continue
+            out.append(Command(first + i, pending))
+            pending = ""
+        elif out and raw.strip() != "...":
+            out[-1].expected.append(raw)
+    return out
+
+
+def commands(page: Path) -> list[Command]:
+    """The commands of every console block of a page, in order."""
+    text = page.read_text()
+    return [cmd for block in _FENCE.finditer(text)
+            for cmd in commands_in(block.group(1), text.count("\n", 0, block.start(1)) + 1)]
+
+
+def _normal(line: str) -> str:
+    return _NUMBER.sub("N", line.rstrip())
+
+
+def run_command(cmd: Command, cwd: Path) -> tuple[int, str]:
+    """Run one documented command as a user would type it, in ``cwd``; returns (exit code, stdout + stderr)."""
+    argv = shlex.split(cmd.text)
+    if argv and argv[0] == "surefit":
+        argv = [sys.executable, "-m", "surefit", *argv[1:]]
+    elif argv and argv[0] == "python":
+        argv = [sys.executable, *argv[1:]]
+    env = {**os.environ, "TQDM_DISABLE": "1", "COLUMNS": "120", "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def missing_lines(expected: list[str], actual: str) -> list[str]:
+    """The expected lines not found, in order, among the actual output's lines (numbers compared as ``N``)."""
+    got = [_normal(x) for x in actual.splitlines()]
+    missing, at = [], 0
+    for want in expected:
+        norm = _normal(want)
+        try:
+            at = got.index(norm, at) + 1
+        except ValueError:
+            missing.append(want)
+    return missing
+
+
+def scratch(tmp: Path) -> Path:
+    for name in LINKED:
+        (tmp / name).symlink_to(REPO / name)
+    return tmp
+
+
+PAGES_WITH_COMMANDS = [p for p in PAGES if commands(p)]
+
+
+def test_the_pages_hold_commands():
+    """A page whose fence was mistyped would silently drop out: the ones known to hold commands must."""
+    names = {p.name for p in PAGES_WITH_COMMANDS}
+    assert {"classify.md", "custom.md", "sft.md", "outputs.md"} <= names, names
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES_WITH_COMMANDS, ids=lambda p: p.name)
+def test_documented_commands_print_what_the_page_shows(page, tmp_path):
+    cwd = scratch(tmp_path)
+    for cmd in commands(page):
+        code, output = run_command(cmd, cwd)
+        where = f"{page.relative_to(REPO)}:{cmd.line}: $ {cmd.text}"
+        assert code == 0 or any("error" in line for line in cmd.expected), f"{where}\nexit {code}\n{output}"
+        missing = missing_lines(cmd.expected, output)
+        assert not missing, f"{where}\nnot in the output: {missing}\n--- real output ---\n{output}"
+
+
+def test_the_comparison_checks_words_and_order_but_not_numbers():
+    out = "epoch 1/2  eval_f1=0.6441\nnoise\nsaved to runs/x/final\n"
+    assert not missing_lines(["epoch 1/2  eval_f1=0.7001", "saved to runs/x/final"], out)
+    assert missing_lines(["saved to runs/x/final", "epoch 1/2  eval_f1=0.7001"], out)  # order matters
+    assert missing_lines(["epoch 1/2  eval_em=0.6441"], out)  # a renamed metric is caught
+
+
+def test_the_sft_path_listed_in_the_architecture_page_is_true_and_short():
+    """docs/architecture.md lists the source a newcomer reads for the SFT path: each file exists, each count is within
+    15% of its real length, and they add up to at most 6,000 lines."""
+    page = (REPO / "docs" / "architecture.md").read_text()
+    section = page.split("## The SFT path")[1].split("\n## ")[0]
+    listed = re.findall(r"^\| `([\w/.]+\.py)` \| (\d+) \|", section, re.M)
+    assert len(listed) >= 15, listed
+    total = 0
+    for path, count in listed:
+        real = len((REPO / "src" / "surefit" / path).read_text().splitlines())
+        assert abs(real - int(count)) <= 0.15 * real, f"{path}: listed {count} lines, has {real}"
+        total += real
+    assert total <= 6000, f"the SFT path is {total} lines"
+
+
+def _shown(output: str) -> list[str]:
+    """Output as a page shows it: progress bars and blank lines left out."""
+    return [x.rstrip() for x in output.splitlines() if x.strip() and "%|" not in x]
+
+
+def write_outputs(page: Path) -> None:
+    """Run a page's commands and write their real outputs under them (trim by hand afterwards, with ``...``)."""
+    import tempfile
+
+    text = page.read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        cwd = scratch(Path(tmp))
+        pieces, last = [], 0
+        for block in _FENCE.finditer(text):
+            lines = []
+            for cmd in commands_in(block.group(1)):
+                code, output = run_command(cmd, cwd)
+                print(f"$ {cmd.text}  [exit {code}]", file=sys.stderr)
+                lines += ["$ " + cmd.text, *_shown(output)]
+            pieces += [text[last : block.start(1)], "\n".join(lines) + "\n"]
+            last = block.end(1)
+        page.write_text("".join(pieces) + text[last:])
+
+
+if __name__ == "__main__":
+    for arg in sys.argv[1:]:
+        write_outputs(Path(arg).resolve())
