@@ -16,7 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from surefit.data.readers import MAX_WHERES, _count, _have, _is_nan, _short, _wheres, field_not_found
+from surefit.data.readers.common import MAX_WHERES, have, n_rows, short, wheres
+from surefit.data.readers.fields import field_not_found, is_nan
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -218,7 +219,7 @@ def _detect_text(
 
 
 def _listed(names: list[str]) -> str:
-    return ", ".join(repr(_short(name)) for name in names) if names else "(none)"
+    return ", ".join(repr(short(name)) for name in names) if names else "(none)"
 
 
 def _closest(candidates: list[str], present: list[str]) -> str | None:
@@ -384,7 +385,7 @@ class LabelSpec:
         text = f"{head}): " + ", ".join(parts)
         empty = int(self.stats.get("empty", 0))
         if self.problem_type == "multi" and empty:
-            text += f"; {_rows(empty)} {_have(empty)} no labels"
+            text += f"; {_rows(empty)} {have(empty)} no labels"
         return text
 
 
@@ -504,7 +505,7 @@ class _Scan:
 
 def _normalise(value: Any) -> tuple[str, Any]:
     """``(tag, value)`` for one raw label; tag is missing, bool, int, float, str, list, badlist or bad."""
-    if value is None or _is_nan(value):
+    if value is None or is_nan(value):
         return "missing", None
     if isinstance(value, bool):
         return "bool", value
@@ -537,7 +538,7 @@ def _normalise(value: Any) -> tuple[str, Any]:
 
 def _element_name(item: Any) -> str | None:
     """The label name of one item of a multi-label list, or ``None`` if it cannot be one."""
-    if isinstance(item, bool) or item is None or _is_nan(item):
+    if isinstance(item, bool) or item is None or is_nan(item):
         return None
     if isinstance(item, numbers.Integral):
         return str(int(item))
@@ -619,8 +620,8 @@ def _scan(source: str, rows: list[Row], field_name: str, problems: list[Problem]
             parts.append(f"{len(null)} null, NaN or empty")
         problems.append(
             Problem(
-                f"{len(missing)} of {n} rows {_have(len(missing))} no label in '{field_name}' ({', '.join(parts)}): "
-                f"{_wheres(missing, source)}",
+                f"{len(missing)} of {n} rows {have(len(missing))} no label in '{field_name}' ({', '.join(parts)}): "
+                f"{wheres(missing, source)}",
                 where=source,
                 fix=_MISSING_FIX,
             )
@@ -657,14 +658,14 @@ def _value(v: Any) -> str:
     if isinstance(v, float):
         return _num(v)
     if isinstance(v, str):
-        return repr(_short(v, 40))
-    return _short(repr(v), 60)
+        return repr(short(v, 40))
+    return short(repr(v), 60)
 
 
 def _shown_value(row: Row, v: Any, field_name: str) -> str:
     # Lists are shown as the file holds them ([0, 2], not the normalised ['0', '2']); scalars as typed, so a TSV's
     # "1" reads as the integer it was taken for.
-    return _short(repr(row.fields[field_name]), 60) if isinstance(v, list) else _value(v)
+    return short(repr(row.fields[field_name]), 60) if isinstance(v, list) else _value(v)
 
 
 def _num(v: float) -> str:
@@ -676,7 +677,7 @@ def _rows(n: int) -> str:
 
 
 def _bad_problem(what: str, items: list[tuple[Row, Any]], field_name: str, source: str) -> Problem:
-    shown = ", ".join(f"{_loc(row, source)} ({_short(repr(raw), 40)})" for row, raw in items[:MAX_WHERES])
+    shown = ", ".join(f"{_loc(row, source)} ({short(repr(raw), 40)})" for row, raw in items[:MAX_WHERES])
     more = f" and {len(items) - MAX_WHERES} more" if len(items) > MAX_WHERES else ""
     if what == "a true/false value":
         fix = "use 0/1 or class names (e.g. 'yes'/'no') instead of true/false: which class is true is ambiguous"
@@ -685,7 +686,7 @@ def _bad_problem(what: str, items: list[tuple[Row, Any]], field_name: str, sourc
     else:
         fix = "make the label a class name, an integer id, a number (regression) or a list of names (multi-label)"
     return Problem(
-        f"{_count(len(items))} {_have(len(items))} {what} as '{field_name}': {shown}{more}", where=source, fix=fix
+        f"{n_rows(len(items))} {have(len(items))} {what} as '{field_name}': {shown}{more}", where=source, fix=fix
     )
 
 
@@ -693,9 +694,9 @@ def _multi_hot_problem(items: list[tuple[Row, Any]], field_name: str, source: st
     row, v = items[0]
     ids = [i for i, name in enumerate(v) if name == "1"]
     return Problem(
-        f"{_count(len(items))} {_have(len(items))} a '{field_name}' that looks like a multi-hot vector "
+        f"{n_rows(len(items))} {have(len(items))} a '{field_name}' that looks like a multi-hot vector "
         f"(e.g. {_loc(row, source)}: [{', '.join(v)}]), but a multi-label label is the list of the row's labels: "
-        f"{_wheres([r for r, _ in items], source)}",
+        f"{wheres([r for r, _ in items], source)}",
         where=source,
         fix=f"write the labels each row has, e.g. {ids} for that row (the positions of the 1s), or their names",
     )
@@ -792,7 +793,7 @@ def _check_unseen(train: _Scan, val: _Scan, known: set[str], names: list[str], p
     if not unseen:
         return
     values = list(unseen)
-    shown = ", ".join(repr(_short(name, 40)) for name in values[:MAX_WHERES])
+    shown = ", ".join(repr(short(name, 40)) for name in values[:MAX_WHERES])
     if len(values) > MAX_WHERES:
         shown += f" and {len(values) - MAX_WHERES} more"
     folded = {name.lower(): name for name in names}
@@ -803,7 +804,7 @@ def _check_unseen(train: _Scan, val: _Scan, known: set[str], names: list[str], p
     problems.append(
         Problem(
             f"{labels} in {val.source} never {appear} in training "
-            f"({train.source}): {shown}{hint}; in {_count(len(rows))}: {_wheres(rows, val.source)}; "
+            f"({train.source}): {shown}{hint}; in {n_rows(len(rows))}: {wheres(rows, val.source)}; "
             f"training labels: {_names_listed(names)}",
             where=val.source,
             fix="add training rows with these labels or remove them from validation",
@@ -820,5 +821,5 @@ def _sorted_names(names: dict[str, Any] | list[str]) -> list[str]:
 
 
 def _names_listed(names: list[str], limit: int = MAX_CLASSES_SHOWN, quote: bool = True) -> str:
-    shown = ", ".join((repr(_short(name, 40)) if quote else name) for name in names[:limit])
+    shown = ", ".join((repr(short(name, 40)) if quote else name) for name in names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
