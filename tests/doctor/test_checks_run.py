@@ -216,6 +216,15 @@ def test_over_budget_shows_every_part(tok, lm):
     assert "gradient checkpointing" in f.fix and "LoRA" in f.fix and "accumulation" in f.fix
 
 
+def test_the_doctor_sizes_activations_with_the_planners_estimator(tok, lm):
+    """One memory estimator: `surefit train`'s planner and the doctor give the same bytes per token."""
+    from surefit.training.plan import analytic_act_per_token
+    from surefit.units import human_bytes
+
+    (f,) = findings(check(lm, tok, features(tok), args={"batch_size": 4, "memory_gb": 1e-05}), "memory-over-budget")
+    assert f"tokens x {human_bytes(analytic_act_per_token(lm, False))} a token" in f.message
+
+
 def test_custom_model_activations_are_measured():
     report = check(TinyClassifier(), train_dataset=tensor_rows(), args={"batch_size": 4, "memory_gb": 1e-7},
                    task="custom")

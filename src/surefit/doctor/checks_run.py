@@ -17,8 +17,10 @@ from typing import Any
 
 from surefit.data.split import normalize_key
 from surefit.doctor.core import Finding, Setup, register
+from surefit.training.plan import footprint, model_dims
+from surefit.units import GiB, human_bytes
 
-GB = 2**30  # memory budgets are quoted the way GPU memory is: "8 GB" means 8 GiB
+GB = GiB
 
 # ---------------------------------------------------------------------------------------------------- helpers
 
@@ -292,21 +294,7 @@ def check_fp16_weights(setup: Setup) -> list[Finding]:
 
 
 def _gb(n_bytes: float) -> str:
-    v = n_bytes / GB
-    return f"{v:.2f} GB" if v >= 0.1 or v == 0 else f"{v:.2g} GB"
-
-
-_HIDDEN = ("hidden_size", "d_model", "n_embd", "dim", "hidden_dim")
-_LAYERS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
-
-
-def _config_value(cfg: Any, names: Sequence[str]) -> int | None:
-    for source in (cfg, getattr(cfg, "text_config", None)):
-        for n in names:
-            v = getattr(source, n, None) if source is not None else None
-            if isinstance(v, int) and v > 0:
-                return v
-    return None
+    return human_bytes(n_bytes, unit="GB")
 
 
 def _seq_len(setup: Setup) -> int:
@@ -397,12 +385,18 @@ def check_memory(setup: Setup) -> list[Finding]:
     model = setup.model
     if not budget or not hasattr(model, "parameters"):
         return []
-    params = list(model.parameters())
-    weights = sum(p.numel() * p.element_size() for p in params)
-    weights += sum(b.numel() * b.element_size() for b in getattr(model, "buffers", list)())
-    trainable = [p for p in params if p.requires_grad]
-    train_values = sum(p.numel() for p in trainable)
-    grads = sum(p.numel() * p.element_size() for p in trainable)
+    explicit = setup.args.get("batch_size")
+    batch_size = int(explicit or 8)
+    bs_note = "" if explicit else " (batch_size not given: 8 assumed, the Trainer default)"
+    mixed = bool(setup.args.get("fp16") or setup.args.get("bf16"))
+    seq = _seq_len(setup)
+    base = setup.base_model
+    flag = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
+        else "is_gradient_checkpointing"  # transformers 5 renamed it and warns on the old name
+    checkpointing = bool(getattr(base, flag, False))
+    # The planner's estimator, so that the doctor and `surefit train` size a model the same way.
+    fp = footprint(model, mixed=mixed, measured_act=None)
+    weights, train_values, grads = fp.weights, fp.trainable, fp.trainable_bytes
     lora_note = ""
     applied = hasattr(model, "peft_config") or hasattr(model, "get_base_model")
     if setup.peft_config is not None and not applied:
@@ -413,24 +407,12 @@ def check_memory(setup: Setup) -> list[Finding]:
         lora_note = " (LoRA adapters of the given peft_config)"
     optimizer = train_values * 8  # AdamW: exp_avg and exp_avg_sq, fp32 each
 
-    explicit = setup.args.get("batch_size")
-    batch_size = int(explicit or 8)
-    bs_note = "" if explicit else " (batch_size not given: 8 assumed, the Trainer default)"
-    mixed = bool(setup.args.get("fp16") or setup.args.get("bf16"))
-    seq = _seq_len(setup)
-    cfg = setup.config
-    hidden, layers = (_config_value(cfg, _HIDDEN), _config_value(cfg, _LAYERS)) if cfg is not None else (None, None)
-    base = setup.base_model
-    flag = "is_activation_checkpointing" if hasattr(type(base), "is_activation_checkpointing") \
-        else "is_gradient_checkpointing"  # transformers 5 renamed it and warns on the old name
-    checkpointing = bool(getattr(base, flag, False))
-    if hidden and layers:
-        per_layer = batch_size * seq * hidden * (17 if mixed else 34)
-        # checkpointing keeps one hidden state per layer and recomputes one layer at a time
-        acts = (batch_size * seq * hidden * (2 if mixed else 4) * layers + per_layer) if checkpointing \
-            else per_layer * layers
-        act_how = (f"{batch_size} x {seq} tokens x hidden {hidden} x {layers} layers x "
-                   f"{17 if mixed else 34} bytes{', gradient checkpointing' if checkpointing else ''}")
+    dims = model_dims(model)
+    if fp.act_per_token:
+        per_token = fp.ckpt_per_token if checkpointing else fp.act_per_token
+        acts = math.ceil(batch_size * seq * per_token)
+        act_how = (f"{batch_size} x {seq} tokens x {human_bytes(per_token)} a token: hidden {dims['hidden']} x "
+                   f"{dims['layers']} layers, from the model config{', gradient checkpointing' if checkpointing else ''}")
     else:
         measured = _measured_activations(setup)
         if measured:
@@ -440,7 +422,7 @@ def check_memory(setup: Setup) -> list[Finding]:
             act_how = f"layer outputs of one forward, scaled to batch {batch_size}"
         else:
             acts, act_how = 0, "unknown: no config and no dry-run forward"
-    vocab = _config_value(cfg, ("vocab_size",)) if cfg is not None else None
+    vocab = dims.get("vocab")
     logits = batch_size * seq * vocab * 4 if setup.is_causal_lm and vocab else 0
 
     parts = [("weights", weights, ""), ("gradients", grads, lora_note), ("AdamW states", optimizer, ""),

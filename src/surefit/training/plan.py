@@ -169,7 +169,8 @@ class Footprint:
                 "activations": int(acts), "logits": int(logits)}
 
 
-def _dims(model: Any) -> dict[str, int]:
+def model_dims(model: Any) -> dict[str, int]:
+    """``hidden``, ``layers``, ``inter``, ``heads``, ``kv``, ``vocab`` from the model's config (those it has)."""
     cfg = getattr(getattr(model, "module", model), "config", None)
     out: dict[str, int] = {}
     for key, names in {"hidden": ("hidden_size", "d_model", "n_embd", "dim"),
@@ -192,7 +193,7 @@ def analytic_act_per_token(model: Any, mixed: bool) -> float | None:
     Per layer and token: the norms' outputs, q/k/v, the attention output and o_proj's input, the MLP's gate, up,
     activation and product (4 x intermediate), and the inputs LoRA's dropout copies: ~ 10 h + 2 kv + 5 i values.
     """
-    d = _dims(model)
+    d = model_dims(model)
     if not {"hidden", "layers"} <= d.keys():
         return None
     h, layers = d["hidden"], d["layers"]
@@ -242,7 +243,7 @@ def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None) 
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
     trainable = [p for p in params if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
-    d = _dims(model)
+    d = model_dims(model)
     analytic = analytic_act_per_token(model, mixed)
     if measured_act and measured_act[1]:
         per_token = measured_act[0] / measured_act[1]  # measured under the run's autocast
