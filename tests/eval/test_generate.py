@@ -32,3 +32,38 @@ def test_batched_left_padded_generation_equals_one_by_one_and_stops_at_eos():
     assert got == want
     assert got[0] == free[0][: free[0].index(eos)] and len(got[0]) < len(free[0])
     assert all(len(g) <= 6 and eos not in g for g in got)
+
+
+def _generate_reference(model, prompts, eos, n):
+    """What a careful user writes: transformers' generate, batched with left padding, greedy."""
+    from transformers import GenerationConfig
+
+    from surefit.data.collate import PadCollator
+
+    batch = PadCollator(pad_token_id=0, padding_side="left")([{"input_ids": p} for p in prompts])
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=list(eos), pad_token_id=0)
+    with torch.no_grad():
+        new = model.generate(**batch, generation_config=cfg)[:, batch["input_ids"].shape[1] :].tolist()
+    return [seq[: next((k for k, t in enumerate(seq) if t in eos), len(seq))] for seq in new]
+
+
+def test_own_decode_loop_equals_transformers_generate_and_drops_finished_rows():
+    from conftest import tiny_llama
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_llama(seed=3)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 12, (7,), generator=g)]
+    free = _generate_reference(model, prompts, {-1}, 12)
+    eos = {free[0][1], free[3][4]}  # rows end at different steps; some never do
+    want = _generate_reference(model, prompts, eos, 12)
+    sizes = []
+    hook = model.get_base_model().model.register_forward_pre_hook(
+        lambda m, args, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=12, batch_size=7)
+    hook.remove()
+    assert got == want
+    assert len(set(map(len, got))) > 1 and max(map(len, got)) == 12  # some rows ended early, one ran to the limit
+    assert sizes[0] == 7 and sizes[-1] < 7 and sizes == sorted(sizes, reverse=True)  # ended rows left the batch
