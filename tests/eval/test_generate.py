@@ -48,8 +48,9 @@ def _generate_reference(model, prompts, eos, n):
 
 
 def test_own_decode_loop_equals_transformers_generate_and_drops_finished_rows():
-    from conftest import tiny_llama
     from peft import LoraConfig, get_peft_model
+
+    from conftest import tiny_llama
 
     model = tiny_llama(seed=3)
     model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
