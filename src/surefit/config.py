@@ -43,6 +43,10 @@ class TrainConfig:
         "all-linear",
         "Comma-separated module names to adapt, or 'all-linear' (every linear layer of the blocks, not the output head).",
     )
+    lora_variant: Literal["lora", "dora", "rslora"] = opt(
+        "lora", "'dora': weight-decomposed LoRA (peft use_dora; trains through peft's own forward). 'rslora': "
+        "rank-stabilised scaling alpha / sqrt(r) instead of alpha / r (peft use_rslora)."
+    )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs; on a CPU bf16 for LoRA "
         "runs when it has AVX-512 BF16 or AMX, else fp32. With LoRA the matmuls use 16 bits, but the adapters' "

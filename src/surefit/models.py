@@ -260,8 +260,10 @@ def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str
         return model
     from peft import LoraConfig, get_peft_model
 
+    variant = getattr(cfg, "lora_variant", "lora")
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=lora_targets(cfg.lora_targets), **({"task_type": task_type} if task_type else {}))
+                      target_modules=lora_targets(cfg.lora_targets), use_dora=variant == "dora",
+                      use_rslora=variant == "rslora", **({"task_type": task_type} if task_type else {}))
     try:
         wrapped = get_peft_model(getattr(model, part) if part else model, lora)
     except ValueError as e:
@@ -275,8 +277,13 @@ def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     adapted = sorted({n.split(".")[-1] for n in wrapped.peft_config["default"].target_modules})
-    say(f"LoRA r={cfg.lora_r} alpha={cfg.resolved_lora_alpha} on {', '.join(adapted)}: {trainable:,} trainable of "
-        f"{total:,} parameters ({100.0 * trainable / total:.2f}%{note})")
+    kind = {"lora": "LoRA", "dora": "DoRA", "rslora": "rsLoRA"}[variant]
+    scale = f" (scaling alpha/sqrt(r) = {cfg.resolved_lora_alpha / cfg.lora_r ** 0.5:.3g})" if variant == "rslora" else ""
+    say(f"{kind} r={cfg.lora_r} alpha={cfg.resolved_lora_alpha}{scale} on {', '.join(adapted)}: {trainable:,} trainable "
+        f"of {total:,} parameters ({100.0 * trainable / total:.2f}%{note})")
+    if variant == "dora":
+        say("DoRA trains through peft's own layer forward: surefit's fused LoRA forward (fp32 sum under bf16, cheap "
+            "dropout) does not cover it")
     return model
 
 
