@@ -10,9 +10,10 @@ from surefit.cli import main
 
 @pytest.mark.parametrize("variant", ["dora", "rslora"])
 def test_variant_trains_saves_and_loads_with_plain_peft(variant, tiny_lm_dir, tmp_path, capsys):
-    from conftest import qa_rows
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
+    from conftest import qa_rows
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
@@ -43,9 +44,9 @@ def test_variant_trains_saves_and_loads_with_plain_peft(variant, tiny_lm_dir, tm
 
 @pytest.mark.parametrize("kw", [{"use_dora": True}, {"use_rslora": True}])
 def test_fused_forward_computes_what_peft_does_for_each_variant(kw):
-    from conftest import tiny_llama
     from peft import LoraConfig, get_peft_model
 
+    from conftest import tiny_llama
     from surefit.training.speedups.lora_fast import fuse_lora
 
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
