@@ -129,6 +129,36 @@ def _kind(setup: Setup) -> str:
         return "causal"
     if getattr(setup.config, "is_encoder_decoder", False):
         return "seq2seq"
+    return _cached(setup, "head-kind", lambda: _head_kind(setup))
+
+
+def _head_kind(setup: Setup) -> str:
+    """The kind of a model no class name tells (a user's ``nn.Module``), from the shape of its logits.
+
+    ``[B, C]`` is one prediction per row (a sequence classifier or regressor); ``[B, T, C]`` with ``T`` the
+    length of ``input_ids`` is one per token: a language model when ``C`` is the vocabulary, else a token
+    classifier.
+    """
+    import torch
+
+    try:
+        logits = setup.logits()
+    except Exception:  # noqa: BLE001 - no forward, no kind
+        return "other"
+    if not isinstance(logits, torch.Tensor):
+        return "other"
+    batch, _ = setup.batch()
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if logits.dim() == 2:
+        return "seq-cls"
+    if logits.dim() == 3 and isinstance(ids, torch.Tensor) and ids.dim() == 2 and logits.shape[1] == ids.shape[1]:
+        vocab = getattr(setup.config, "vocab_size", None)
+        emb = getattr(setup.base_model, "get_input_embeddings", None)
+        try:
+            rows = getattr(emb(), "num_embeddings", None) if callable(emb) else None
+        except (NotImplementedError, AttributeError):
+            rows = None
+        return "causal" if logits.shape[-1] in {vocab, rows} - {None} else "token-cls"
     return "other"
 
 
@@ -149,6 +179,9 @@ def _column(setup: Setup, ds: Any, key: str) -> tuple[list[Any], bool] | None:
     """``(values, truncated)`` of one column of a list of dicts or a ``datasets`` dataset, or ``None``."""
 
     def compute() -> tuple[list[Any], bool] | None:
+        keep = setup.kept_columns()
+        if keep is not None and key not in keep:
+            return None  # the trainer drops this column before collating: the model never sees it
         if isinstance(ds, (list, tuple)):
             if not ds or not all(isinstance(r, Mapping) for r in ds[:8]):
                 return None
@@ -258,6 +291,8 @@ def _find_labels_not_padded(setup: Setup) -> list[Finding]:
                 for r, (it, lab) in enumerate(zip(items, labels, strict=True))
                 if aligned and len(lab) != len(_py(it["input_ids"]))]
     ragged = len(set(lengths)) > 1
+    if mismatch and kind == "token-cls":
+        return []  # word-level tags against sub-word tokens: token-labels-misaligned names that cause
     probe, (batch, err) = items, setup.batch()
     if not ragged and not mismatch:
         col = _column(setup, setup.train_dataset, key) if setup.train_dataset is not None else None
@@ -479,6 +514,11 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
         return []
     values, scope = _train_values(setup, "input_ids")
     masks = dict(_train_values(setup, "attention_mask")[0])
+    from surefit.doctor.checks_labels import _turn_terminator
+
+    # chat rows end with the template's turn terminator (and maybe a newline after it): that is their end
+    term = _turn_terminator(_tokenizer(setup))
+    ends_turn = set() if term is None else {term[0]}
     missing: list[int] = []
     packed = total = 0
     ends: list[int] = []
@@ -494,6 +534,8 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
         if not ids:
             continue
         total += 1
+        if ends_turn and (ids[-1] in ends_turn or (len(ids) > 1 and ids[-2] in ends_turn)):
+            continue
         if ids[-1] != eos:
             missing.append(i)
             ends.append(ids[-1])
@@ -625,8 +667,7 @@ def _class_info(setup: Setup) -> tuple[int | None, str | None, bool]:
         return int(cfg.num_labels), getattr(cfg, "problem_type", None), True
     n = getattr(setup.base_model, "num_labels", None)
     if n is None:
-        out, err = setup.forward()
-        logits = getattr(out, "logits", out) if err is None else None
+        logits = setup.logits()  # from a forward without labels: the labels may be what fails
         shape = getattr(logits, "shape", None)
         n = int(shape[-1]) if shape is not None and len(shape) >= 2 else None
     return n, None, False

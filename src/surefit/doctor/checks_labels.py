@@ -1,0 +1,411 @@
+"""Checks that compare the labels with what the model's head and loss expect, for any model.
+
+Codes: ``label-shape``, ``label-dtype`` and ``label-one-hot`` (for models without a transformers config saying
+``num_labels`` / ``problem_type``: derived from the logits of a dry forward and confirmed by probes),
+``labels-pad-trained``, ``token-labels-misaligned``, ``new-head-frozen``, ``turn-end-masked``.
+
+What the loss expects is read from the logits, not from class names: ``[B, C]`` is one prediction per row, ``[B, T,
+C]`` one per token. When the dry forward fails, the labels are changed the way a suspected cause says they should
+be (cast, argmax) and the forward runs again: a cause is reported only when that probe passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from surefit.doctor.checks_data import (
+    IGNORE_INDEX,
+    _collator_name,
+    _collator_where,
+    _kind,
+    _rows_text,
+    _special_ids,
+    _tokenizer,
+    _train_values,
+)
+from surefit.doctor.core import Finding, Setup, describe, register
+
+# ------------------------------------------------------------------------------------------------------------ helpers
+
+
+def _batch_labels(setup: Setup) -> tuple[str, Any] | None:
+    """``(key, tensor)`` of the dry-run batch's labels, or ``None``."""
+    import torch
+
+    batch, err = setup.batch()
+    if err is not None or not isinstance(batch, Mapping):
+        return None
+    for key in setup.label_keys():
+        if isinstance(batch[key], torch.Tensor):
+            return key, batch[key]
+    return None
+
+
+def _batch_rows(setup: Setup) -> list[int]:
+    """The dataset row of each dry-run batch row."""
+    return [i for i, _ in setup.samples()[0]][: len(setup.batch_items())]
+
+
+def _has_class_config(setup: Setup) -> bool:
+    """A transformers config says num_labels / problem_type: the config-based label checks decide then."""
+    cfg = setup.config
+    return cfg is not None and hasattr(cfg, "num_labels") and _kind(setup) in ("seq-cls", "token-cls") and \
+        type(setup.base_model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification"))
+
+
+def _model_name(setup: Setup) -> str:
+    return type(setup.base_model).__name__
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200] if text else ''}"
+
+
+# ---------------------------------------------------------------------------------- labels against the logits
+
+
+@register("label-shape", "label-dtype", "label-one-hot")
+def check_labels_vs_logits(setup: Setup) -> list[Finding]:
+    """Labels whose shape or dtype does not fit the head's logits (and the loss between them)."""
+    import torch
+
+    found = _batch_labels(setup)
+    logits = setup.logits() if found is not None else None
+    if found is None or not isinstance(logits, torch.Tensor) or logits.dim() < 1:
+        return []
+    key, y = found
+    batch, _ = setup.batch()
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    rows = _batch_rows(setup)
+    model = _model_name(setup)
+    where = f"{_collator_where(setup)}, batch key '{key}'"
+    shape_l, shape_y = list(logits.shape), list(y.shape)
+    per_seq = logits.dim() == 2
+    per_token = logits.dim() == 3
+    # per-token labels for one prediction per row
+    if per_seq and y.dim() == 2 and y.shape[1] != logits.shape[-1] and (
+            (isinstance(ids, torch.Tensor) and tuple(y.shape) == tuple(ids.shape)) or bool((y == IGNORE_INDEX).any())):
+        masked = int((y != IGNORE_INDEX).sum())
+        mlm = any("mlm" in vars(c) and getattr(c, "mlm", False)
+                  for c in [setup.data_collator] if c is not None and hasattr(c, "__dict__"))
+        source = (f"{_collator_name(setup)} with mlm=True builds masked-LM labels (one per token, -100 except at the "
+                  f"{masked} masked positions)" if mlm else "the labels hold one value per token")
+        return [Finding(
+            "label-shape", "error",
+            f"{model} predicts one row of {logits.shape[-1]} class scores per sequence (logits {shape_l}) but "
+            f"`{key}` is {describe(y)}, per token: {source}; the loss compares {shape_y[0] * shape_y[1]} targets with "
+            f"{shape_l[0]} predictions (`Expected input batch_size ({shape_l[0]}) to match target batch_size "
+            f"({shape_y[0] * shape_y[1]})`)",
+            "give each row one class id (a 'label' column) and pad with DataCollatorWithPadding(tokenizer); a masked-"
+            "LM collator is for masked-LM training (AutoModelForMaskedLM), not for a sequence classifier",
+            where)]
+    # one label per row for one prediction per token
+    if per_token and y.dim() == 1 and _kind(setup) == "token-cls":
+        return [Finding(
+            "label-shape", "error",
+            f"{model} predicts per token (logits {shape_l}) but `{key}` holds one value per row ({describe(y)}, "
+            f"rows {rows[:4]}: {y[:4].tolist()}): the token-classification loss needs one label per token",
+            "give each token a label (-100 on special tokens and continuation sub-words, aligned with "
+            "tokenizer(...).word_ids()) and pad with DataCollatorForTokenClassification; for one label per text use a "
+            "sequence classifier (AutoModelForSequenceClassification)", where)]
+    if _has_class_config(setup):
+        return []  # transformers classifiers: checks_data's label-dtype / label-one-hot read num_labels and problem_type
+    _, err = setup.forward()
+    if err is None:
+        return []  # the loss takes these labels; shape and dtype are the model's business
+    n = logits.shape[-1]
+    shown = f"rows {rows[:4]}: {y[:4].tolist()}"
+    if y.is_floating_point() and (per_seq and y.dim() == 1 and n >= 2 or per_token and y.dim() == 2):
+        if setup.probe({key: y.round().long()}) is None:
+            integral = bool((y == y.round()).all())
+            return [Finding(
+                "label-dtype", "error",
+                f"float labels ({describe(y)}, {shown}) for {model}, whose {n} class scores per "
+                f"{'row' if per_seq else 'token'} go to cross-entropy, which needs integer class ids: the forward fails "
+                f"with `{_first_line(err)}` and passes with the labels cast to int64",
+                f"store the labels as integers (e.g. ds = ds.map(lambda r: {{'{key}': int(r['{key}'])}}), or "
+                f"torch.long in the dataset)" + ("" if integral else "; some are not whole numbers: if they are "
+                                                 "real-valued targets, use a regression loss and one output"), where)]
+    if not y.is_floating_point() and y.dim() == 2 and per_seq and y.shape[1] == n:
+        one_hot = bool(((y == 0) | (y == 1)).all()) and bool((y.sum(-1) == 1).all())
+        if one_hot and setup.probe({key: y.argmax(-1)}) is None:
+            return [Finding(
+                "label-one-hot", "error",
+                f"one-hot labels ({describe(y)}, {shown}) for {model}, whose loss takes one class id per row "
+                f"(cross-entropy): the forward fails with `{_first_line(err)}` and passes with argmax(labels)",
+                f"give the class id instead: ds = ds.map(lambda r: {{'{key}': r['{key}'].index(1)}}); for several "
+                "labels per row use float multi-hot vectors and BCEWithLogitsLoss", where)]
+        if setup.probe({key: y.float()}) is None:
+            return [Finding(
+                "label-dtype", "error",
+                f"integer multi-hot labels ({describe(y)}, {shown}) for {model}, whose loss takes float targets per "
+                f"class (BCEWithLogitsLoss): the forward fails with `{_first_line(err)}` and passes with float labels",
+                f"store the vectors as floats: ds = ds.map(lambda r: {{'{key}': [float(x) for x in r['{key}']]}})",
+                where)]
+    if not y.is_floating_point() and (per_seq and n == 1 and y.dim() in (1, 2) or
+                                      y.dim() == logits.dim() and tuple(y.shape) == tuple(logits.shape)):
+        if setup.probe({key: y.float()}) is None:
+            return [Finding(
+                "label-dtype", "error",
+                f"integer labels ({describe(y)}, {shown}) for {model}, whose loss takes float targets (logits "
+                f"{shape_l}: BCEWithLogitsLoss or a regression loss): the forward fails with `{_first_line(err)}` "
+                "and passes with float labels",
+                f"store the labels as floats: ds = ds.map(lambda r: {{'{key}': float(r['{key}'])}}) (for vectors, "
+                "each element)", where)]
+    return []
+
+
+# ------------------------------------------------------------------------------------------- labels-pad-trained
+
+
+@register("labels-pad-trained")
+def check_pad_trained(setup: Setup) -> list[Finding]:
+    """Token labels equal to the pad id (pad != eos): padding is trained as if it were text."""
+    import torch
+
+    eos, pad = _special_ids(setup)
+    if pad is None or pad == eos or _kind(setup) not in ("causal", "seq2seq"):
+        return []
+    tok = _tokenizer(setup)
+    name = f" ({tok.pad_token!r})" if getattr(tok, "pad_token", None) else ""
+    seq2seq = _kind(setup) == "seq2seq"
+    fix_data = ("replace the pad ids in labels with -100 when tokenizing, e.g. labels = [[(t if t != "
+                "tokenizer.pad_token_id else -100) for t in row] for row in labels]; better, tokenize the targets "
+                "without padding and let " + ("DataCollatorForSeq2Seq(tokenizer, model=model)" if seq2seq else
+                                               "DataCollatorForSeq2Seq(tokenizer)") +
+                " pad labels with -100 (its default label_pad_token_id)")
+    values, scope = _train_values(setup, "labels")
+    hits = [(i, [p for p, t in enumerate(v) if t == pad]) for i, v in values if isinstance(v, list)]
+    hits = [(i, ps) for i, ps in hits if ps]
+    if hits:
+        i, ps = hits[0]
+        count = sum(len(p) for _, p in hits)
+        return [Finding(
+            "labels-pad-trained", "error",
+            f"{count} label positions in {len(hits)} rows of train_dataset ({scope}) hold the pad id {pad}{name}, "
+            f"which differs from EOS, so the loss trains them: e.g. row {i}, positions {ps[:3]}"
+            f"{'...' if len(ps) > 3 else ''} (of {len(values[[r for r, _ in values].index(i)][1])}); the model learns "
+            f"to emit padding{' after the target' if seq2seq else ''}, and padding dominates the loss",
+            fix_data, f"train_dataset column 'labels', row {i}")]
+    found = _batch_labels(setup)
+    if found is None:
+        return []
+    key, y = found
+    if y.is_floating_point() or y.dim() != 2:
+        return []
+    mask = y == pad
+    if not bool(mask.any()):
+        return []
+    rows = _batch_rows(setup)
+    r = int(torch.nonzero(mask)[0, 0])
+    bad_rows = sorted({rows[int(b)] if int(b) < len(rows) else int(b) for b in torch.nonzero(mask)[:, 0]})
+    label_pad = getattr(setup.data_collator, "label_pad_token_id", None)
+    cause = (f"{_collator_name(setup)} pads labels with label_pad_token_id={label_pad}, the pad id"
+             if label_pad == pad else f"the collated labels hold it at {int(mask.sum())} positions")
+    return [Finding(
+        "labels-pad-trained", "error",
+        f"the batch's `{key}` holds the pad id {pad}{name} (not EOS) at {int(mask[r].sum())} positions of batch row "
+        f"{r} ({_rows_text(bad_rows)} in all): {cause}, so padding is trained",
+        f"pad labels with -100: {_collator_name(setup)}(..., label_pad_token_id=-100) (DataCollatorForSeq2Seq's "
+        "default), or set the pad positions of labels to -100", f"{_collator_where(setup)}, key '{key}'")]
+
+
+# --------------------------------------------------------------------------------------- token-labels-misaligned
+
+
+@register("token-labels-misaligned")
+def check_token_labels_aligned(setup: Setup) -> list[Finding]:
+    """Per-token labels of a token classifier whose length differs from the row's input_ids."""
+    if _kind(setup) != "token-cls":
+        return []
+    labels = dict(_train_values(setup, "labels")[0])
+    key = "labels"
+    if not labels:
+        labels, key = dict(_train_values(setup, "label")[0]), "label"
+    ids, scope = _train_values(setup, "input_ids")
+    bad = [(i, len(labels[i]), len(v)) for i, v in ids
+           if isinstance(v, list) and isinstance(labels.get(i), list) and len(labels[i]) != len(v)]
+    if not bad:
+        return []
+    i, n_lab, n_ids = bad[0]
+    shorter = sum(1 for _, a, b in bad if a < b)
+    collator = _collator_name(setup)
+    silent = ("DataCollatorForTokenClassification pads the shorter labels with -100 to the batch's length, so "
+              "training runs and each tag lands on the wrong token" if "TokenClassification" in collator else
+              f"{collator} cannot line them up")
+    return [Finding(
+        "token-labels-misaligned", "error",
+        f"{len(bad)} rows of train_dataset ({scope}) have a different number of `{key}` than input_ids, e.g. row {i}: "
+        f"{n_lab} labels for {n_ids} tokens ({shorter} of them have fewer labels than tokens: word-level tags, "
+        f"while the tokenizer adds special tokens and splits words into sub-words); {silent}",
+        "align the tags to the tokens: enc = tokenizer(words, is_split_into_words=True, truncation=True); "
+        "word_ids = enc.word_ids(); label = -100 where word_ids[j] is None (special tokens) and on the second and "
+        "later sub-words of a word, else the tag of word word_ids[j]",
+        f"train_dataset column '{key}', row {i}")]
+
+
+# ----------------------------------------------------------------------------------------------- new-head-frozen
+
+
+_PEFT_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"),
+               "QUESTION_ANS": ("qa_outputs",)}
+
+
+def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
+    """``(name, module, severity)`` of the modules the loader initialised fresh.
+
+    The checkpoint's ``config.architectures`` names the class it was saved from; modules outside the backbone
+    (``base_model_prefix``) of another class were not in it. Without ``architectures`` (a model built from a
+    config), a classifier's layers producing ``num_labels`` outputs are taken as new. A backbone's pooler is new
+    when the checkpoint came from a masked-LM class, which is built without one.
+    """
+    from torch import nn
+
+    cfg = getattr(base, "config", None)
+    prefix = getattr(base, "base_model_prefix", "")
+    backbone = getattr(base, prefix, None) if prefix else None
+    if cfg is None or not isinstance(backbone, nn.Module):
+        return []
+    arch = getattr(cfg, "architectures", None) or []
+    cls = type(base).__name__
+    if cls in arch:
+        return []
+    n = getattr(cfg, "num_labels", None)
+    out: list[tuple[str, Any, str]] = []
+    for name, module in base.named_children():
+        if module is backbone or not any(True for _ in module.parameters()):
+            continue
+        if arch:
+            out.append((name, module, "error"))
+        else:
+            outs = {getattr(m, "out_features", None) for m in module.modules()}
+            if n in outs and not cls.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
+                out.append((name, module, "error"))
+    pooler = getattr(backbone, "pooler", None)
+    if isinstance(pooler, nn.Module) and arch and all(a.endswith("ForMaskedLM") for a in arch):
+        out.append((f"{prefix}.pooler", pooler, "warning"))
+    return out
+
+
+@register("new-head-frozen")
+def check_new_head_frozen(setup: Setup) -> list[Finding]:
+    """Freshly initialised layers that PEFT leaves frozen: they stay random through training."""
+    model, cfg = setup.model, setup.peft_config
+    wrapped = hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+    if not wrapped and cfg is None:
+        return []
+    base = setup.base_model
+    new = _new_modules(base)
+    if not new:
+        return []
+    findings = []
+    for name, module, severity in new:
+        short = name.rsplit(".", 1)[-1]
+        if wrapped:
+            frozen = not any(p.requires_grad for p in module.parameters())
+            saved = set()
+            for c in getattr(model, "peft_config", {}).values():
+                saved |= set(getattr(c, "modules_to_save", None) or [])
+            task = next((str(getattr(c, "task_type", "")) for c in getattr(model, "peft_config", {}).values()), "")
+        else:
+            get = cfg.get if isinstance(cfg, Mapping) else lambda k, d=None: getattr(cfg, k, d)
+            saved = set(get("modules_to_save") or [])
+            task = str(get("task_type") or "")
+            saved |= set(_PEFT_HEADS.get(task.rsplit(".", 1)[-1], ()))
+            frozen = short not in saved and name not in saved
+        if not frozen:
+            continue
+        size = sum(p.numel() for p in module.parameters())
+        arch = getattr(base.config, "architectures", None)
+        origin = (f"the checkpoint was saved from {', '.join(arch)}, not {type(base).__name__}, so the loader "
+                  "initialised it at random" if arch else "it is not part of the pretrained backbone")
+        kind = {"SEQ_CLS", "TaskType.SEQ_CLS"}
+        hint = "" if task in kind else " (or task_type='SEQ_CLS' / 'TOKEN_CLS', which adds classifier/score)"
+        findings.append(Finding(
+            "new-head-frozen", severity,
+            f"layer '{name}' ({type(module).__name__}, {size:,} values) is newly initialised ({origin}) and under "
+            f"PEFT it is neither trainable nor in modules_to_save (task_type {task or 'None'}): it stays random, so "
+            "predictions are noise whatever the adapters learn (and it is not saved with them)",
+            f"add it to the LoRA config: modules_to_save=['{short}']{hint}", f"layer '{name}'"))
+    return findings
+
+
+# ----------------------------------------------------------------------------------------------- turn-end-masked
+
+
+def _turn_terminator(tok: Any) -> tuple[int, str] | None:
+    """The token the chat template puts right after an assistant message's text (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``...), when it is a special token; ``None`` without a template."""
+    if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "apply_chat_template"):
+        return None
+    answer = "zq"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}],
+                                       tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this has no terminator to check
+        return None
+    at = text.rfind(answer)
+    suffix = text[at + len(answer):] if at >= 0 else ""
+    if not suffix.strip():
+        return None
+    ids = tok(suffix.lstrip(" "), add_special_tokens=False)["input_ids"]
+    if not ids:
+        return None
+    special = set(getattr(tok, "all_special_ids", []) or []) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    if ids[0] not in special:
+        return None
+    return ids[0], tok.convert_ids_to_tokens(ids[0])
+
+
+@register("turn-end-masked")
+def check_turn_end_masked(setup: Setup) -> list[Finding]:
+    """The chat template's end-of-turn token right after a trained answer has label -100: the model never learns
+    to end its turn (generation runs on into a new turn)."""
+    import torch
+
+    tok = _tokenizer(setup)
+    term = _turn_terminator(tok)
+    eos, _ = _special_ids(setup)
+    if term is None or term[0] == eos:
+        return []  # the terminator is EOS: eos-masked checks it
+    tid, text = term
+    hits: list[tuple[int, int]] = []
+    labels = dict(_train_values(setup, "labels")[0])
+    scope = "train_dataset"
+    if labels:
+        for i, ids in _train_values(setup, "input_ids")[0]:
+            lab = labels.get(i)
+            if not isinstance(ids, list) or not isinstance(lab, list) or len(lab) != len(ids):
+                continue
+            hits += [(i, j) for j in range(1, len(ids))
+                     if ids[j] == tid and lab[j] == IGNORE_INDEX and lab[j - 1] != IGNORE_INDEX]
+    else:
+        batch, err = setup.batch()
+        if err is not None or not isinstance(batch, Mapping):
+            return []
+        ids, lab = batch.get("input_ids"), batch.get("labels")
+        if not isinstance(ids, torch.Tensor) or not isinstance(lab, torch.Tensor) or ids.shape != lab.shape:
+            return []
+        rows = _batch_rows(setup)
+        scope = "the dry-run batch (labels built by " + _collator_name(setup) + ")"
+        for r in range(ids.shape[0]):
+            a, b = ids[r].tolist(), lab[r].tolist()
+            hits += [(rows[r] if r < len(rows) else r, j) for j in range(1, len(a))
+                     if a[j] == tid and b[j] == IGNORE_INDEX and b[j - 1] != IGNORE_INDEX]
+    if not hits:
+        return []
+    rows_hit = sorted({i for i, _ in hits})
+    i, j = hits[0]
+    return [Finding(
+        "turn-end-masked", "error",
+        f"the chat template ends each assistant turn with {text!r} (id {tid}), and in {len(hits)} places in "
+        f"{_rows_text(rows_hit)} of {scope} it has label -100 right after a trained answer (first: row {i}, position "
+        f"{j}): the model never learns to end its turn, so at inference it runs on into a new turn",
+        f"train the terminator as part of each answer: the supervised span must cover the assistant text plus "
+        f"{text!r} (surefit's sft encoding does; with TRL use assistant_only_loss with a template whose "
+        f"{{% generation %}} block includes {text!r}, or a completion that ends with it). Appending EOS does not fix "
+        f"this: the model ends turns with {text!r}, not EOS, and generation stops there",
+        f"train_dataset row {i}, position {j}" if labels else f"batch key 'labels', row {i} position {j}")]
+
