@@ -345,3 +345,68 @@ def test_explain_unknown_cause_keeps_the_raw_error(bert_tok):
     ambiguous = ValueError("Expected input batch_size (4) to match target batch_size (28).")
     f = explain(ambiguous, model, bert_tok, rows, data_collator=_collate(bert_tok))
     assert f.message.startswith("unknown cause") and "label-shape" in f.message and "label-one-hot" in f.message
+
+
+# ------------------------------------------------------------------------------ more shapes of the same bugs
+
+
+class LogitsOnly(nn.Module):
+    """Returns logits only: the user's training loop computes the loss outside the model."""
+
+    def __init__(self, vocab: int, outputs: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(vocab, 16), nn.Linear(16, outputs)
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None):
+        return self.head(self.emb(input_ids).mean(1))
+
+
+def test_loss_outside_the_model_float_and_one_hot_labels(bert_tok):
+    model = LogitsOnly(len(bert_tok), 3)
+    f = _finding(check(model, bert_tok, _rows(bert_tok, [0.0, 2.0, 1.0, 1.0]), data_collator=_collate(bert_tok)),
+                 "label-dtype")
+    assert "class index" in f.message and "torch.long" in f.fix
+    one_hot = [[1, 0, 0], [0, 1, 0], [0, 0, 1], [0, 1, 0]]
+    f = _finding(check(model, bert_tok, _rows(bert_tok, one_hot), data_collator=_collate(bert_tok)), "label-one-hot")
+    assert "fit neither" in f.message
+    # (unexpected-columns still says that model(**batch) would get `labels`: true for a Trainer, not for this loop)
+    for healthy in ([0, 2, 1, 1], [[float(x) for x in r] for r in one_hot]):
+        codes = check(model, bert_tok, _rows(bert_tok, healthy), data_collator=_collate(bert_tok)).codes()
+        assert not {"label-dtype", "label-one-hot", "label-out-of-range", "label-shape"} & set(codes), codes
+
+
+class Regressor(nn.Module):
+    def __init__(self, vocab: int, squeeze: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.squeeze = nn.Embedding(vocab, 16), nn.Linear(16, 1), squeeze
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        logits = self.head(self.emb(input_ids).mean(1))
+        pred = logits.squeeze(-1) if self.squeeze else logits
+        return {"loss": nn.functional.binary_cross_entropy_with_logits(pred, labels), "logits": logits}
+
+
+def test_one_label_per_row_against_one_column_of_logits(bert_tok):
+    rows = _rows(bert_tok, [0.0, 1.0, 1.0, 0.0])
+    report = check(Regressor(len(bert_tok), squeeze=False), bert_tok, rows, data_collator=_collate(bert_tok))
+    f = _finding(report, "label-shape")
+    assert "logits.squeeze(-1)" in f.fix and "forward-failed" not in report.codes()
+    _no_errors(check(Regressor(len(bert_tok), squeeze=True), bert_tok, rows, data_collator=_collate(bert_tok)))
+
+
+def test_causal_lm_collator_for_sequence_classifier(bert_tok):
+    from transformers import DataCollatorForLanguageModeling
+
+    rows = [dict(bert_tok(r["sentence"])) for r in sentiment_rows(6)]
+    report = check(_bert_seq_cls(bert_tok), bert_tok, rows,
+                   data_collator=DataCollatorForLanguageModeling(bert_tok, mlm=False))
+    f = _finding(report, "label-shape")
+    assert "a copy of input_ids" in f.message
+
+
+def test_word_level_tags_with_a_collator_that_does_not_pad_labels(bert_tok):
+    report = check(_ner_model(bert_tok), bert_tok, ner_rows(bert_tok, aligned=False), data_collator=_collate(bert_tok))
+    _finding(report, "token-labels-misaligned")
+    assert not {"labels-not-padded", "collate-failed"} & set(report.codes()), str(report)

@@ -985,7 +985,8 @@ def _explained_by_others(setup: Setup, err: BaseException) -> bool:
     from surefit.doctor import _PATTERNS
 
     text = f"{type(err).__name__}: {err}"
-    candidates = {"labels-not-padded", "ragged-batch", "label-not-numeric", "label-one-hot", "no-pad-token"}
+    candidates = {"labels-not-padded", "ragged-batch", "label-not-numeric", "label-one-hot", "no-pad-token",
+                  "token-labels-misaligned"}
     for pattern, codes in _PATTERNS:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates |= set(codes)

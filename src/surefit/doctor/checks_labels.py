@@ -85,22 +85,28 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
     per_seq = logits.dim() == 2
     per_token = logits.dim() == 3
     # per-token labels for one prediction per row
-    if per_seq and y.dim() == 2 and y.shape[1] != logits.shape[-1] and (
-            (isinstance(ids, torch.Tensor) and tuple(y.shape) == tuple(ids.shape)) or bool((y == IGNORE_INDEX).any())):
+    if per_seq and y.dim() == 2 and y.shape[1] != logits.shape[-1]:
+        per_tok = (isinstance(ids, torch.Tensor) and tuple(y.shape) == tuple(ids.shape)) or \
+            bool((y == IGNORE_INDEX).any())
+        c = setup.data_collator
         masked = int((y != IGNORE_INDEX).sum())
-        mlm = any("mlm" in vars(c) and getattr(c, "mlm", False)
-                  for c in [setup.data_collator] if c is not None and hasattr(c, "__dict__"))
-        source = (f"{_collator_name(setup)} with mlm=True builds masked-LM labels (one per token, -100 except at the "
-                  f"{masked} masked positions)" if mlm else "the labels hold one value per token")
+        if c is not None and getattr(c, "mlm", False) is True:
+            source = (f": {_collator_name(setup)} with mlm=True builds masked-LM labels (one per token, -100 except "
+                      f"at the {masked} masked positions)")
+        elif c is not None and any(k.__name__ == "DataCollatorForLanguageModeling" for k in type(c).__mro__):
+            source = f": {_collator_name(setup)} builds language-model labels, a copy of input_ids"
+        else:
+            source = ""
+        what = "per token" if per_tok else f"{y.shape[1]} values per row"
         return [Finding(
             "label-shape", "error",
-            f"{model} predicts one row of {logits.shape[-1]} class scores per sequence (logits {shape_l}) but "
-            f"`{key}` is {describe(y)}, per token: {source}; the loss compares {shape_y[0] * shape_y[1]} targets with "
-            f"{shape_l[0]} predictions (`Expected input batch_size ({shape_l[0]}) to match target batch_size "
-            f"({shape_y[0] * shape_y[1]})`)",
-            "give each row one class id (a 'label' column) and pad with DataCollatorWithPadding(tokenizer); a masked-"
-            "LM collator is for masked-LM training (AutoModelForMaskedLM), not for a sequence classifier",
-            where)]
+            f"{model} predicts one row of {logits.shape[-1]} scores per sequence (logits {shape_l}) but `{key}` is "
+            f"{describe(y)}, {what}{source} (batch row 0 = dataset row {rows[0] if rows else 0}: "
+            f"{y[0, :8].tolist()}{'...' if y.shape[1] > 8 else ''}); the loss cannot pair them (cross-entropy: "
+            f"`Expected input batch_size ({shape_l[0]}) to match target batch_size ({shape_y[0] * shape_y[1]})`)",
+            "give each row one class id (a 'label' column; for several labels per row, a float vector of "
+            f"{logits.shape[-1]}) and pad with DataCollatorWithPadding(tokenizer); a language-model collator is for "
+            "(masked-)LM training (AutoModelForMaskedLM / ForCausalLM), not for a sequence classifier", where)]
     # one label per row for one prediction per token
     if per_token and y.dim() == 1 and _kind(setup) == "token-cls":
         return [Finding(
@@ -112,11 +118,24 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
             "sequence classifier (AutoModelForSequenceClassification)", where)]
     if _has_class_config(setup):
         return []  # transformers classifiers: checks_data's label-dtype / label-one-hot read num_labels and problem_type
+    n = logits.shape[-1]
+    shown = f"rows {rows[:4]}: {y[:4].tolist()}"
+    try:
+        names, var_kw = setup.forward_params()
+    except (TypeError, ValueError):
+        return []
+    if not var_kw and key not in names:
+        return _loss_outside(setup, key, y, logits, shown, where)
     _, err = setup.forward()
     if err is None:
         return []  # the loss takes these labels; shape and dtype are the model's business
-    n = logits.shape[-1]
-    shown = f"rows {rows[:4]}: {y[:4].tolist()}"
+    if per_seq and n == 1 and y.dim() == 1 and setup.probe({key: y.float().unsqueeze(-1)}) is None:
+        return [Finding(
+            "label-shape", "error",
+            f"`{key}` is {describe(y)}, one value per row, but {model}'s logits are {shape_l}: the loss needs both of "
+            f"one shape (`{_first_line(err)}`); it passes with labels of shape {shape_l}",
+            f"match the shapes in the loss: loss_fn(logits.squeeze(-1), {key}.float()) (or {key}.float()"
+            ".unsqueeze(-1)); beware MSELoss, which broadcasts [B, 1] against [B] to [B, B] silently", where)]
     if y.is_floating_point() and (per_seq and y.dim() == 1 and n >= 2 or per_token and y.dim() == 2):
         if setup.probe({key: y.round().long()}) is None:
             integral = bool((y == y.round()).all())
@@ -154,6 +173,43 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
                 "and passes with float labels",
                 f"store the labels as floats: ds = ds.map(lambda r: {{'{key}': float(r['{key}'])}}) (for vectors, "
                 "each element)", where)]
+    return []
+
+
+def _loss_outside(setup: Setup, key: str, y: Any, logits: Any, shown: str, where: str) -> list[Finding]:
+    """The forward does not take the labels (the loss is computed outside the model): what no loss can take.
+
+    Against ``[B, C]`` logits with ``C >= 2``, one value per row can only be a class index (cross-entropy,
+    NLL), so it must be an integer; integer ``[B, C]`` vectors fit neither cross-entropy (class ids or float
+    probabilities) nor BCE (float targets).
+    """
+    model = _model_name(setup)
+    n = logits.shape[-1]
+    if logits.dim() != 2 or n < 2:
+        return []
+    if y.dim() == 1 and y.is_floating_point() and bool((y == y.round()).all()):
+        return [Finding(
+            "label-dtype", "error",
+            f"float labels ({describe(y)}, {shown}) against {model}'s logits {list(logits.shape)}: one value per row "
+            f"against {n} scores per row can only be a class index (cross-entropy), which must be an integer "
+            "(`expected scalar type Long but found Float`)",
+            f"store the labels as integers (torch.long), e.g. ds = ds.map(lambda r: {{'{key}': int(r['{key}'])}})",
+            where)]
+    if y.dim() == 2 and y.shape[1] == n and not y.is_floating_point():
+        one_hot = bool(((y == 0) | (y == 1)).all()) and bool((y.sum(-1) == 1).all())
+        if one_hot:
+            return [Finding(
+                "label-one-hot", "error",
+                f"integer one-hot labels ({describe(y)}, {shown}) against {model}'s logits {list(logits.shape)}: "
+                "cross-entropy takes class ids (or float probabilities), BCE takes float targets; integer vectors "
+                "fit neither",
+                f"for one class per row give its id: ds = ds.map(lambda r: {{'{key}': r['{key}'].index(1)}}); for "
+                "several labels per row, float vectors with BCEWithLogitsLoss", where)]
+        return [Finding(
+            "label-dtype", "error",
+            f"integer multi-hot labels ({describe(y)}, {shown}) against {model}'s logits {list(logits.shape)}: "
+            "BCEWithLogitsLoss needs float targets (`result type Float can't be cast to the desired output type "
+            "Long`)", f"store the vectors as floats: [float(x) for x in r['{key}']]", where)]
     return []
 
 
@@ -258,8 +314,8 @@ def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
 
     The checkpoint's ``config.architectures`` names the class it was saved from; modules outside the backbone
     (``base_model_prefix``) of another class were not in it. Without ``architectures`` (a model built from a
-    config), a classifier's layers producing ``num_labels`` outputs are taken as new. A backbone's pooler is new
-    when the checkpoint came from a masked-LM class, which is built without one.
+    config), a classifier's layers producing ``num_labels`` outputs are taken as new. Head-side poolers (DeBERTa's
+    ``pooler``) are outside the backbone and count; a pooler inside the backbone is in most base checkpoints.
     """
     from torch import nn
 
@@ -283,9 +339,6 @@ def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
             outs = {getattr(m, "out_features", None) for m in module.modules()}
             if n in outs and not cls.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")):
                 out.append((name, module, "error"))
-    pooler = getattr(backbone, "pooler", None)
-    if isinstance(pooler, nn.Module) and arch and all(a.endswith("ForMaskedLM") for a in arch):
-        out.append((f"{prefix}.pooler", pooler, "warning"))
     return out
 
 
