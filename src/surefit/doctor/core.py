@@ -80,10 +80,12 @@ CODES: dict[str, str] = {
     "no-supervised-tokens": "examples or batches whose labels are all -100 (loss NaN), e.g. answer truncated away",
     "labels-preshifted": "labels already shifted left for a model that shifts internally",
     "ragged-batch": "default collate over variable-length items",
-    "label-out-of-range": "class id outside [0, num_labels), including -1",
-    "label-dtype": "label dtype does not fit the loss (float for cross-entropy, integer for BCE / regression)",
+    "label-out-of-range": "class id outside [0, num_labels) (num_labels from the config, else the logits), including -1",
+    "label-dtype": "label dtype does not fit the loss (float for cross-entropy, integer for BCE / regression), for "
+                   "any model: read from the logits and confirmed by a probe",
     "label-not-numeric": "string labels reaching tensors",
-    "label-one-hot": "one-hot labels given to a single-label cross-entropy",
+    "label-one-hot": "one-hot labels given to a single-label cross-entropy (integer one-hot vectors, which no loss "
+                     "takes)",
     "input-dim-mismatch": "an input's feature dimension differs from what the first consuming layer expects",
     "unexpected-columns": "batch keys the forward does not accept",
     "no-labels": "nothing reaches the model as labels, so it cannot return a loss",
