@@ -158,6 +158,11 @@ def _head_kind(setup: Setup) -> str:
             rows = getattr(emb(), "num_embeddings", None) if callable(emb) else None
         except (NotImplementedError, AttributeError):
             rows = None
+        if rows is None:  # a plain module: a language model scores every row of one of its embeddings
+            from torch import nn
+
+            rows = next((m.num_embeddings for m in setup.model.modules()
+                         if isinstance(m, nn.Embedding) and m.num_embeddings == logits.shape[-1]), None)
         return "causal" if logits.shape[-1] in {vocab, rows} - {None} else "token-cls"
     return "other"
 

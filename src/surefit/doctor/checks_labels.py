@@ -329,10 +329,12 @@ def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
     if cls in arch:
         return []
     n = getattr(cfg, "num_labels", None)
+    shared = {p.data_ptr() for p in backbone.parameters()}
     out: list[tuple[str, Any, str]] = []
     for name, module in base.named_children():
-        if module is backbone or not any(True for _ in module.parameters()):
-            continue
+        params = list(module.parameters())
+        if module is backbone or not params or all(p.data_ptr() in shared for p in params):
+            continue  # no weights, or weights tied to the backbone's (an LM head tied to the embeddings)
         if arch:
             out.append((name, module, "error"))
         else:
