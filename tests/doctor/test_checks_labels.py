@@ -410,3 +410,17 @@ def test_word_level_tags_with_a_collator_that_does_not_pad_labels(bert_tok):
     report = check(_ner_model(bert_tok), bert_tok, ner_rows(bert_tok, aligned=False), data_collator=_collate(bert_tok))
     _finding(report, "token-labels-misaligned")
     assert not {"labels-not-padded", "collate-failed"} & set(report.codes()), str(report)
+
+
+def test_label_column_dropped_by_remove_unused_columns(bert_tok):
+    from transformers import DataCollatorWithPadding
+
+    model = _bert_seq_cls(bert_tok)
+    rows = [dict(bert_tok(r["sentence"]), target=int(r["label"] == "pos")) for r in sentiment_rows(6)]
+    report = check(model, bert_tok, rows, data_collator=DataCollatorWithPadding(bert_tok),
+                   args={"remove_unused_columns": True})
+    f = _finding(report, "no-labels")
+    assert "dropped the columns 'target'" in f.message
+    renamed = [{("label" if k == "target" else k): v for k, v in r.items()} for r in rows]
+    _no_errors(check(model, bert_tok, renamed, data_collator=DataCollatorWithPadding(bert_tok),
+                     args={"remove_unused_columns": True}))

@@ -457,6 +457,31 @@ def _find_ragged_batch(setup: Setup) -> list[Finding]:
 # ------------------------------------------------------------------------------------------------------------ EOS
 
 
+def _turn_terminator(tok: Any) -> tuple[int, str] | None:
+    """The token the chat template puts right after an assistant message's text (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``...), when it is a special token; ``None`` without a template."""
+    if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "apply_chat_template"):
+        return None
+    answer = "zq"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}],
+                                       tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this has no terminator to check
+        return None
+    at = text.rfind(answer)
+    suffix = text[at + len(answer):] if at >= 0 else ""
+    if not suffix.strip():
+        return None
+    ids = tok(suffix.lstrip(" "), add_special_tokens=False)["input_ids"]
+    if not ids:
+        return None
+    special = set(getattr(tok, "all_special_ids", []) or []) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    if ids[0] not in special:
+        return None
+    return ids[0], tok.convert_ids_to_tokens(ids[0])
+
+
+
 @register("eos-masked")
 def check_eos_masked(setup: Setup) -> list[Finding]:
     """Real EOS tokens whose label is -100 right after trained tokens: the model never learns to stop."""
@@ -519,8 +544,6 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
         return []
     values, scope = _train_values(setup, "input_ids")
     masks = dict(_train_values(setup, "attention_mask")[0])
-    from surefit.doctor.checks_labels import _turn_terminator
-
     # chat rows end with the template's turn terminator (and maybe a newline after it): that is their end
     term = _turn_terminator(_tokenizer(setup))
     ends_turn = set() if term is None else {term[0]}
@@ -929,10 +952,15 @@ def check_no_labels(setup: Setup) -> list[Finding]:
     else:
         fix = ("keep the label column in the dataset (named 'labels' or 'label'; with remove_unused_columns=True "
                "other names are dropped) and use a collator that passes it on")
+    dropped = setup.dropped_columns()
+    removed = (f"; remove_unused_columns=True dropped the columns {', '.join(repr(k) for k in dropped)} before "
+               "collating (a label column must be named 'labels', 'label', 'label_ids' or be in label_names)"
+               if dropped else "")
     return [Finding("no-labels", "error",
                     f"the batch from {name} has no labels (keys: {keys}) while {model}.forward takes "
                     f"{', '.join(sorted(label_params)) or 'labels'}: the model cannot return a loss, and training "
-                    "fails (`element 0 of tensors does not require grad`) or learns nothing", fix, "batch keys")]
+                    f"fails (`element 0 of tensors does not require grad`) or learns nothing{removed}", fix,
+                    "batch keys")]
 
 
 # -------------------------------------------------------------------------------------------- dry-run failures

@@ -23,6 +23,7 @@ from surefit.doctor.checks_data import (
     _special_ids,
     _tokenizer,
     _train_values,
+    _turn_terminator,
 )
 from surefit.doctor.core import Finding, Setup, describe, register
 
@@ -388,30 +389,6 @@ def check_new_head_frozen(setup: Setup) -> list[Finding]:
 
 
 # ----------------------------------------------------------------------------------------------- turn-end-masked
-
-
-def _turn_terminator(tok: Any) -> tuple[int, str] | None:
-    """The token the chat template puts right after an assistant message's text (``<|im_end|>``, ``<|eot_id|>``,
-    ``<end_of_turn>``...), when it is a special token; ``None`` without a template."""
-    if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "apply_chat_template"):
-        return None
-    answer = "zq"
-    try:
-        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}],
-                                       tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that cannot render this has no terminator to check
-        return None
-    at = text.rfind(answer)
-    suffix = text[at + len(answer):] if at >= 0 else ""
-    if not suffix.strip():
-        return None
-    ids = tok(suffix.lstrip(" "), add_special_tokens=False)["input_ids"]
-    if not ids:
-        return None
-    special = set(getattr(tok, "all_special_ids", []) or []) | set(getattr(tok, "added_tokens_decoder", {}) or {})
-    if ids[0] not in special:
-        return None
-    return ids[0], tok.convert_ids_to_tokens(ids[0])
 
 
 @register("turn-end-masked")
