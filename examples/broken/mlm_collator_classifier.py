@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch.utils.data import DataLoader
-from transformers import (BertConfig, BertForSequenceClassification, DataCollatorForLanguageModeling,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    DataCollatorForLanguageModeling,
+    PreTrainedTokenizerFast,
+)
 
 from surefit.doctor import check, explain
 

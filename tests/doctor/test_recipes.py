@@ -166,8 +166,13 @@ def test_ner_with_word_ids_alignment(tmp_path, bert_tok):
 
 
 def test_t5_with_seq2seq_collator(tmp_path):
-    from transformers import (DataCollatorForSeq2Seq, Seq2SeqTrainer, Seq2SeqTrainingArguments, T5Config,
-                              T5ForConditionalGeneration)
+    from transformers import (
+        DataCollatorForSeq2Seq,
+        Seq2SeqTrainer,
+        Seq2SeqTrainingArguments,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
 
     tok = build_tokenizer(pad_is_eos=False)
     torch.manual_seed(0)
