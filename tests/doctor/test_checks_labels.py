@@ -424,3 +424,23 @@ def test_label_column_dropped_by_remove_unused_columns(bert_tok):
     renamed = [{("label" if k == "target" else k): v for k, v in r.items()} for r in rows]
     _no_errors(check(model, bert_tok, renamed, data_collator=DataCollatorWithPadding(bert_tok),
                      args={"remove_unused_columns": True}))
+
+
+class MSERegressor(nn.Module):
+    def __init__(self, vocab: int, squeeze: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head, self.squeeze = nn.Embedding(vocab, 16), nn.Linear(16, 1), squeeze
+
+    def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+        logits = self.head(self.emb(input_ids).mean(1))
+        pred = logits.squeeze(-1) if self.squeeze else logits
+        return {"loss": nn.functional.mse_loss(pred, labels), "logits": logits}
+
+
+def test_regression_labels_broadcast_silently(bert_tok):
+    rows = _rows(bert_tok, [0.5, 1.5, 2.0, 0.0])
+    report = check(MSERegressor(len(bert_tok), squeeze=False), bert_tok, rows, data_collator=_collate(bert_tok))
+    f = _finding(report, "label-shape")
+    assert "broadcasts them to [3, 3]" in f.message and "squeeze(-1)" in f.fix
+    _no_errors(check(MSERegressor(len(bert_tok), squeeze=True), bert_tok, rows, data_collator=_collate(bert_tok)))

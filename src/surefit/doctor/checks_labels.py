@@ -129,6 +129,8 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
         return _loss_outside(setup, key, y, logits, shown, where)
     _, err = setup.forward()
     if err is None:
+        if tuple(y.shape) != tuple(logits.shape) and y.numel() == logits.numel() and y.is_floating_point():
+            return _broadcast(setup, key, y, logits, where)  # [B] against [B, 1]: a loss may broadcast to [B, B]
         return []  # the loss takes these labels; shape and dtype are the model's business
     if per_seq and n == 1 and y.dim() == 1 and setup.probe({key: y.float().unsqueeze(-1)}) is None:
         return [Finding(
@@ -175,6 +177,26 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
                 f"store the labels as floats: ds = ds.map(lambda r: {{'{key}': float(r['{key}'])}}) (for vectors, "
                 "each element)", where)]
     return []
+
+
+def _broadcast(setup: Setup, key: str, y: Any, logits: Any, where: str) -> list[Finding]:
+    """A loss that ran, but broadcast labels against logits of another shape (torch warns, training goes on)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if setup.probe({}) is not None:
+            return []
+    said = next((str(w.message) for w in caught if "broadcast" in str(w.message).lower()), None)
+    if said is None:
+        return []
+    return [Finding(
+        "label-shape", "error",
+        f"`{key}` is {describe(y)} but {_model_name(setup)}'s logits are {list(logits.shape)}: the loss broadcasts "
+        f"them to {[y.shape[0]] * 2} and compares every prediction with every row's target, so it trains on the "
+        f"wrong pairs without failing (torch warns: \"{said.splitlines()[0][:160]}\")",
+        f"give the loss tensors of one shape: loss_fn(logits.squeeze(-1), {key}) or loss_fn(logits, {key}"
+        ".unsqueeze(-1))", where)]
 
 
 def _loss_outside(setup: Setup, key: str, y: Any, logits: Any, shown: str, where: str) -> list[Finding]:
