@@ -444,3 +444,27 @@ def test_regression_labels_broadcast_silently(bert_tok):
     f = _finding(report, "label-shape")
     assert "broadcasts them to [3, 3]" in f.message and "squeeze(-1)" in f.fix
     _no_errors(check(MSERegressor(len(bert_tok), squeeze=True), bert_tok, rows, data_collator=_collate(bert_tok)))
+
+
+class Features(nn.Module):
+    """A plain PyTorch classifier on feature vectors: forward(x) -> logits; the loop computes the loss."""
+
+    def __init__(self, classes: int = 3):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_tensor_dataset_targets_out_of_range_and_float():
+    from torch.utils.data import TensorDataset
+
+    x = torch.randn(10, 6)
+    one_based = TensorDataset(x, torch.tensor([1, 2, 3, 1, 2, 3, 1, 2, 3, 1]))
+    f = _finding(check(Features(), train_dataset=one_based), "label-out-of-range")
+    assert "3 in items 2, 5, 8" in f.message and "subtract 1" in f.fix
+    floats = TensorDataset(x, torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0, 2.0, 1.0, 0.0, 2.0, 1.0]))
+    assert "label-dtype" in check(Features(), train_dataset=floats).codes()
+    _no_errors(check(Features(), train_dataset=TensorDataset(x, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0]))))

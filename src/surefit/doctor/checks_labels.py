@@ -35,6 +35,8 @@ def _batch_labels(setup: Setup) -> tuple[str, Any] | None:
     import torch
 
     batch, err = setup.batch()
+    if err is None and isinstance(batch, (tuple, list)) and len(batch) >= 2 and isinstance(batch[-1], torch.Tensor):
+        return f"item[{len(batch) - 1}]", batch[-1]  # (inputs..., target): a plain loop's TensorDataset
     if err is not None or not isinstance(batch, Mapping):
         return None
     for key in setup.label_keys():
@@ -210,6 +212,8 @@ def _loss_outside(setup: Setup, key: str, y: Any, logits: Any, shown: str, where
     n = logits.shape[-1]
     if logits.dim() != 2 or n < 2:
         return []
+    if key.startswith("item[") and y.dim() == 1 and not y.is_floating_point():
+        return _tuple_range(setup, key, n, model, logits, where)
     if y.dim() == 1 and y.is_floating_point() and bool((y == y.round()).all()):
         return [Finding(
             "label-dtype", "error",
@@ -234,6 +238,37 @@ def _loss_outside(setup: Setup, key: str, y: Any, logits: Any, shown: str, where
             "BCEWithLogitsLoss needs float targets (`result type Float can't be cast to the desired output type "
             "Long`)", f"store the vectors as floats: [float(x) for x in r['{key}']]", where)]
     return []
+
+
+TUPLE_SCAN = 20_000  # items read from a tuple dataset for the class-id range
+
+
+def _tuple_range(setup: Setup, key: str, n: int, model: str, logits: Any, where: str) -> list[Finding]:
+    """Class ids outside ``[0, C)`` in the target element of ``(inputs..., target)`` items."""
+    ds = setup.train_dataset
+    size = min(Setup.length(ds) or 0, TUPLE_SCAN)
+    index = int(key[5:-1])
+    bad: dict[int, list[int]] = {}
+    for i in range(size):
+        try:
+            value = ds[i][index]
+            value = int(value.item() if hasattr(value, "item") else value)
+        except Exception:  # noqa: BLE001 - an unreadable item is dataset-item-failed's business
+            return []
+        if not 0 <= value < n:
+            bad.setdefault(value, []).append(i)
+    if not bad:
+        return []
+    rows = sorted({i for r in bad.values() for i in r})
+    listing = "; ".join(f"{v} in {_rows_text(r, 3, noun='item')}" for v, r in sorted(bad.items())[:5])
+    high = max(bad)
+    fix = (f"if there are {high + 1} classes, build the head with {high + 1} outputs; if the ids start at 1, "
+           "subtract 1; " if high >= n else "") + "drop or relabel rows marked -1 (unlabelled)"
+    return [Finding(
+        "label-out-of-range", "error",
+        f"the targets ({key} of each item) hold class ids outside [0, {n}) for {model}'s {n} outputs (logits "
+        f"{list(logits.shape)}) in {len(rows)} of {size} items: {listing}; cross-entropy fails with `Target N is out "
+        "of bounds` (on a GPU: a device-side assert)", fix, f"train_dataset item {rows[0]}, {key}")]
 
 
 # ------------------------------------------------------------------------------------------- labels-pad-trained

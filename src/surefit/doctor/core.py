@@ -389,7 +389,11 @@ class Setup:
         from torch import nn
 
         batch, _ = self.batch()
-        if not isinstance(batch, Mapping) or not isinstance(self.model, nn.Module):
+        if not isinstance(self.model, nn.Module):
+            return None
+        if isinstance(batch, (tuple, list)) and len(batch) >= 2 and all(isinstance(b, torch.Tensor) for b in batch):
+            return self._tuple_logits(batch)
+        if not isinstance(batch, Mapping):
             return None
         try:
             names, var_kw = self.forward_params()
@@ -438,6 +442,21 @@ class Setup:
             if self.config is not None and hasattr(self.config, "problem_type"):
                 self.config.problem_type = problem_type
         return None
+
+    def _tuple_logits(self, batch: Sequence[Any]) -> Any:
+        """``(inputs..., target)`` batches of a plain PyTorch loop: the model gets the inputs, the loss the last."""
+        import torch
+
+        was = getattr(self.model, "training", False)
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                out = self.model(*batch[:-1])
+        except Exception:  # noqa: BLE001 - no logits to compare with
+            return None
+        finally:
+            self.model.train(was)
+        return _logits_of(out, int(batch[0].shape[0]) if batch[0].dim() else None)
 
     def probe(self, replace: Mapping[str, Any]) -> Exception | None:
         """Run the forward on the dry-run batch with some keys replaced; the error, or ``None`` if it passed.
