@@ -145,7 +145,7 @@ def test_sequence_labels_for_token_classifier(bert_tok):
                                                   num_attention_heads=4, intermediate_size=64, num_labels=3))
     report = check(model, bert_tok, _rows(bert_tok, [0, 1, 2, 1]), data_collator=_collate(bert_tok))
     f = _finding(report, "label-shape")
-    assert "one value per row" in f.message and "word_ids()" in f.fix
+    assert "one label per row" in f.message and "word_ids()" in f.fix
 
 
 # ------------------------------------------------------------------------------------------- labels-pad-trained
@@ -468,3 +468,20 @@ def test_tensor_dataset_targets_out_of_range_and_float():
     floats = TensorDataset(x, torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0, 2.0, 1.0, 0.0, 2.0, 1.0]))
     assert "label-dtype" in check(Features(), train_dataset=floats).codes()
     _no_errors(check(Features(), train_dataset=TensorDataset(x, torch.tensor([0, 1, 2, 0, 1, 2, 0, 1, 2, 0]))))
+
+
+def test_label_columns_shaped_for_the_other_head(bert_tok):
+    rows = [dict(bert_tok(r["sentence"])) for r in sentiment_rows(6)]
+    for r in rows:
+        r["labels"] = list(r["input_ids"])  # copied from a language-model script
+    rows[1]["labels"] = rows[1]["input_ids"] = rows[1]["input_ids"][:-2] + [3]
+    report = check(_bert_seq_cls(bert_tok), bert_tok, rows, data_collator=_collate(bert_tok))
+    f = _finding(report, "label-shape")
+    assert "one label per token in 6 of 6 rows" in f.message
+    assert "collate-failed" not in report.codes(), str(report)
+    from transformers import DataCollatorForTokenClassification
+
+    report = check(_ner_model(bert_tok), bert_tok, _rows(bert_tok, [0, 1, 2, 1]),
+                   data_collator=DataCollatorForTokenClassification(bert_tok))
+    f = _finding(report, "label-shape")
+    assert "one label per row in 4 of 4 rows" in f.message and "collate-failed" not in report.codes(), str(report)

@@ -1019,7 +1019,7 @@ def _explained_by_others(setup: Setup, err: BaseException) -> bool:
 
     text = f"{type(err).__name__}: {err}"
     candidates = {"labels-not-padded", "ragged-batch", "label-not-numeric", "label-one-hot", "no-pad-token",
-                  "token-labels-misaligned"}
+                  "token-labels-misaligned", "label-shape"}
     for pattern, codes in _PATTERNS:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates |= set(codes)

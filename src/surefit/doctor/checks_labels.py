@@ -74,6 +74,9 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
     """Labels whose shape or dtype does not fit the head's logits (and the loss between them)."""
     import torch
 
+    from_data = _label_shape_in_data(setup)
+    if from_data:
+        return from_data
     found = _batch_labels(setup)
     logits = setup.logits() if found is not None else None
     if found is None or not isinstance(logits, torch.Tensor) or logits.dim() < 1:
@@ -179,6 +182,43 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
                 f"store the labels as floats: ds = ds.map(lambda r: {{'{key}': float(r['{key}'])}}) (for vectors, "
                 "each element)", where)]
     return []
+
+
+def _label_shape_in_data(setup: Setup) -> list[Finding]:
+    """The label column itself holds the other head's shape (found before any collator has to cope with it)."""
+    from surefit.doctor.checks_data import _label_values
+
+    kind = _kind(setup)
+    scan = _label_values(setup) if kind in ("seq-cls", "token-cls") else None
+    if not scan or not scan[2]:
+        return []
+    split, key, values, scope = scan
+    where = f"{split} column '{key}', row {values[0][0]}"
+    model = _model_name(setup)
+    if kind == "seq-cls":
+        ids = dict(_train_values(setup, "input_ids")[0])
+        n = getattr(setup.config, "num_labels", None)
+        per_token = [(i, v) for i, v in values if isinstance(v, list) and isinstance(ids.get(i), list)
+                     and len(v) == len(ids[i]) and len(v) != n]
+        if len(per_token) * 2 <= len(values) or len({len(v) for _, v in per_token}) < 2:
+            return []
+        i, v = per_token[0]
+        return [Finding(
+            "label-shape", "error",
+            f"column '{key}' of {split} holds one label per token in {len(per_token)} of {len(values)} rows ({scope}; "
+            f"row {i}: {len(v)} values, as many as its input_ids: {v[:6]}{'...' if len(v) > 6 else ''}) but {model} "
+            "predicts one class per row", "give each row one class id (for several labels per row, a float vector "
+            "of num_labels); per-token labels belong to a token classifier or a language model", where)]
+    scalars = [(i, v) for i, v in values if not isinstance(v, list)]
+    if len(scalars) * 2 <= len(values):
+        return []
+    i, v = scalars[0]
+    return [Finding(
+        "label-shape", "error",
+        f"column '{key}' of {split} holds one label per row in {len(scalars)} of {len(values)} rows ({scope}; row {i}: "
+        f"{v!r}) but {model} predicts one class per token", "give each token a label (-100 on special tokens and "
+        "continuation sub-words, aligned with tokenizer(...).word_ids()); for one label per text use a sequence "
+        "classifier (AutoModelForSequenceClassification)", where)]
 
 
 def _broadcast(setup: Setup, key: str, y: Any, logits: Any, where: str) -> list[Finding]:
