@@ -197,6 +197,11 @@ def test_causal_labels_copied_from_padded_input_ids():
             for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
     f = _finding(check(model, tok, rows), "labels-pad-trained")
     assert "4 rows of train_dataset" in f.message
+    # a collator that rebuilds labels from input_ids (padding masked) makes the column's pads harmless
+    from transformers import DataCollatorForLanguageModeling
+
+    rebuilt = check(model, tok, rows, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    assert "labels-pad-trained" not in rebuilt.codes(), str(rebuilt)
     for r in rows:
         r["labels"] = [t if m else -100 for t, m in zip(r["input_ids"], r["attention_mask"], strict=True)]
     assert "labels-pad-trained" not in check(model, tok, rows).codes()
