@@ -490,3 +490,20 @@ def test_label_columns_shaped_for_the_other_head(bert_tok):
                    data_collator=DataCollatorForTokenClassification(bert_tok))
     f = _finding(report, "label-shape")
     assert "one label per row in 4 of 4 rows" in f.message and "collate-failed" not in report.codes(), str(report)
+
+
+def test_multi_label_vectors_are_not_token_labels_even_without_logits(bert_tok):
+    class Opaque(nn.Module):
+        """Its head is no nn.Linear, so no logits can be read: the labels' form alone must not look ragged."""
+
+        def __init__(self):
+            super().__init__()
+            self.emb, self.w = nn.Embedding(len(bert_tok), 3), nn.Parameter(torch.zeros(3))
+
+        def forward(self, input_ids, attention_mask=None, token_type_ids=None, labels=None):
+            logits = self.emb(input_ids).mean(1) + self.w
+            return {"loss": nn.functional.binary_cross_entropy_with_logits(logits, labels)}
+
+    vectors = [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
+    report = check(Opaque(), bert_tok, _rows(bert_tok, vectors), data_collator=_collate(bert_tok))
+    assert "labels-not-padded" not in report.codes(), str(report)

@@ -296,6 +296,8 @@ def _find_labels_not_padded(setup: Setup) -> list[Finding]:
                 for r, (it, lab) in enumerate(zip(items, labels, strict=True))
                 if aligned and len(lab) != len(_py(it["input_ids"]))]
     ragged = len(set(lengths)) > 1
+    if not ragged and all(isinstance(x, float) for lab in labels for x in lab[:8]):
+        return []  # one fixed-width float vector per row (multi-label targets), not per-token ids
     if mismatch and kind == "token-cls":
         return []  # word-level tags against sub-word tokens: token-labels-misaligned names that cause
     probe, (batch, err) = items, setup.batch()
