@@ -11,11 +11,12 @@ import importlib
 import re
 from typing import Any
 
-from surefit.doctor.core import CODES, Finding, Report, Setup, run_checks
+from surefit.doctor.core import CODES, Finding, Report, Setup, normalise_args, run_checks
 
 __all__ = ["check", "check_trainer", "explain", "Finding", "Report", "CODES"]
 
-_CHECK_MODULES = ("surefit.doctor.checks_data", "surefit.doctor.checks_model", "surefit.doctor.checks_run")
+_CHECK_MODULES = ("surefit.doctor.checks_data", "surefit.doctor.checks_labels", "surefit.doctor.checks_model",
+                  "surefit.doctor.checks_run")
 
 
 def _load_checks() -> None:
@@ -47,17 +48,40 @@ def check(model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dat
 
 
 def check_trainer(trainer: Any) -> Report:
-    """The same checks, reading the model, datasets, collator and arguments from a ``transformers.Trainer``."""
-    return check(trainer.model, getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None),
-                 trainer.train_dataset, trainer.eval_dataset, trainer.data_collator, trainer.args)
+    """The same checks on a ``transformers.Trainer`` (or a TRL trainer), with each batch built as the trainer will.
+
+    The model, datasets, collator and arguments are read from the trainer. With ``remove_unused_columns=True`` the
+    items lose the columns the trainer drops before collating: the trainer's own signature columns (it computes
+    them with ``_set_signature_columns_if_needed()``; TRL's trainers set their own list there), else the model's
+    forward parameters plus ``label``, ``label_ids`` and ``label_names``. TRL prepares (tokenises) its datasets
+    when the trainer is built, so ``trainer.train_dataset`` already holds what its collator receives.
+    """
+    _load_checks()
+    tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    args = normalise_args(trainer.args)
+    if getattr(trainer, "label_names", None) is not None:
+        args["label_names"] = list(trainer.label_names)
+    columns = None
+    if args.get("remove_unused_columns"):
+        setter = getattr(trainer, "_set_signature_columns_if_needed", None)
+        try:
+            if callable(setter):
+                setter()
+            columns = getattr(trainer, "_signature_columns", None)
+        except Exception:  # noqa: BLE001 - the columns are then derived from the model, as the Trainer does
+            columns = None
+    return run_checks(Setup(trainer.model, tok, trainer.train_dataset, trainer.eval_dataset, trainer.data_collator,
+                            args, None, None, signature_columns=columns))
 
 
 # A raw error's text -> the codes whose findings can explain it, most specific first.
 _PATTERNS: list[tuple[str, tuple[str, ...]]] = [
     (r"expected sequence of length \d+ at dim \d+ \(got \d+\)", ("labels-not-padded", "ragged-batch")),
     (r"each element in list of batch should be of equal size", ("ragged-batch", "labels-not-padded")),
-    (r"Target size \(.*\) must be the same as input size", ("label-dtype", "label-one-hot")),
-    (r"Expected input batch_size \(\d+\) to match target batch_size", ("label-one-hot",)),
+    (r"Target size \(.*\) must be the same as input size", ("label-shape", "label-dtype", "label-one-hot")),
+    (r"device-side assert|CUDA error: an illegal|srcIndex < srcSelectDimSize|t >= 0 && t < n_classes",
+     ("label-out-of-range", "token-id-out-of-range", "token-type-out-of-range", "sequence-too-long")),
+    (r"Expected input batch_size \(\d+\) to match target batch_size", ("label-shape", "label-one-hot")),
     (r"stack expects each tensor to be equal size", ("ragged-batch", "labels-not-padded")),
     (r"Unable to create tensor.*padding", ("labels-not-padded", "ragged-batch", "label-not-numeric")),
     (r"mat1 and mat2 shapes cannot be multiplied", ("input-dim-mismatch",)),
@@ -67,8 +91,8 @@ _PATTERNS: list[tuple[str, tuple[str, ...]]] = [
     (r"too many dimensions 'str'|new\(\): invalid data type 'str'", ("label-not-numeric",)),
     (r"Target -?\d+ is out of bounds|out of bounds", ("label-out-of-range",)),
     (r"index out of range in self", ("token-id-out-of-range", "token-type-out-of-range", "sequence-too-long")),
-    (r"expected scalar type Long but found Float|expected .*Long.*Float|result type Float can't be cast",
-     ("label-dtype",)),
+    (r"expected scalar type Long but found Float|expected .*Long.*Float|result type Float can't be cast|"
+     r"Found dtype Long but expected Float|class probabilities, got Long", ("label-dtype", "label-one-hot")),
     (r"0D or 1D target tensor expected, multi-target not supported", ("label-one-hot",)),
     (r"Cannot handle batch sizes > 1 if no padding token is defined", ("classifier-no-pad-id",)),
     (r"Asking to pad but the tokenizer does not have a padding token", ("no-pad-token",)),
@@ -81,33 +105,55 @@ _PATTERNS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+_DRY_RUN_FAILURES = ("forward-failed", "collate-failed", "dataset-item-failed")
+
+
 def explain(exc: BaseException, model: Any = None, tokenizer: Any = None, train_dataset: Any = None,
             eval_dataset: Any = None, data_collator: Any = None, args: Any = None, peft_config: Any = None,
             task: str | None = None) -> Finding:
     """The finding that explains a raw exception from a failed run.
 
-    The checks run on the same setup; the first finding whose code matches the exception's text is returned
-    (that finding names the real cause, e.g. the collator that leaves ``labels`` unpadded). Without a setup, or
-    when no check confirms it, a finding built from the text alone says what such an error usually means.
+    With a setup (``model`` and the rest), the checks run on it and what the dry run confirmed wins:
+
+    * a finding whose code the error's text points at (it names the object at fault);
+    * else another error the checks found: the text and the setup disagree, and the message says so;
+    * else "unknown cause", with the raw error attached and the causes such an error can have, never a guess.
+
+    Without a setup the text alone is read: a finding that says what such an error usually means (marked as not
+    confirmed), or "unknown cause" when no known pattern matches.
     """
     text = f"{type(exc).__name__}: {exc}"
+    first = text.splitlines()[0]
     candidates: tuple[str, ...] = ()
     for pattern, codes in _PATTERNS:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates = codes
             break
-    if model is not None:
-        report = check(model, tokenizer, train_dataset, eval_dataset, data_collator, args, peft_config, task)
-        for code in candidates:
-            for f in report.findings:
-                if f.code == code:
-                    return f
-        errors = [f for f in report.findings if f.severity == "error"]
-        if not candidates and errors:
-            return errors[0]
-    if candidates:
-        return Finding(candidates[0], "error", f"{text.splitlines()[0]} — this error usually means: "
-                       f"{CODES[candidates[0]]}", "pass the model, datasets and collator to explain() to confirm "
-                       "the cause; surefit.doctor.check() lists every problem of the setup")
-    return Finding("forward-failed", "error", f"{text.splitlines()[0]} (no known cause matched)",
-                   "run surefit.doctor.check() on the setup for its findings")
+    usual = "; or ".join(f"[{c}] {CODES[c]}" for c in candidates)
+    if model is None:
+        if candidates:
+            return Finding(candidates[0], "error", f"{first} — this error usually means: {usual} (not confirmed: "
+                           "no setup was given)", "pass the model, datasets and collator to explain() to confirm "
+                           "the cause; surefit.doctor.check() lists every problem of the setup")
+        return Finding("forward-failed", "error", f"unknown cause: no known pattern matches the raw error: {first}",
+                       "run surefit.doctor.check() on the setup for its findings")
+    report = check(model, tokenizer, train_dataset, eval_dataset, data_collator, args, peft_config, task)
+    for code in candidates:
+        for f in report.findings:
+            if f.code == code and f.severity != "info":
+                return f
+    errors = [f for f in report.findings if f.severity == "error"]
+    specific = [f for f in errors if f.code not in _DRY_RUN_FAILURES]
+    if specific:
+        f = specific[0]
+        if not candidates:
+            return f
+        return Finding(f.code, f.severity, f"the error text (`{first}`) usually means {usual}, but the dry run of this "
+                       f"setup does not show that; it shows this instead: {f.message}", f.fix, f.where)
+    dry = next((f for f in errors if f.code in _DRY_RUN_FAILURES), None)
+    seen = f"; the dry run also fails: {dry.message}" if dry else "; the dry run of this setup runs without error"
+    code = dry.code if dry else "forward-failed"
+    maybe = f" Errors like this one often come from: {usual}, which the checks did not find here." if usual else ""
+    return Finding(code, "error", f"unknown cause: raw error `{text.strip()[:500]}`{seen}.{maybe}",
+                   (dry.fix + "; " if dry else "") + "run the failing step by hand for the full traceback, and "
+                   "compare the batch it got with the dry run's", dry.where if dry else "")

@@ -129,6 +129,41 @@ def _kind(setup: Setup) -> str:
         return "causal"
     if getattr(setup.config, "is_encoder_decoder", False):
         return "seq2seq"
+    return _cached(setup, "head-kind", lambda: _head_kind(setup))
+
+
+def _head_kind(setup: Setup) -> str:
+    """The kind of a model no class name tells (a user's ``nn.Module``), from the shape of its logits.
+
+    ``[B, C]`` is one prediction per row (a sequence classifier or regressor); ``[B, T, C]`` with ``T`` the
+    length of ``input_ids`` is one per token: a language model when ``C`` is the vocabulary, else a token
+    classifier.
+    """
+    import torch
+
+    try:
+        logits = setup.logits()
+    except Exception:  # noqa: BLE001 - no forward, no kind
+        return "other"
+    if not isinstance(logits, torch.Tensor):
+        return "other"
+    batch, _ = setup.batch()
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if logits.dim() == 2:
+        return "seq-cls"
+    if logits.dim() == 3 and isinstance(ids, torch.Tensor) and ids.dim() == 2 and logits.shape[1] == ids.shape[1]:
+        vocab = getattr(setup.config, "vocab_size", None)
+        emb = getattr(setup.base_model, "get_input_embeddings", None)
+        try:
+            rows = getattr(emb(), "num_embeddings", None) if callable(emb) else None
+        except (NotImplementedError, AttributeError):
+            rows = None
+        if rows is None:  # a plain module: a language model scores every row of one of its embeddings
+            from torch import nn
+
+            rows = next((m.num_embeddings for m in setup.model.modules()
+                         if isinstance(m, nn.Embedding) and m.num_embeddings == logits.shape[-1]), None)
+        return "causal" if logits.shape[-1] in {vocab, rows} - {None} else "token-cls"
     return "other"
 
 
@@ -149,6 +184,9 @@ def _column(setup: Setup, ds: Any, key: str) -> tuple[list[Any], bool] | None:
     """``(values, truncated)`` of one column of a list of dicts or a ``datasets`` dataset, or ``None``."""
 
     def compute() -> tuple[list[Any], bool] | None:
+        keep = setup.kept_columns()
+        if keep is not None and key not in keep:
+            return None  # the trainer drops this column before collating: the model never sees it
         if isinstance(ds, (list, tuple)):
             if not ds or not all(isinstance(r, Mapping) for r in ds[:8]):
                 return None
@@ -258,6 +296,10 @@ def _find_labels_not_padded(setup: Setup) -> list[Finding]:
                 for r, (it, lab) in enumerate(zip(items, labels, strict=True))
                 if aligned and len(lab) != len(_py(it["input_ids"]))]
     ragged = len(set(lengths)) > 1
+    if not ragged and all(isinstance(x, float) for lab in labels for x in lab[:8]):
+        return []  # one fixed-width float vector per row (multi-label targets), not per-token ids
+    if mismatch and kind == "token-cls":
+        return []  # word-level tags against sub-word tokens: token-labels-misaligned names that cause
     probe, (batch, err) = items, setup.batch()
     if not ragged and not mismatch:
         col = _column(setup, setup.train_dataset, key) if setup.train_dataset is not None else None
@@ -417,6 +459,31 @@ def _find_ragged_batch(setup: Setup) -> list[Finding]:
 # ------------------------------------------------------------------------------------------------------------ EOS
 
 
+def _turn_terminator(tok: Any) -> tuple[int, str] | None:
+    """The token the chat template puts right after an assistant message's text (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``...), when it is a special token; ``None`` without a template."""
+    if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "apply_chat_template"):
+        return None
+    answer = "zq"
+    try:
+        text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}],
+                                       tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that cannot render this has no terminator to check
+        return None
+    at = text.rfind(answer)
+    suffix = text[at + len(answer):] if at >= 0 else ""
+    if not suffix.strip():
+        return None
+    ids = tok(suffix.lstrip(" "), add_special_tokens=False)["input_ids"]
+    if not ids:
+        return None
+    special = set(getattr(tok, "all_special_ids", []) or []) | set(getattr(tok, "added_tokens_decoder", {}) or {})
+    if ids[0] not in special:
+        return None
+    return ids[0], tok.convert_ids_to_tokens(ids[0])
+
+
+
 @register("eos-masked")
 def check_eos_masked(setup: Setup) -> list[Finding]:
     """Real EOS tokens whose label is -100 right after trained tokens: the model never learns to stop."""
@@ -479,6 +546,9 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
         return []
     values, scope = _train_values(setup, "input_ids")
     masks = dict(_train_values(setup, "attention_mask")[0])
+    # chat rows end with the template's turn terminator (and maybe a newline after it): that is their end
+    term = _turn_terminator(_tokenizer(setup))
+    ends_turn = set() if term is None else {term[0]}
     missing: list[int] = []
     packed = total = 0
     ends: list[int] = []
@@ -494,6 +564,8 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
         if not ids:
             continue
         total += 1
+        if ends_turn and (ids[-1] in ends_turn or (len(ids) > 1 and ids[-2] in ends_turn)):
+            continue
         if ids[-1] != eos:
             missing.append(i)
             ends.append(ids[-1])
@@ -625,8 +697,7 @@ def _class_info(setup: Setup) -> tuple[int | None, str | None, bool]:
         return int(cfg.num_labels), getattr(cfg, "problem_type", None), True
     n = getattr(setup.base_model, "num_labels", None)
     if n is None:
-        out, err = setup.forward()
-        logits = getattr(out, "logits", out) if err is None else None
+        logits = setup.logits()  # from a forward without labels: the labels may be what fails
         shape = getattr(logits, "shape", None)
         n = int(shape[-1]) if shape is not None and len(shape) >= 2 else None
     return n, None, False
@@ -883,10 +954,15 @@ def check_no_labels(setup: Setup) -> list[Finding]:
     else:
         fix = ("keep the label column in the dataset (named 'labels' or 'label'; with remove_unused_columns=True "
                "other names are dropped) and use a collator that passes it on")
+    dropped = setup.dropped_columns()
+    removed = (f"; remove_unused_columns=True dropped the columns {', '.join(repr(k) for k in dropped)} before "
+               "collating (a label column must be named 'labels', 'label', 'label_ids' or be in label_names)"
+               if dropped else "")
     return [Finding("no-labels", "error",
                     f"the batch from {name} has no labels (keys: {keys}) while {model}.forward takes "
                     f"{', '.join(sorted(label_params)) or 'labels'}: the model cannot return a loss, and training "
-                    "fails (`element 0 of tensors does not require grad`) or learns nothing", fix, "batch keys")]
+                    f"fails (`element 0 of tensors does not require grad`) or learns nothing{removed}", fix,
+                    "batch keys")]
 
 
 # -------------------------------------------------------------------------------------------- dry-run failures
@@ -944,7 +1020,8 @@ def _explained_by_others(setup: Setup, err: BaseException) -> bool:
     from surefit.doctor import _PATTERNS
 
     text = f"{type(err).__name__}: {err}"
-    candidates = {"labels-not-padded", "ragged-batch", "label-not-numeric", "label-one-hot", "no-pad-token"}
+    candidates = {"labels-not-padded", "ragged-batch", "label-not-numeric", "label-one-hot", "no-pad-token",
+                  "token-labels-misaligned", "label-shape"}
     for pattern, codes in _PATTERNS:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates |= set(codes)

@@ -281,6 +281,14 @@ def check_input_dims(setup: Setup) -> list[Finding]:
 @register("unexpected-columns")
 def check_unexpected_columns(setup: Setup) -> list[Finding]:
     """Batch keys the forward does not take (the seeds' ``forward() got an unexpected keyword argument 'idx'``)."""
+    removed = [k for k in setup.dropped_columns() if k not in LABEL_KEYS]
+    if removed:  # remove_unused_columns=True took them out before collation: nothing reaches the forward
+        model = type(setup.base_model).__name__
+        return [Finding("unexpected-columns", "info",
+                        f"{model}.forward() does not take {', '.join(repr(k) for k in removed)} from the dataset's "
+                        "items; with remove_unused_columns=True the Trainer drops them silently before collating",
+                        "nothing to do if they are not inputs; otherwise rename them to the forward's parameter names",
+                        "dataset columns " + ", ".join(repr(k) for k in removed))]
     batch, _ = setup.batch()
     if isinstance(batch, Mapping):
         keys = list(batch)
@@ -687,7 +695,7 @@ def check_forward(setup: Setup) -> list[Finding]:
         return []  # the dry run batches two items; training with batches of one never hits this
     # the checks of this module that find inputs the forward cannot take: their errors explain any failure
     candidates = {"input-dim-mismatch", "token-id-out-of-range", "token-type-out-of-range", "sequence-too-long",
-                  "classifier-no-pad-id"}
+                  "classifier-no-pad-id", "label-shape", "label-dtype", "label-one-hot"}
     for pattern, codes in _PATTERNS:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates |= set(codes)

@@ -80,10 +80,12 @@ CODES: dict[str, str] = {
     "no-supervised-tokens": "examples or batches whose labels are all -100 (loss NaN), e.g. answer truncated away",
     "labels-preshifted": "labels already shifted left for a model that shifts internally",
     "ragged-batch": "default collate over variable-length items",
-    "label-out-of-range": "class id outside [0, num_labels), including -1",
-    "label-dtype": "label dtype does not fit the loss (float for cross-entropy, integer for BCE / regression)",
+    "label-out-of-range": "class id outside [0, num_labels) (num_labels from the config, else the logits), including -1",
+    "label-dtype": "label dtype does not fit the loss (float for cross-entropy, integer for BCE / regression), for "
+                   "any model: read from the logits and confirmed by a probe",
     "label-not-numeric": "string labels reaching tensors",
-    "label-one-hot": "one-hot labels given to a single-label cross-entropy",
+    "label-one-hot": "one-hot labels given to a single-label cross-entropy (integer one-hot vectors, which no loss "
+                     "takes)",
     "input-dim-mismatch": "an input's feature dimension differs from what the first consuming layer expects",
     "unexpected-columns": "batch keys the forward does not accept",
     "no-labels": "nothing reaches the model as labels, so it cannot return a loss",
@@ -102,6 +104,15 @@ CODES: dict[str, str] = {
     "split-leakage": "validation rows (normalised) also in training",
     "fp16-master-weights": "trainable fp16 parameters under fp16 mixed precision",
     "memory-over-budget": "the estimated peak exceeds the device memory budget",
+    "label-shape": "labels shaped for another head: per-token labels (e.g. an MLM collator's) for a sequence "
+                   "classifier, or one label per sequence for a token classifier",
+    "labels-pad-trained": "label positions holding the pad id (pad != eos) that would be trained, e.g. seq2seq "
+                          "labels padded with the pad id instead of -100",
+    "token-labels-misaligned": "per-token labels whose length differs from input_ids before padding (word-level "
+                               "tags not aligned to sub-word tokens)",
+    "new-head-frozen": "layers the loader initialised fresh (classifier, score, pooler) that stay frozen under PEFT "
+                       "(not trainable, not in modules_to_save)",
+    "turn-end-masked": "the chat template's end-of-turn token after a trained answer has label -100",
     "dataset-item-failed": "the dry run could not read an item from the dataset",
     "collate-failed": "the dry run could not collate a batch",
     "forward-failed": "the dry run's forward pass or loss failed",
@@ -129,7 +140,7 @@ def register(*codes: str) -> Callable[[CheckFn], CheckFn]:
 
 
 ARG_KEYS = ("batch_size", "fp16", "bf16", "num_workers", "multiprocessing_context", "remove_unused_columns",
-            "max_length", "generation", "memory_gb", "tokenize")
+            "label_names", "max_length", "generation", "memory_gb", "tokenize")
 
 
 def normalise_args(args: Any) -> dict[str, Any]:
@@ -145,6 +156,7 @@ def normalise_args(args: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     mapping = {"per_device_train_batch_size": "batch_size", "fp16": "fp16", "bf16": "bf16",
                "dataloader_num_workers": "num_workers", "remove_unused_columns": "remove_unused_columns",
+               "label_names": "label_names",
                "generation_max_length": "max_length", "predict_with_generate": "generation"}
     for src, dst in mapping.items():
         if hasattr(args, src) and getattr(args, src) is not None:
@@ -164,8 +176,10 @@ class Setup:
 
     def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                  data_collator: Callable | None = None, args: Any = None, peft_config: Any = None,
-                 task: str | None = None):
+                 task: str | None = None, signature_columns: Sequence[str] | None = None):
         self.model, self.tokenizer = model, tokenizer
+        # the columns a Trainer keeps (its own `_signature_columns` when a trainer was given), else derived
+        self.signature_columns = list(signature_columns) if signature_columns is not None else None
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.data_collator = data_collator
         self.args = normalise_args(args)
@@ -220,8 +234,44 @@ class Setup:
         except TypeError:
             return None
 
+    def kept_columns(self) -> set[str] | None:
+        """The item keys the trainer passes on to the collator, or ``None`` when it passes every key.
+
+        With ``remove_unused_columns=True`` transformers' Trainer keeps only its signature columns: the names of
+        the (unwrapped) model's forward parameters plus ``label``, ``label_ids`` and ``label_names`` (by default
+        the forward's parameters that contain "label"). A TRL trainer sets its own list; :func:`check_trainer`
+        reads it from the trainer itself.
+        """
+        if self.args.get("remove_unused_columns") is not True:
+            return None
+        if self.signature_columns is not None:
+            return set(self.signature_columns)
+        try:
+            params = list(inspect.signature(self.base_model.forward).parameters)
+        except (TypeError, ValueError):
+            return None
+        label_names = self.args.get("label_names")
+        if label_names is None:
+            qa = "QuestionAnswering" in type(self.base_model).__name__
+            label_names = [p for p in params if "label" in p or (qa and p in ("start_positions", "end_positions"))]
+        return set(params) | {"label", "label_ids"} | set(label_names)
+
+    def dropped_columns(self) -> list[str]:
+        """Item keys the column removal took out of the dry run's items (in first-seen order)."""
+        self.samples()
+        return list(self._cache.get("dropped_columns", {}))
+
     def item(self, ds: Any, i: int) -> Any:
-        return ds[i]
+        """Item ``i`` of a dataset as the trainer's collator will receive it (unused columns removed)."""
+        value = ds[i]
+        keep = self.kept_columns()
+        if keep is None or not isinstance(value, Mapping):
+            return value
+        dropped = self._cache.setdefault("dropped_columns", {})
+        for k in value:
+            if k not in keep:
+                dropped.setdefault(k, None)
+        return {k: v for k, v in value.items() if k in keep}
 
     def sample_indices(self, ds: Any) -> list[int]:
         """The first few items and the longest one (by ``input_ids`` length), where the dataset can say."""
@@ -312,6 +362,148 @@ class Setup:
                         self.config.problem_type = problem_type
             self._cache["forward"] = (out, ferr)
         return self._cache["forward"]
+
+    def label_keys(self) -> list[str]:
+        """The batch keys that carry targets (``labels``, ``label``, ``label_ids`` and the forward's ``*label*``)."""
+        batch, _ = self.batch()
+        if not isinstance(batch, Mapping):
+            return []
+        try:
+            names, _ = self.forward_params()
+        except (TypeError, ValueError):
+            names = set()
+        return [k for k in batch if k in ("labels", "label", "label_ids") or ("label" in k and k in names)]
+
+    def logits(self) -> Any:
+        """The head's output on the dry-run batch (what the loss compares with the labels), or ``None``.
+
+        A forward without the label keys comes first (a model then returns its logits without computing a loss);
+        when that fails, the output of the last leaf module that ran (the head, before a loss that failed) stands in.
+        """
+        if "logits" not in self._cache:
+            self._cache["logits"] = self._find_logits()
+        return self._cache["logits"]
+
+    def _find_logits(self) -> Any:
+        import torch
+        from torch import nn
+
+        batch, _ = self.batch()
+        if not isinstance(self.model, nn.Module):
+            return None
+        if isinstance(batch, (tuple, list)) and len(batch) >= 2 and all(isinstance(b, torch.Tensor) for b in batch):
+            return self._tuple_logits(batch)
+        if not isinstance(batch, Mapping):
+            return None
+        try:
+            names, var_kw = self.forward_params()
+        except (TypeError, ValueError):
+            return None
+        size = next((int(v.shape[0]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
+        cached = self._cache.get("forward")
+        if cached is not None and cached[1] is None:  # the dry run already passed: its logits, no second forward
+            found = _logits_of(cached[0], size)
+            if found is not None:
+                return found
+        labels = set(self.label_keys())
+        full = {k: v for k, v in batch.items() if var_kw or k in names}
+        last: list[Any] = []
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.is_floating_point() and output.dim() >= 1 \
+                    and (size is None or output.shape[0] == size):
+                last[:] = [output]
+
+        # a head is a linear layer: the output of another leaf (an embedding, a norm) is no prediction
+        handles = [m.register_forward_hook(hook) for m in self.model.modules()
+                   if not list(m.children()) and isinstance(m, nn.Linear)]
+        was = getattr(self.model, "training", False)
+        problem_type = getattr(self.config, "problem_type", None)
+        try:
+            self.model.eval()
+            for inputs in ({k: v for k, v in full.items() if k not in labels}, full):
+                last.clear()
+                try:
+                    with torch.no_grad():
+                        out = self.model(**inputs)
+                except Exception:  # noqa: BLE001 - the head's output may still have been seen
+                    if last:
+                        return last[0]
+                    continue
+                found = _logits_of(out, size)
+                if found is not None:
+                    return found
+                if last:
+                    return last[0]
+        finally:
+            for h in handles:
+                h.remove()
+            self.model.train(was)
+            if self.config is not None and hasattr(self.config, "problem_type"):
+                self.config.problem_type = problem_type
+        return None
+
+    def _tuple_logits(self, batch: Sequence[Any]) -> Any:
+        """``(inputs..., target)`` batches of a plain PyTorch loop: the model gets the inputs, the loss the last."""
+        import torch
+
+        was = getattr(self.model, "training", False)
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                out = self.model(*batch[:-1])
+        except Exception:  # noqa: BLE001 - no logits to compare with
+            return None
+        finally:
+            self.model.train(was)
+        return _logits_of(out, int(batch[0].shape[0]) if batch[0].dim() else None)
+
+    def probe(self, replace: Mapping[str, Any]) -> Exception | None:
+        """Run the forward on the dry-run batch with some keys replaced; the error, or ``None`` if it passed.
+
+        The doctor confirms a cause this way: if the forward fails as given and passes with the labels as the
+        cause says they should be, the cause is the one.
+        """
+        import torch
+
+        batch, _ = self.batch()
+        if not isinstance(batch, Mapping):
+            return None
+        names, var_kw = self.forward_params()
+        inputs = {k: v for k, v in {**batch, **replace}.items() if var_kw or k in names}
+        was = getattr(self.model, "training", False)
+        problem_type = getattr(self.config, "problem_type", None)
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                self.model(**inputs)
+        except Exception as e:  # noqa: BLE001 - the probe's verdict
+            return e
+        finally:
+            self.model.train(was)
+            if self.config is not None and hasattr(self.config, "problem_type"):
+                self.config.problem_type = problem_type
+        return None
+
+
+def _logits_of(out: Any, batch_size: int | None) -> Any:
+    """The logits in a forward's output: ``.logits``, ``["logits"]``, the tensor itself, or the first floating
+    tensor in a tuple/list/dict whose first dimension is the batch (a loss, a scalar, comes first and is skipped)."""
+    import torch
+
+    value = getattr(out, "logits", None)
+    if value is None and isinstance(out, Mapping):
+        value = out.get("logits")
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(out, torch.Tensor):
+        return out if out.dim() >= 1 else None
+    parts = list(out.values()) if isinstance(out, Mapping) else list(out) if isinstance(out, (tuple, list)) else []
+    for v in parts:
+        if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 1 and (
+                batch_size is None or v.shape[0] == batch_size):
+            return v
+    return None
 
 
 ENCODER_TYPES = {"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2", "xlm-roberta",
