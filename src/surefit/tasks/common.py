@@ -23,6 +23,7 @@ from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
     check_output_dir,
+    lock_run,
     open_metrics_log,
     predictions_path,
     resume_command,
@@ -105,9 +106,14 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     Returns:
         ``{"output_dir", "final_dir", "history", "data_report"}``.
     """
+    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
+    with lock_run(cfg, say):  # one run at a time in --output_dir, for the whole run (run_folder.RunLock)
+        return _train(cfg, prepare, say)
+
+
+def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
-    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
     set_seed(cfg.seed)
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
