@@ -18,6 +18,8 @@ import surefit.training.loop as loop
 from surefit.cli import main
 
 mode = sys.argv[1]
+# mid-epoch: the optimizer step (counted in this process) at whose start to die; 5 unless CRASH_AT_STEP says otherwise
+at_step = int(os.environ.get("CRASH_AT_STEP", "5"))
 argv = sys.argv[sys.argv.index("--") + 1 :]
 calls = {"n": 0}
 
@@ -31,7 +33,7 @@ if mode in ("mid-epoch", "sigint", "sigterm"):
 
     def step(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == at_step:
             kill({"mid-epoch": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}[mode])
         return original_step(*a, **k)
 

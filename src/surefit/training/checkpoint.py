@@ -9,8 +9,14 @@ A checkpoint folder holds:
 - ``trainer_state.json``: epoch, step within the epoch, global step, the metrics so far, the length of
   ``metrics.jsonl`` when it was written.
 - ``model/`` (epoch ends and the final save): the model or adapter in its ecosystem format (safetensors).
-- ``manifest.json``: size and sha256 of every file above. Written last; a folder without a valid manifest is not
-  a checkpoint.
+- ``manifest.json``: ``{"format": 2, "required": [...], "files": {name: {"bytes", "sha256"}}}``: the files the
+  checkpoint requires to resume (weights, optimizer, scheduler, scaler, RNG, state) and the size and sha256 of every
+  file above. Written last; a folder without a valid manifest is not a checkpoint, and one whose required file is
+  missing (even with its entry removed from ``files``) does not verify, so it is never resumed with a fresh
+  optimizer.
+
+Retention (:func:`prune`) only counts checkpoints that verify, and never removes the one a run resumed from until a
+newer one verifies.
 
 It is written into a temporary folder, fsynced, then renamed into place, so a reader sees a complete checkpoint or
 none; a crash mid-write leaves a ``.tmp`` folder that the next save removes.
@@ -34,6 +40,10 @@ from surefit.errors import Problem, SurefitError
 
 MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
+WEIGHTS = "trainable.safetensors"
+RNG = "rng.pt"
+# Every checkpoint needs these to resume; optimizer, scheduler and scaler files are required when they were saved.
+ALWAYS_REQUIRED = (WEIGHTS, RNG, STATE)
 
 
 class CheckpointError(SurefitError):
@@ -162,7 +172,12 @@ def save_checkpoint(
         if export is not None:
             export(tmp / "model")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        manifest = {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+        required = [*ALWAYS_REQUIRED] + [name for obj, name in ((optimizer, "optimizer.pt"),
+                                                                (scheduler, "scheduler.pt"), (scaler, "scaler.pt"))
+                                         if obj is not None]
+        manifest = {"format": 2, "required": required,
+                    "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+                              for p in files}}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
         for p in files + [tmp / MANIFEST]:
             _fsync(p)
@@ -190,16 +205,76 @@ def save_checkpoint(
 # ------------------------------------------------------------------------------------------------------------ load
 
 
-def verify(folder: Path) -> str | None:
-    """``None`` if the checkpoint is complete and unmodified, else what is wrong with it."""
+def read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)``, or ``(None, what is wrong with manifest.json)``. Reads both the current form
+    (``format`` 2: ``required`` + ``files``) and the first one (a flat ``{name: {bytes, sha256}}``)."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
-        return "no manifest.json (the write did not finish)"
+        return None, "no manifest.json (the write did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
-        return "manifest.json is not valid JSON"
-    for name, meta in manifest.items():
+        return None, "manifest.json is not valid JSON"
+    if not isinstance(manifest, dict):
+        return None, f"manifest.json holds a {type(manifest).__name__}, not a mapping of files"
+    if "files" in manifest or "format" in manifest:
+        files, required = manifest.get("files"), manifest.get("required", [])
+    else:  # the first form: the files alone; the files every checkpoint needs are required
+        files, required = manifest, list(ALWAYS_REQUIRED)
+    if not isinstance(files, dict):
+        return None, "manifest.json 'files' is not a mapping of file names to sizes and checksums"
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        return None, "manifest.json 'required' is not a list of file names"
+    for name, meta in files.items():
+        if (not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or isinstance(meta.get("bytes"), bool)
+                or not isinstance(meta.get("sha256"), str)):
+            return None, f"manifest.json entry {name!r} is not {{'bytes': int, 'sha256': str}} (got {meta!r})"
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            return None, f"manifest.json names a file outside the folder: {name!r}"
+    return {"files": files, "required": sorted(set(required) | set(ALWAYS_REQUIRED))}, None
+
+
+# (folder, stat signature) -> verify's verdict: retention re-verifies every checkpoint at each save, and hashing
+# gigabytes each time would cost more than the save; a file changed since (size or mtime) is hashed again.
+_VERIFIED: dict[str, tuple[Any, str | None]] = {}
+
+
+def _signature(folder: Path) -> Any:
+    try:
+        return tuple(sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+                            for p in folder.rglob("*") if p.is_file()))
+    except OSError:
+        return None
+
+
+def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
+    """``None`` if the checkpoint is complete and unmodified, else what is wrong with it.
+
+    Complete: every file the manifest requires (and ``required``) is listed and present, and every listed file has
+    its recorded size and sha256.
+    """
+    folder = Path(folder)
+    signature = _signature(folder)
+    cached = _VERIFIED.get(str(folder))
+    if not required and signature is not None and cached is not None and cached[0] == signature:
+        return cached[1]
+    manifest, problem = read_manifest(folder)
+    if manifest is None:
+        reason = problem
+    else:
+        reason = _check_files(folder, manifest, required)
+    if not required and signature is not None:
+        _VERIFIED[str(folder)] = (signature, reason)
+    return reason
+
+
+def _check_files(folder: Path, manifest: dict[str, Any], required: tuple[str, ...]) -> str | None:
+    files = manifest["files"]
+    for name in sorted(set(manifest["required"]) | set(required)):
+        if name not in files:
+            present = "present but " if (folder / name).exists() else ""
+            return f"{name} is {present}missing from the manifest (a checkpoint requires it)"
+    for name, meta in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
@@ -233,23 +308,68 @@ def latest_checkpoint(checkpoints: str | Path, say: Callable[[str], None] = prin
 
 def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
                     scaler: Any = None) -> dict[str, Any]:
-    """Restore everything :func:`save_checkpoint` wrote (RNG last) and return the trainer state."""
+    """Restore everything :func:`save_checkpoint` wrote (RNG last) and return the trainer state.
+
+    Raises:
+        CheckpointError: the checkpoint does not verify, lacks a state that this run has (an optimizer, scheduler or
+            scaler: resuming without it would silently start that state afresh), or a file cannot be read.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    load_trainable_state(model, load_file(folder / "trainable.safetensors"))
-    for obj, name in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt"), (scaler, "scaler.pt")):
-        if obj is not None and (folder / name).is_file():
-            obj.load_state_dict(torch.load(folder / name, weights_only=True, map_location="cpu"))
-    state = json.loads((folder / STATE).read_text(encoding="utf-8"))
-    restore_rng(torch.load(folder / "rng.pt", weights_only=True))
+    folder = Path(folder)
+    wanted = tuple(name for obj, name in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt"),
+                                          (scaler, "scaler.pt")) if obj is not None)
+    reason = verify(folder, required=wanted)
+    if reason:
+        raise CheckpointError(Problem(f"cannot resume from {folder}: {reason}", "--resume",
+                                      "resume from another checkpoint (--resume alone picks the newest usable one), "
+                                      "or start the run again"))
+    current = "trainable.safetensors"
+    try:
+        load_trainable_state(model, load_file(folder / WEIGHTS))
+        for obj, name in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt"), (scaler, "scaler.pt")):
+            if obj is not None:
+                current = name
+                obj.load_state_dict(torch.load(folder / name, weights_only=True, map_location="cpu"))
+        current = STATE
+        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
+        if not isinstance(state, dict) or not isinstance(state.get("position"), dict):
+            raise ValueError("not a trainer state (no 'position')")
+        current = RNG
+        restore_rng(torch.load(folder / RNG, weights_only=True))
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, SafetensorError) as e:
+        raise CheckpointError(Problem(f"cannot resume from {folder}: {current} could not be read: "
+                                      f"{type(e).__name__}: {str(e)[:300]}", "--resume",
+                                      "resume from another checkpoint, or start the run again")) from e
     return state
 
 
-def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print) -> None:
-    """Remove all but the newest ``keep`` checkpoints (0 keeps all)."""
-    if keep <= 0 or not checkpoints.is_dir():
+def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print, protect: Path | None = None) -> None:
+    """Keep the newest ``keep`` checkpoints that verify (0 keeps all); remove the older ones and the unusable ones.
+
+    Only checkpoints that verify count towards ``keep``, and nothing is removed while no checkpoint verifies.
+    ``protect`` (the checkpoint the run resumed from) stays until a newer checkpoint verifies.
+    """
+    if keep <= 0 or not Path(checkpoints).is_dir():
         return
-    done = sorted((p for p in checkpoints.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), key=_global_step)
-    for p in done[:-keep]:
+    folders = sorted((p for p in Path(checkpoints).iterdir() if p.is_dir() and not p.name.endswith(".tmp")),
+                     key=_global_step, reverse=True)
+    verdicts = {p: verify(p) for p in folders}
+    usable = [p for p in folders if verdicts[p] is None]
+    if not usable:
+        return
+    kept = set(usable[:keep])
+    newest_step = _global_step(usable[0])
+    for p in folders:
+        if p in kept:
+            continue
+        if protect is not None and p.resolve() == Path(protect).resolve() and newest_step <= _global_step(p):
+            continue  # the run resumed from it and nothing newer verifies yet
         shutil.rmtree(p)
-        say(f"removed {p} (--keep_checkpoints {keep})")
+        if verdicts[p] is None:
+            say(f"removed {p} (--keep_checkpoints {keep})")
+        else:
+            say(f"removed {p}: it is unusable ({verdicts[p]}); {usable[0].name} verifies (--keep_checkpoints {keep})")

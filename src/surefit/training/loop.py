@@ -355,7 +355,7 @@ class _Fit:
             export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
-        prune(ck.folder, ck.keep, self.say)
+        prune(ck.folder, ck.keep, self.say, protect=ck.resume_from)
         barrier()
         return folder
 
