@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -93,6 +94,10 @@ class TrainConfig:
     )
     overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
     force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
+    on_nonfinite: Literal["stop", "skip_step"] = opt(
+        "stop", "A non-finite loss or gradient norm: 'stop' the run there (nothing non-finite is applied or saved; "
+        "the last good checkpoint stays), or 'skip_step': skip that optimizer step (each skip is counted and reported)."
+    )
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
@@ -105,12 +110,18 @@ class TrainConfig:
         _at_least(p, self, "save_every", 0)
         if self.resume and self.overwrite:
             p.append(Problem("--resume and --overwrite both given", "--overwrite", "use one: continue the run, or replace it"))
+        # NaN passes every comparison below (nan <= 0 is False), and AdamW raises on it only after the run started.
+        for name in ("lr", "weight_decay", "max_grad_norm", "warmup_ratio", "lora_dropout", "val_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                p.append(Problem(f"must be a finite number (got {value})", f"--{name}",
+                                 f"e.g. --{name} {_EXAMPLES.get(name, '0.1')}"))
         if not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
-        if self.lr <= 0:
+        if self.lr <= 0 and math.isfinite(self.lr):
             p.append(Problem(f"must be > 0 (got {self.lr})", "--lr", "e.g. --lr 2e-4"))
         for name in ("weight_decay", "max_grad_norm", "lora_dropout"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) < 0 and math.isfinite(getattr(self, name)):
                 p.append(Problem(f"must be >= 0 (got {getattr(self, name)})", f"--{name}"))
         if not 0.0 <= self.warmup_ratio < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.warmup_ratio})", "--warmup_ratio"))
@@ -300,12 +311,16 @@ class CustomConfig(TrainConfig):
         if self.lora_r:
             p.append(Problem(f"LoRA is not available for --task custom (got --lora_r {self.lora_r})", "--lora_r",
                              "drop --lora_r (custom models train in full)"))
-        if self.max_memory_gb is not None and self.max_memory_gb <= 0:
+        if self.max_memory_gb is not None and not (self.max_memory_gb > 0 and math.isfinite(self.max_memory_gb)):
             p.append(Problem(f"must be > 0 (got {self.max_memory_gb})", "--max_memory_gb"))
         return p
 
 
 TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}
+
+
+_EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns clipping off)", "warmup_ratio": "0.05",
+             "lora_dropout": "0.05", "val_fraction": "0.1"}
 
 
 def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:

@@ -73,6 +73,7 @@ class Prepared:
         saved: what ``final/`` holds, in words, for the last line of the run.
         on_epoch, counters, epoch_batches: passed on to :func:`~surefit.training.loop.fit`.
         rejected: rows dropped under ``--on_bad_rows skip`` (already written to ``rejected_rows.jsonl``).
+        where: a training example's index -> its source row in words, for messages (a non-finite loss names rows).
     """
 
     cfg: Any
@@ -95,6 +96,7 @@ class Prepared:
     counters: Any = None
     epoch_batches: Callable[[int], list[list[int]]] | None = None
     rejected: int = 0
+    where: Callable[[int], str] | None = None
 
 
 PrepareFn = Callable[..., Prepared]
@@ -152,7 +154,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
                       settings=LoopSettings.from_config(cfg, plan), accelerator=acc, evaluate=evaluate,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
-                      epoch_batches=p.epoch_batches)
+                      epoch_batches=p.epoch_batches, where=p.where)
     finally:
         log.close()
     final = save_final(out, lambda d: export(p.model, d))

@@ -358,7 +358,7 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
         data_report={"train_rows": len(train_idx), "val_rows": len(val_idx),
                      "arrays": {k: list(v.shape) for k, v in data.arrays.items()}},
         files={COLUMNS: table}, saved="the model (safetensors) and its factory spec", on_epoch=on_epoch,
-        epoch_batches=epoch_batches)
+        epoch_batches=epoch_batches, where=lambda i: f"{cfg.data} row {train_idx[i]}")
 
 
 def run(cfg: CustomConfig, say=print) -> dict[str, Any]:
