@@ -42,7 +42,14 @@ from typing import Any
 
 from surefit.config import TASK_CONFIGS, build_config, config_to_dict, load_yaml, save_config
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
-from surefit.training.checkpoint import latest_checkpoint, verify
+from surefit.training.checkpoint import (
+    WriteFailed,
+    is_write_failure,
+    latest_checkpoint,
+    verify,
+    write_failure,
+    write_manifest,
+)
 from surefit.training.distributed import barrier, is_main_process, world_size
 
 Say = Callable[[str], None]
@@ -126,10 +133,13 @@ class RunLock:
                      f"({_describe_holder(stale)}); it was interrupted or killed")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                   "command": " ".join(shlex.quote(a) for a in sys.argv)}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
-        os.fsync(fd)
         self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError:
+            pass  # a full disk: the lock holds all the same (a refused run then cannot name this one)
         return self
 
     def release(self) -> None:
@@ -268,9 +278,32 @@ def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejec
     if previous:
         say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / CONFIG)
+    # Atomic: a full disk here leaves no config.yaml rather than an empty or cut one.
+    atomic_write(out / CONFIG, lambda tmp: save_config(cfg, tmp), "the run's settings")
     barrier()
     return out
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> None:
+    """``write(tmp)`` a file beside ``path``, fsync it, then rename it into place: a reader sees the whole file or the
+    previous one, never a part. A failed write (disk full ...) removes the partial file and raises
+    :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        if not is_write_failure(e):
+            raise
+        size = len(str(what)) + (tmp.stat().st_size if tmp.exists() else 0)
+        raise WriteFailed(write_failure(e, f"{path}" + (f" ({what})" if what else ""), path.parent,
+                                        max(size, 1 << 12))) from e
 
 
 def resume_command(cfg: Any) -> str:
@@ -283,17 +316,43 @@ def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(tmp)
+        try:
+            save_model(tmp)
+            write_final_manifest(tmp)
+        except Exception as e:
+            written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
+            shutil.rmtree(tmp, ignore_errors=True)  # never a partial final/
+            if not is_write_failure(e):
+                raise
+            last = latest_checkpoint(out / CHECKPOINTS, say=lambda *_: None)
+            kept = (f"; the trained model is in the checkpoint {last} (write final/ again with: surefit train "
+                    f"--config {out / CONFIG} --resume)" if last else "")
+            raise WriteFailed(write_failure(e, f"the final model {final}", out, _final_bytes(last, written),
+                                            kept)) from e
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     barrier()
     return final
 
 
+def write_final_manifest(folder: Path) -> None:
+    """``final/manifest.json``: size and sha256 of every file of the saved model; ``eval``, ``predict`` and ``export``
+    verify it before loading, so corrupt or changed weights are refused rather than scored."""
+    write_manifest(folder)
+
+
+def _final_bytes(checkpoint: Path | None, written: int) -> int | None:
+    """final/ is about the size of a checkpoint's exported model (model/)."""
+    if checkpoint is not None and (checkpoint / "model").is_dir():
+        return sum(p.stat().st_size for p in (checkpoint / "model").rglob("*") if p.is_file())
+    return written or None
+
+
 def write_json(out: Path, name: str, value: Any) -> None:
-    """``OUTPUT/name`` as indented JSON (main process only)."""
+    """``OUTPUT/name`` as indented JSON, written atomically (main process only)."""
     if is_main_process():
-        (out / name).write_text(json.dumps(value, indent=2, default=str), encoding="utf-8")
+        text = json.dumps(value, indent=2, default=str)
+        atomic_write(out / name, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:

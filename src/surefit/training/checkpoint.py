@@ -24,10 +24,12 @@ none; a crash mid-write leaves a ``.tmp`` folder that the next save removes.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,75 @@ ALWAYS_REQUIRED = (WEIGHTS, RNG, STATE)
 
 class CheckpointError(SurefitError):
     title = "checkpoint error"
+
+
+class WriteFailed(SurefitError):
+    """A file of the run could not be written (disk full, quota, file-size limit, permissions)."""
+
+    title = "write failed"
+
+
+# What the libraries really raise when a write fails: OSError from Python's own writes, SafetensorError from
+# safetensors ("I/O error: No space left on device (os error 28)"), and RuntimeError from torch.save's zip writer
+# ("PytorchStreamWriter failed writing file ..." or "[enforce fail at inline_container.cc] . unexpected pos ...").
+_TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "file write failed", "unexpected pos")
+_CAUSES = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EFBIG: "a file is larger than the file-size limit (ulimit -f)",
+    errno.EROFS: "the file system is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+
+
+def is_write_failure(e: BaseException) -> bool:
+    """Whether ``e`` is how torch, safetensors or Python report a failed write (see ``_TORCH_WRITE_FAILURES``)."""
+    if isinstance(e, OSError):
+        return True
+    if type(e).__name__ == "SafetensorError":
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILURES)
+
+
+def _errno_of(e: BaseException) -> int | None:
+    if isinstance(e, OSError) and e.errno:
+        return e.errno
+    found = re.search(r"os error (\d+)|\[Errno (\d+)\]", str(e))
+    return int(found.group(1) or found.group(2)) if found else None
+
+
+def write_failure(e: BaseException, what: str, where: Path, needed: int | None = None,
+                  after: str = "") -> Problem:
+    """A Problem for a failed write: the cause in words (from the error, or the free space when the library does not
+    say), the space it needed and the space left, what was kept, and the fix."""
+    from surefit.units import human_bytes
+
+    try:
+        free = shutil.disk_usage(next(p for p in [Path(where), *Path(where).parents] if p.exists())).free
+    except (OSError, StopIteration):
+        free = None
+    code = _errno_of(e)
+    cause = _CAUSES.get(code) if code is not None else None
+    if cause is None and free is not None and needed is not None and free < needed:
+        cause = "the disk is full"
+    if cause is None:  # torch's zip writer does not say why; a file-size limit is the other usual reason
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and (needed is None or limit < needed):
+            cause = _CAUSES[errno.EFBIG]
+    cause = cause or "the write failed"
+    detail = str(e).strip() or type(e).__name__
+    space = ""
+    if needed is not None:
+        space = f"; it needs about {human_bytes(needed)}"
+    if free is not None:
+        space += f", {human_bytes(free)} is free there"
+    return Problem(f"could not write {what}: {cause} ({type(e).__name__}: {detail[:200]}){space}{after}",
+                   str(where),
+                   "free disk space (or raise the quota or file-size limit, or fix the folder's permissions), or pass "
+                   "another --output_dir; then resume with --resume where a checkpoint was kept")
 
 
 # ------------------------------------------------------------------------------------------------------------ RNG
@@ -111,6 +182,14 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
 
 
 # ------------------------------------------------------------------------------------------------------------ save
+
+
+def write_manifest(folder: Path, required: list[str] | None = None) -> None:
+    """``folder/manifest.json``: every file under ``folder`` with its size and sha256 (``required``: all of them)."""
+    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST)
+    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    manifest = {"format": 2, "required": sorted(entries) if required is None else required, "files": entries}
+    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
 
 
 def _sha256(path: Path) -> str:
@@ -187,19 +266,26 @@ def save_checkpoint(
             shutil.rmtree(folder)
         os.replace(tmp, folder)
         _fsync(folder.parent)  # the rename itself must reach the disk
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
+        if not is_write_failure(e):
+            raise
         previous = latest_checkpoint(folder.parent, say=lambda *_: None)
-        keep = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        raise CheckpointError(
-            Problem(
-                f"could not write checkpoint {folder}: {e.strerror or e} ({type(e).__name__}); {keep}",
-                "--output_dir",
-                "free disk space or fix the folder's permissions (or pass another --output_dir), then resume with "
-                "--resume",
-            )
-        ) from e
+        keep = f"; the previous checkpoint {previous} is intact" if previous else "; no earlier checkpoint exists"
+        raise CheckpointError(write_failure(e, f"checkpoint {folder}", folder.parent,
+                                            checkpoint_bytes(model, optimizer, export is not None), keep)) from e
     return folder
+
+
+def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: bool = False) -> int:
+    """About what a checkpoint takes on disk: the trainable weights, the optimizer's tensors, and the exported model
+    (its trainable part: an adapter, or the whole model when everything trains)."""
+    weights = sum(t.numel() * t.element_size() for t in trainable_state(model).values())
+    states = 0
+    if optimizer is not None:
+        for per_param in optimizer.state_dict().get("state", {}).values():
+            states += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, torch.Tensor))
+    return weights * (2 if with_model else 1) + states + (1 << 16)  # RNG, state and manifest files
 
 
 # ------------------------------------------------------------------------------------------------------------ load
@@ -231,7 +317,7 @@ def read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
             return None, f"manifest.json entry {name!r} is not {{'bytes': int, 'sha256': str}} (got {meta!r})"
         if Path(name).is_absolute() or ".." in Path(name).parts:
             return None, f"manifest.json names a file outside the folder: {name!r}"
-    return {"files": files, "required": sorted(set(required) | set(ALWAYS_REQUIRED))}, None
+    return {"files": files, "required": sorted(set(required))}, None
 
 
 # (folder, stat signature) -> verify's verdict: retention re-verifies every checkpoint at each save, and hashing
@@ -247,30 +333,30 @@ def _signature(folder: Path) -> Any:
         return None
 
 
-def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
+def verify(folder: Path, required: tuple[str, ...] = (), base: tuple[str, ...] = ALWAYS_REQUIRED) -> str | None:
     """``None`` if the checkpoint is complete and unmodified, else what is wrong with it.
 
-    Complete: every file the manifest requires (and ``required``) is listed and present, and every listed file has
-    its recorded size and sha256.
+    Complete: every file the manifest requires, ``required`` and ``base`` (what every checkpoint holds) is listed
+    and present, and every listed file has its recorded size and sha256. ``base=()`` verifies any folder with a
+    manifest (``final/``).
     """
     folder = Path(folder)
+    needed = tuple(sorted(set(required) | set(base)))
+    key = f"{folder}|{','.join(needed)}"
     signature = _signature(folder)
-    cached = _VERIFIED.get(str(folder))
-    if not required and signature is not None and cached is not None and cached[0] == signature:
+    cached = _VERIFIED.get(key)
+    if signature is not None and cached is not None and cached[0] == signature:
         return cached[1]
     manifest, problem = read_manifest(folder)
-    if manifest is None:
-        reason = problem
-    else:
-        reason = _check_files(folder, manifest, required)
-    if not required and signature is not None:
-        _VERIFIED[str(folder)] = (signature, reason)
+    reason = problem if manifest is None else _check_files(folder, manifest, needed)
+    if signature is not None:
+        _VERIFIED[key] = (signature, reason)
     return reason
 
 
-def _check_files(folder: Path, manifest: dict[str, Any], required: tuple[str, ...]) -> str | None:
+def _check_files(folder: Path, manifest: dict[str, Any], needed: tuple[str, ...]) -> str | None:
     files = manifest["files"]
-    for name in sorted(set(manifest["required"]) | set(required)):
+    for name in sorted(set(manifest["required"]) | set(needed)):
         if name not in files:
             present = "present but " if (folder / name).exists() else ""
             return f"{name} is {present}missing from the manifest (a checkpoint requires it)"
