@@ -143,6 +143,7 @@ class TrainConfig:
                 )
             )
         p += _report_to_problems(self.report_to)
+        p += _output_dir_problems(self.output_dir)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
         if self.val_data is None and self.val_fraction == 0:
@@ -339,6 +340,20 @@ REPORT_TO: dict[str, tuple[str, str] | None] = {
     "tensorboard": ("tensorboard", "pip install tensorboard (or: pip install 'surefit[tensorboard]')"),
     "wandb": ("wandb", "pip install wandb, then `wandb login` (or set WANDB_MODE=offline)"),
 }
+
+
+def _output_dir_problems(value: str) -> list[Problem]:
+    """``--output_dir`` (or a folder above it) that is an existing file: found with the other settings' problems,
+    before any data or model is loaded, instead of failing when the run folder is made."""
+    path = Path(value)
+    for at in [path, *path.parents]:
+        if at.exists():
+            if at.is_dir():
+                return []
+            where = "" if at == path else f" ({at} is a file)"
+            return [Problem(f"{value} is not a folder{where}", "--output_dir",
+                            "pass a folder path (new, or one holding a previous run with --resume or --overwrite)")]
+    return []
 
 
 def _split_names(value: str) -> list[str]:

@@ -62,6 +62,7 @@ EXCLUDED = "excluded_rows.jsonl"
 COLUMNS = "columns.json"
 DOCTOR = "doctor.json"
 MEMORY_PLAN = "memory_plan.json"
+DATA_FILES = "data_files.json"
 PREDICTIONS = "predictions"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
@@ -69,7 +70,7 @@ LOCK = ".surefit.lock"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
-             "report.html", "tensorboard", MEMORY_PLAN)
+             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
@@ -280,6 +281,10 @@ def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejec
     out.mkdir(parents=True, exist_ok=True)
     # Atomic: a full disk here leaves no config.yaml rather than an empty or cut one.
     atomic_write(out / CONFIG, lambda tmp: save_config(cfg, tmp), "the run's settings")
+    hashes = data_hashes(cfg)
+    if hashes:
+        text = json.dumps(hashes, indent=2)
+        atomic_write(out / DATA_FILES, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the data files' hashes")
     barrier()
     return out
 
@@ -427,6 +432,7 @@ class Run:
     report: dict[str, Any] = field(default_factory=dict)
     last_epoch: dict[str, Any] | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+    say: Say = print
 
     @property
     def eval_batch_size(self) -> int:
@@ -490,18 +496,49 @@ class Run:
                     f"{Path.cwd()}; the validation split is re-derived from it", self.where(key),
                     "run surefit from the folder the training ran in, or pass --data FILE to evaluate on other data"))
         raise_if(problems, DataError)
+        for key, (path, why) in self.changed_data().items():
+            self.say(f"warning: the run's {'training' if key == 'data' else 'validation'} data {path} {why} since "
+                     f"training ({self.folder / DATA_FILES}): the validation split re-derived from it may not be the "
+                     "one training scored, and the numbers may not match metrics.jsonl")
+
+    def changed_data(self) -> dict[str, tuple[str, str]]:
+        """The run's data files whose contents differ from what training read (``data_files.json``)."""
+        path = self.folder / DATA_FILES
+        if not path.is_file():
+            return {}
+        saved = _read_json(path, "the data files' hashes")
+        changed = {}
+        for key, before in saved.items():
+            value = getattr(self.cfg, key, None)
+            if not isinstance(before, dict) or not value:
+                continue
+            now = _hash_source(str(value))
+            if now is None:
+                continue
+            if now["sha256"] != before.get("sha256"):
+                changed[key] = (str(value), f"changed ({before.get('bytes')} -> {now['bytes']} bytes, sha256 "
+                                            f"{str(before.get('sha256'))[:12]} -> {now['sha256'][:12]})")
+        return changed
 
     def validation_described(self) -> str:
+        changed = self.changed_data()
+        note = " (CHANGED since training)" if ("val_data" if self.cfg.val_data else "data") in changed else ""
         if self.cfg.val_data:
-            return f"validation data {self.cfg.val_data} (read as in training)"
-        return f"validation split of {self.cfg.data} (re-derived as in training)"
+            return f"validation data {self.cfg.val_data} (read as in training){note}"
+        return f"validation split of {self.cfg.data} (re-derived as in training){note}"
 
 
 _RUN_FIX = "pass the folder given as --output_dir to `surefit train` (it holds config.yaml, metrics.jsonl and final/)"
 
 
-def open_run(run: str | os.PathLike) -> Run:
-    """Check and read a finished run folder; every problem names the folder and what to pass instead."""
+def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code: bool = False,
+             say: Say = print) -> Run:
+    """Check and read a finished run folder; every problem names the folder (or file) and what to pass instead.
+
+    A run folder is data: the code its config.yaml names (a ``head``, a ``model`` factory, a ``data`` factory,
+    ``trust_remote_code``) is only run when this command line allows it (``allow_code``, ``trust_remote_code``);
+    ``final/`` is verified against its manifest; the JSON files read are checked for what they must hold.
+    """
     folder = Path(run)
     if not folder.exists():
         raise SurefitError(Problem(f"no such folder: {folder} (looked in {Path.cwd()})", "--run", _RUN_FIX))
@@ -523,6 +560,7 @@ def open_run(run: str | os.PathLike) -> Run:
         raise ConfigError(Problem(f"unknown task {task!r} in {config_path}", f"{config_path} 'task'",
                                   f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     cfg = build_config(cls, values, None, yaml_name=str(config_path))
+    raise_if(code_problems(cfg, config_path, allow_code, trust_remote_code), ConfigError)
     final = folder / FINAL
     if not final.is_dir():
         if (folder / CHECKPOINTS).is_dir() and any((folder / CHECKPOINTS).iterdir()):
@@ -532,29 +570,158 @@ def open_run(run: str | os.PathLike) -> Run:
             fix = "train the run to the end: final/ is written after the last epoch"
         raise SurefitError(Problem(f"{folder} has no final/ folder: the run did not finish (interrupted, failed, or "
                                    "still training)", "--run", fix))
-    report, plan = (json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
-                    for p in (folder / DATA_REPORT, folder / MEMORY_PLAN))
-    return Run(folder, cfg, final, report, _last_epoch(folder / METRICS), plan)
+    _verify_final(final, say)
+    report = _read_json(folder / DATA_REPORT, "what happened to the data", _DATA_REPORT_KEYS)
+    plan = _read_json(folder / MEMORY_PLAN, "the memory plan", _PLAN_KEYS)
+    return Run(folder, cfg, final, report, _last_epoch(folder / METRICS), plan, say)
+
+
+def code_problems(cfg: Any, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
+    """The settings of a run's config.yaml that would import or run code, unless this command line allows it."""
+    found: list[tuple[str, Any, str, bool]] = []
+    if cfg.trust_remote_code:
+        found.append(("trust_remote_code", True, "lets the model folder run its own Python code when loading",
+                      trust_remote_code or allow_code))
+    if getattr(cfg, "head", None):
+        found.append(("head", cfg.head, "imports the head factory's Python module", allow_code))
+    if cfg.task == "custom" and cfg.model:
+        found.append(("model", cfg.model, "imports the model factory's Python module", allow_code))
+    for key in ("data", "val_data"):
+        value = getattr(cfg, key, None)
+        if cfg.task == "custom" and value and ":" in str(value) and not Path(str(value)).exists():
+            found.append((key, value, "imports the dataset factory's Python module", allow_code))
+    problems = []
+    for key, value, what, allowed in found:
+        if allowed:
+            continue
+        flag = "--trust_remote_code (or --allow_code)" if key == "trust_remote_code" else "--allow_code"
+        problems.append(Problem(
+            f"the run's config sets {key}: {value!r}, which {what}; a run folder is data, and the code it names only "
+            "runs when the command line allows it", f"{config_path} '{key}'",
+            f"if you trust this run folder and that code, add {flag} to this command"))
+    return problems
+
+
+def _verify_final(final: Path, say: Say) -> None:
+    """``final/manifest.json`` must match ``final/``: corrupt or changed weights are refused, not scored."""
+    from surefit.training.checkpoint import MANIFEST
+
+    if not (final / MANIFEST).is_file():
+        say(f"warning: {final} has no {MANIFEST} (written before surefit kept one, or removed): its files cannot be "
+            "checked for corruption")
+        return
+    reason = verify(final, base=())
+    if reason:
+        raise SurefitError(Problem(f"{final} does not match its manifest: {reason}", str(final / MANIFEST),
+                                   "the saved model was changed or damaged after training; train the run again, or "
+                                   "finish it from a checkpoint (surefit train --config RUN/config.yaml --resume)"))
+
+
+# What the readers of a run take from its JSON files, and the types they need (None: may be null).
+_DATA_REPORT_KEYS: dict[str, tuple[type, ...]] = {"problem_type": (str, type(None)), "label2id": (dict, type(None)),
+                                                  "fields": (dict, type(None)), "encoding": (dict, type(None))}
+_PLAN_KEYS: dict[str, tuple[type, ...]] = {"eval_batch_size": (int, type(None)), "precision": (str, type(None)),
+                                           "frozen_dtype": (str, type(None))}
+
+
+def _read_json(path: Path, what: str, keys: dict[str, tuple[type, ...]] | None = None) -> dict[str, Any]:
+    """A JSON object of the run folder (``{}`` when absent); what is not what the readers expect is named."""
+    if not path.is_file():
+        return {}
+    fix = (f"{path.name} was changed or cut after training; restore it, or delete it (surefit then uses the run's "
+           "config.yaml) and check the results")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SurefitError(Problem(f"{path} ({what}) is not valid JSON: {e}", str(path), fix)) from e
+    if not isinstance(value, dict):
+        raise SurefitError(Problem(f"{path} ({what}) holds a {type(value).__name__}, not a JSON object", str(path),
+                                   fix))
+    problems = []
+    for key, types in (keys or {}).items():
+        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
+            problems.append(Problem(f"'{key}' is {value[key]!r} ({type(value[key]).__name__}); expected "
+                                    f"{' or '.join(t.__name__ for t in types if t is not type(None))}",
+                                    f"{path} '{key}'", fix))
+    if "eval_batch_size" in (keys or {}) and isinstance(value.get("eval_batch_size"), int) \
+            and value["eval_batch_size"] < 1:
+        problems.append(Problem(f"'eval_batch_size' is {value['eval_batch_size']}; expected 1 or more",
+                                f"{path} 'eval_batch_size'", fix))
+    label2id = value.get("label2id") if keys is _DATA_REPORT_KEYS else None
+    if isinstance(label2id, dict) and not all(isinstance(v, int) and not isinstance(v, bool)
+                                              for v in label2id.values()):
+        problems.append(Problem("'label2id' maps labels to something other than class numbers",
+                                f"{path} 'label2id'", fix))
+    raise_if(problems)
+    return value
+
+
+def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
+    """sha256 and size of the run's data files (``--data``, ``--val_data``; a folder: all its files), so that
+    ``eval`` can warn when the data it re-derives the validation split from has changed since training."""
+    out = {}
+    for key in ("data", "val_data"):
+        value = getattr(cfg, key, None)
+        if value:
+            found = _hash_source(str(value))
+            if found is not None:
+                out[key] = {"path": str(value), **found}
+    return out
+
+
+def _hash_source(value: str) -> dict[str, Any] | None:
+    import hashlib
+
+    path = Path(value)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        return None  # a dataset factory (module:make) or a hub name: nothing on disk to hash
+    h, size = hashlib.sha256(), 0
+    try:
+        for p in files:
+            if path.is_dir():
+                h.update(str(p.relative_to(path)).encode() + b"\0")
+            with p.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+                    size += len(chunk)
+    except OSError:
+        return None
+    return {"sha256": h.hexdigest(), "bytes": size}
 
 
 def _last_epoch(path: Path) -> dict[str, Any] | None:
+    """The last epoch record of ``metrics.jsonl``; a record whose figures are not numbers is named, not used."""
     if not path.is_file():
         return None
     last = None
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut by a crash; the run's metrics are read for comparison only
+            if number == len(lines):
+                continue  # the last line cut by a crash; the run's metrics are read for comparison only
+            raise SurefitError(Problem(f"line {number} is not valid JSON: {line[:80]!r}", f"{path} line {number}",
+                                       "metrics.jsonl was changed after training; restore it or remove that line")) from None
         if isinstance(record, dict) and record.get("type") == "epoch":
+            wrong = {k: v for k, v in record.items() if k != "type" and isinstance(v, str)}
+            if wrong:
+                key, value = next(iter(wrong.items()))
+                raise SurefitError(Problem(f"'{key}' is {value!r}, not a number (an epoch record holds numbers)",
+                                           f"{path} line {number}",
+                                           "metrics.jsonl was changed after training; restore it or fix that line"))
             last = record
     return last
 
 
 def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
     """Write an export of ``run`` to ``dest`` atomically: ``write(tmp)`` fills a temporary folder beside ``dest``,
-    which then replaces it. ``dest`` may not be a file, the run itself or inside its ``final/``, and a non-empty
-    ``dest`` is refused unless ``overwrite``."""
+    which then replaces it. ``dest`` may not be a file, the run itself, a folder holding it or anything inside it,
+    and a non-empty ``dest`` is refused unless ``overwrite``."""
     _check_destination(run, dest, overwrite)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp{os.getpid()}"
@@ -573,9 +740,11 @@ def _check_destination(run: Run, dest: Path, overwrite: bool) -> None:
     if dest.exists() and not dest.is_dir():
         raise SurefitError(Problem(f"{dest} is a file", "--to", "pass a folder path (new or empty)"))
     resolved, folder = dest.resolve(), run.folder.resolve()
-    if resolved == folder or folder.is_relative_to(resolved) or resolved.is_relative_to(folder / FINAL):
-        raise SurefitError(Problem(f"{dest} holds the run {run.folder} (or is inside its final/); exporting there "
-                                   "would replace the run", "--to", "pass a folder outside the run"))
+    if folder.is_relative_to(resolved) or resolved.is_relative_to(folder):
+        inside = "is" if resolved == folder else "holds" if folder.is_relative_to(resolved) else "is inside"
+        raise SurefitError(Problem(f"{dest} {inside} the run folder {run.folder}; exporting there would replace the run's "
+                                   "files (its checkpoints, final/ or records)", "--to",
+                                   "pass a folder outside the run"))
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
         held = sorted(p.name for p in dest.iterdir())
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
