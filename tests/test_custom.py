@@ -180,3 +180,20 @@ def test_npz_shards_under_a_bound_are_read_once_per_epoch(tmp_path, monkeypatch)
     assert p.epoch_batches(1) != p.epoch_batches(2)  # still shuffled per epoch
     random_loads = loads_for(sampling.step_batches(p.lengths, 16, 0, 1))
     assert random_loads > 3 * 8, random_loads  # what the plain shuffled order costs on the same data
+
+
+def test_forward_x_with_loss_cross_entropy_is_not_refused_over_labels(tmp_path, capsys):
+    """The column table says labels go to --loss, not to forward(x): the doctor must not refuse them as unexpected."""
+    folder = tmp_path / "d"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    np.save(folder / "x.npy", rng.normal(size=(40, 4)).astype(np.float32))
+    np.save(folder / "labels.npy", rng.integers(0, 3, 40))
+    spec = _factory_file(tmp_path, "class M(nn.Module):\n    def __init__(self):\n        super().__init__(); "
+                         "self.lin = nn.Linear(4, 3)\n    def forward(self, x):\n        return self.lin(x)\n"
+                         "def build():\n    return M()\n")
+    assert main(["train", "--task", "custom", "--model", spec, "--data", str(folder), "--loss", "cross_entropy",
+                 "--epochs", "1", "--output_dir", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "labels  kept     targets for --loss cross_entropy (not passed to forward)" in out
+    assert "unexpected-columns" not in out

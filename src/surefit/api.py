@@ -114,13 +114,14 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     return text
 
 
-def _open(run: str | Path) -> tuple[Any, Any]:
-    """The finished run and its task module; ``final/`` must hold what the task saves."""
+def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = False, say=print) -> tuple[Any, Any]:
+    """The finished run and its task module; ``final/`` must hold what the task saves. The code the run's config
+    names (head, model or data factory, remote code) only runs with ``allow_code`` / ``trust_remote_code``."""
     from surefit.models import quiet_libraries
     from surefit.run_folder import open_run
 
     quiet_libraries()
-    r = open_run(run)
+    r = open_run(run, allow_code=allow_code, trust_remote_code=trust_remote_code, say=say)
     task = _task_module(r.task)
     r.require(*task.final_files(r.cfg))
     return r, task
@@ -143,7 +144,8 @@ def _check_fields(run: Any, task: Any, fields: dict[str, str | None]) -> dict[st
 
 def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None = None,
              show: str | None = None, say=print, batch_size: int | None = None, max_new_tokens: int | None = None,
-             predictions: str | Path | None = None, fields: dict[str, str | None] | None = None) -> dict[str, Any]:
+             predictions: str | Path | None = None, fields: dict[str, str | None] | None = None,
+             allow_code: bool = False, trust_remote_code: bool = False) -> dict[str, Any]:
     """Evaluate a finished run on its validation split, re-derived exactly as training did, or on ``data``.
 
     sft: eval loss, SQuAD F1 and exact match of greedy generations; classify: accuracy, macro-F1, per-class F1 and
@@ -161,6 +163,9 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
         predictions: write one JSON line per example (input, gold, prediction) to this file.
         fields: column overrides for ``data``: ``input_field``/``target_field`` (sft), ``text_field``,
             ``text_pair_field``, ``label_field`` (classify).
+        allow_code: run the code the run's config.yaml names (a ``head``, a ``model`` or ``data`` factory, remote
+            code); without it such a run is refused (a run folder is data). trust_remote_code: allow only the
+            latter.
 
     Returns:
         ``{"run", "task", "data", "rows", "metrics", "training"}``; ``training`` holds the last epoch's values of the
@@ -172,7 +177,7 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     from surefit.run_folder import write_jsonl
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
-    r, task = _open(run)
+    r, task = _open(run, allow_code, trust_remote_code, say)
     given = _check_fields(r, task, fields or {})
     if data is None and given:
         raise ConfigError([Problem(f"--{k} names a column of --data, and no --data was given (the run's own validation "
@@ -201,7 +206,8 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
 def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None, *,
             out: str | Path | None = None, stream: TextIO | None = None, collect: bool = True,
             batch_size: int | None = None, max_new_tokens: int | None = None,
-            fields: dict[str, str | None] | None = None, say=print) -> list[dict[str, Any]]:
+            fields: dict[str, str | None] | None = None, say=print, allow_code: bool = False,
+            trust_remote_code: bool = False) -> list[dict[str, Any]]:
     """Predict with a finished sft or classify run: one record per input, in input order.
 
     sft records hold the generated ``prediction`` (the run's prompt format, greedy, stopped at EOS); classify records
@@ -216,11 +222,12 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
             large to hold).
         batch_size: rows per batch (default: the run's evaluation batch). max_new_tokens: sft generation length.
         fields: ``input_field`` (sft) or ``text_field``/``text_pair_field`` (classify) to read from ``file``.
+        allow_code, trust_remote_code: as for :func:`evaluate`.
     """
     import json as _json
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
-    r, task = _open(run)
+    r, task = _open(run, allow_code, trust_remote_code, say)
     given = _check_fields(r, task, fields or {})
     batches = task.predict(r, inputs, None if file is None else str(file), batch_size or r.eval_batch_size,
                            max_new_tokens, given, say)  # a task without predictions refuses here
@@ -254,7 +261,8 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
     return records
 
 
-def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False, say=print) -> Path:
+def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False, say=print,
+           allow_code: bool = False, trust_remote_code: bool = False) -> Path:
     """Copy a run's final model to ``to``; with ``merge``, fold its LoRA adapter into the base weights first.
 
     A merged sft run is a plain causal LM (loads with ``AutoModelForCausalLM``, no peft), a merged or fully trained
@@ -265,11 +273,13 @@ def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: b
         The folder written.
 
     Raises:
-        SurefitError: ``to`` is not empty (without ``overwrite``), is a file, or holds the run itself.
+        SurefitError: ``to`` is not empty (without ``overwrite``), is a file, holds the run or is inside it.
+
+    ``allow_code``, ``trust_remote_code``: as for :func:`evaluate`.
     """
     from surefit.run_folder import export_folder
 
-    r, task = _open(run)
+    r, task = _open(run, allow_code, trust_remote_code, say)
     what: list[str] = []
     dest = export_folder(r, Path(to), overwrite, lambda tmp: what.append(task.export(r, tmp, merge, say)))
     say(f"exported the {what[0]} of {r.folder} to {dest}")

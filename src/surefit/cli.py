@@ -105,6 +105,11 @@ def _add_use_commands(sub: Any) -> None:
     """``eval``, ``predict`` and ``export``: they read a finished run folder (surefit/api.py, then the task module)."""
     def run_arg(p: argparse.ArgumentParser) -> None:
         p.add_argument("--run", required=True, metavar="OUTPUT", help="a finished run: the --output_dir of surefit train")
+        # A run folder is data: the code its config.yaml names runs only when this command line says so.
+        p.add_argument("--allow_code", "--allow-code", dest="allow_code", action="store_true",
+                       help="run the code the run's config.yaml names (a head, a model or data factory, remote code)")
+        p.add_argument("--trust_remote_code", "--trust-remote-code", dest="trust_remote_code", action="store_true",
+                       help="let the run's model folder run its own Python code when loading")
 
     def field_args(p: argparse.ArgumentParser, what: str) -> None:
         for name, help_text in (("input_field", "sft: field holding the input (default: the run's)"),
@@ -161,14 +166,15 @@ def _run_use_command(command: str, ns: argparse.Namespace) -> int:
 
     names = ("input_field", "target_field", "text_field", "text_pair_field", "label_field")
     fields = {k: getattr(ns, k) for k in names if getattr(ns, k, None) is not None}
+    code = {"allow_code": ns.allow_code, "trust_remote_code": ns.trust_remote_code}
     if command == "eval":
         api.evaluate(ns.run, ns.data, out=ns.out, show="json" if ns.json else "table", say=err, fields=fields,
-                     batch_size=ns.batch_size, max_new_tokens=ns.max_new_tokens, predictions=ns.predictions)
+                     batch_size=ns.batch_size, max_new_tokens=ns.max_new_tokens, predictions=ns.predictions, **code)
     elif command == "predict":
         api.predict(ns.run, ns.input, ns.file, out=ns.out, stream=None if ns.out else sys.stdout, collect=False,
-                    batch_size=ns.batch_size, max_new_tokens=ns.max_new_tokens, fields=fields, say=err)
+                    batch_size=ns.batch_size, max_new_tokens=ns.max_new_tokens, fields=fields, say=err, **code)
     else:
-        api.export(ns.run, ns.to, merge=ns.merge, overwrite=ns.overwrite, say=err)
+        api.export(ns.run, ns.to, merge=ns.merge, overwrite=ns.overwrite, say=err, **code)
     return 0
 
 

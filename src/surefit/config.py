@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -97,6 +98,10 @@ class TrainConfig:
     )
     overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
     force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
+    on_nonfinite: Literal["stop", "skip_step"] = opt(
+        "stop", "A non-finite loss or gradient norm: 'stop' the run there (nothing non-finite is applied or saved; "
+        "the last good checkpoint stays), or 'skip_step': skip that optimizer step (each skip is counted and reported)."
+    )
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
@@ -109,12 +114,18 @@ class TrainConfig:
         _at_least(p, self, "save_every", 0)
         if self.resume and self.overwrite:
             p.append(Problem("--resume and --overwrite both given", "--overwrite", "use one: continue the run, or replace it"))
+        # NaN passes every comparison below (nan <= 0 is False), and AdamW raises on it only after the run started.
+        for name in ("lr", "weight_decay", "max_grad_norm", "warmup_ratio", "lora_dropout", "val_fraction"):
+            value = getattr(self, name)
+            if isinstance(value, float) and not math.isfinite(value):
+                p.append(Problem(f"must be a finite number (got {value})", f"--{name}",
+                                 f"e.g. --{name} {_EXAMPLES.get(name, '0.1')}"))
         if not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
-        if self.lr <= 0:
+        if self.lr <= 0 and math.isfinite(self.lr):
             p.append(Problem(f"must be > 0 (got {self.lr})", "--lr", "e.g. --lr 2e-4"))
         for name in ("weight_decay", "max_grad_norm", "lora_dropout"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) < 0 and math.isfinite(getattr(self, name)):
                 p.append(Problem(f"must be >= 0 (got {getattr(self, name)})", f"--{name}"))
         if not 0.0 <= self.warmup_ratio < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.warmup_ratio})", "--warmup_ratio"))
@@ -136,6 +147,7 @@ class TrainConfig:
                 )
             )
         p += _report_to_problems(self.report_to)
+        p += _output_dir_problems(self.output_dir)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
         if self.val_data is None and self.val_fraction == 0:
@@ -304,12 +316,16 @@ class CustomConfig(TrainConfig):
         if self.lora_r:
             p.append(Problem(f"LoRA is not available for --task custom (got --lora_r {self.lora_r})", "--lora_r",
                              "drop --lora_r (custom models train in full)"))
-        if self.max_memory_gb is not None and self.max_memory_gb <= 0:
+        if self.max_memory_gb is not None and not (self.max_memory_gb > 0 and math.isfinite(self.max_memory_gb)):
             p.append(Problem(f"must be > 0 (got {self.max_memory_gb})", "--max_memory_gb"))
         return p
 
 
 TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}
+
+
+_EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns clipping off)", "warmup_ratio": "0.05",
+             "lora_dropout": "0.05", "val_fraction": "0.1"}
 
 
 def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
@@ -328,6 +344,20 @@ REPORT_TO: dict[str, tuple[str, str] | None] = {
     "tensorboard": ("tensorboard", "pip install tensorboard (or: pip install 'surefit[tensorboard]')"),
     "wandb": ("wandb", "pip install wandb, then `wandb login` (or set WANDB_MODE=offline)"),
 }
+
+
+def _output_dir_problems(value: str) -> list[Problem]:
+    """``--output_dir`` (or a folder above it) that is an existing file: found with the other settings' problems,
+    before any data or model is loaded, instead of failing when the run folder is made."""
+    path = Path(value)
+    for at in [path, *path.parents]:
+        if at.exists():
+            if at.is_dir():
+                return []
+            where = "" if at == path else f" ({at} is a file)"
+            return [Problem(f"{value} is not a folder{where}", "--output_dir",
+                            "pass a folder path (new, or one holding a previous run with --resume or --overwrite)")]
+    return []
 
 
 def _split_names(value: str) -> list[str]:
@@ -442,11 +472,24 @@ def convert(value: Any, tp: Any) -> Any:
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML config (``safe_load``) into a flat mapping with keys in underscore form."""
+    import stat
+
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():
+        mode = path.stat().st_mode
+        kind = "a named pipe" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
+            "not a regular file"
+        raise ConfigError(Problem(f"{path} is {kind}: reading it could block forever or never end", "--config",
+                                  "pass a YAML file"))
     if not path.is_file():
         raise ConfigError(Problem(f"config file not found: {path}", "--config", "check the path"))
+    with path.open("rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(Problem(f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config holds settings, "
+                                  "not data", "--config", "pass the settings file (data goes in --data)"))
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(raw.decode("utf-8"), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader with caps
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(Problem(f"cannot parse {path}: {e}", "--config", "fix the YAML syntax")) from e
     if data is None:
@@ -456,6 +499,58 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
             Problem(f"{path} holds a {type(data).__name__}, not a mapping of settings", "--config", "write key: value lines")
         )
     return {str(k).replace("-", "_"): v for k, v in data.items()}
+
+
+# A config file is a page of settings. These caps stop a hostile one early: 20,000 nested brackets (a RecursionError
+# in the composer) and alias bombs (a few lines that expand to millions of nodes).
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_DEPTH = 32
+MAX_CONFIG_ALIASES = 100
+MAX_CONFIG_NODES = 100_000  # values once every alias is expanded
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with a cap on nesting depth and on the number of aliases (``*name``)."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_CONFIG_ALIASES:
+                raise yaml.composer.ComposerError(None, None, f"more than {MAX_CONFIG_ALIASES} aliases (*name): a "
+                                                  "config does not need them, and they can expand without end",
+                                                  self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            if self._depth > MAX_CONFIG_DEPTH:
+                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_CONFIG_DEPTH} levels deep",
+                                                  self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            sizes: dict[int, int] = {}
+
+            def expanded(n: Any) -> int:  # shared (aliased) nodes are counted once per use, computed once
+                if id(n) not in sizes:
+                    sizes[id(n)] = 1
+                    if isinstance(n, yaml.SequenceNode):
+                        sizes[id(n)] += sum(expanded(c) for c in n.value)
+                    elif isinstance(n, yaml.MappingNode):
+                        sizes[id(n)] += sum(expanded(k) + expanded(v) for k, v in n.value)
+                return sizes[id(n)]
+
+            if expanded(node) > MAX_CONFIG_NODES:
+                raise yaml.composer.ComposerError(None, None, f"its aliases expand to more than {MAX_CONFIG_NODES:,} "
+                                                  "values (an alias bomb?)", node.start_mark)
+        return node
 
 
 PRESET_DIR = Path(__file__).parent / "presets"

@@ -16,21 +16,40 @@ Layout (every name a run writes; a previous run's copies are only replaced with 
     final/               the trained model in its ecosystem format (written by the task's ``save``)
     tensorboard/         with --report_to tensorboard
     curves.png, report.html
+    .surefit.lock        held (flock) by the run training in the folder: pid, host, command, start time
+
+Safety (docs/safety.md): one run at a time per folder (:class:`RunLock`); files a reader must see whole are written
+atomically (a temporary name, then a rename); ``final/`` carries a manifest that ``eval``, ``predict`` and
+``export`` verify; a run folder is data, so the code it names (a head, a model factory, remote code) is only
+imported when the command line allows it (:func:`code_settings`).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shlex
 import shutil
-from collections.abc import Callable
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from surefit.config import TASK_CONFIGS, build_config, config_to_dict, load_yaml, save_config
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
-from surefit.training.checkpoint import latest_checkpoint, verify
+from surefit.training.checkpoint import (
+    WriteFailed,
+    is_write_failure,
+    latest_checkpoint,
+    verify,
+    write_failure,
+    write_manifest,
+)
 from surefit.training.distributed import barrier, is_main_process, world_size
 
 Say = Callable[[str], None]
@@ -43,19 +62,150 @@ EXCLUDED = "excluded_rows.jsonl"
 COLUMNS = "columns.json"
 DOCTOR = "doctor.json"
 MEMORY_PLAN = "memory_plan.json"
+DATA_FILES = "data_files.json"
 PREDICTIONS = "predictions"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
+LOCK = ".surefit.lock"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
-             "report.html", "tensorboard", MEMORY_PLAN)
+             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
                      "report_to",
                      # the memory plan changes how a step is cut, never the update (training/plan.py)
-                     "gpu_memory_gb", "grad_accum", "gradient_checkpointing"}
+                     "gpu_memory_gb", "grad_accum", "gradient_checkpointing",
+                     # what to do about a non-finite loss only matters once one happens
+                     "on_nonfinite"}
+
+
+# ------------------------------------------------------------------------------------------------------------ the lock
+
+
+class RunLocked(SurefitError):
+    title = "run folder in use"
+
+
+class RunLock:
+    """An exclusive lock on a run folder for the life of a run (``fcntl.flock`` on ``OUTPUT/.surefit.lock``).
+
+    The file holds the holder's pid, host, command and start time, so a refused run can name it. The kernel drops
+    a flock when its process dies, however it dies, so a lock whose file still names a holder but can be taken is
+    stale (its run was killed): it is taken over and the takeover is reported. On a clean exit the file is emptied.
+
+    Only the main process of a multi-process run locks; the others are the same run.
+    """
+
+    def __init__(self, folder: str | os.PathLike, say: Say = print) -> None:
+        self.folder, self.say = Path(folder), say
+        self.path = self.folder / LOCK
+        self._fd: int | None = None
+        self.created_folder = False
+        self.took_over: dict[str, Any] | None = None
+
+    def acquire(self) -> RunLock:
+        """Take the lock, or raise :class:`RunLocked` naming the process that holds it."""
+        import fcntl
+
+        if self.folder.exists() and not self.folder.is_dir():
+            return self  # --output_dir is a file: reported with the other configuration problems
+        if not self.folder.exists():
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.created_folder = True
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            holder = _read_lock(self.path)
+            raise RunLocked(Problem(
+                f"{self.folder} is in use by another surefit run: {_describe_holder(holder)}; two runs in one folder "
+                "would interleave metrics.jsonl and mix their checkpoints and final/", "--output_dir",
+                "wait for that run to finish (or stop it), or pass another --output_dir; to continue it later use "
+                "--resume once it has stopped")) from None
+        stale = _read_lock(self.path)
+        if stale:
+            self.took_over = stale
+            self.say(f"took over the lock of {self.folder} from a run that is no longer running "
+                     f"({_describe_holder(stale)}); it was interrupted or killed")
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                  "command": " ".join(shlex.quote(a) for a in sys.argv)}
+        self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+            os.fsync(fd)
+        except OSError:
+            pass  # a full disk: the lock holds all the same (a refused run then cannot name this one)
+        return self
+
+    def release(self) -> None:
+        """Empty the lock file (a clean exit leaves no stale holder) and drop the lock."""
+        if self._fd is None:
+            return
+        import fcntl
+
+        try:
+            os.ftruncate(self._fd, 0)
+        except OSError:
+            pass  # a full disk cannot stop the unlock; the next run reports a harmless takeover
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+        if self.created_folder and self.folder.is_dir() and [p.name for p in self.folder.iterdir()] == [LOCK]:
+            shutil.rmtree(self.folder, ignore_errors=True)  # a run refused before writing anything leaves no folder
+
+    def __enter__(self) -> RunLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+@contextmanager
+def lock_run(cfg: Any, say: Say = print) -> Iterator[RunLock | None]:
+    """Hold the lock on ``--output_dir`` for the block. With several processes the main one takes it and every
+    process learns whether it did, so that a refused run stops on all of them rather than leaving some waiting."""
+    lock = RunLock(cfg.output_dir, say) if is_main_process() else None
+    refused: list[dict[str, str]] | None = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunLocked as e:
+            refused = [vars(p) for p in e.problems]
+            if world_size() <= 1:
+                raise
+    if world_size() > 1:
+        from surefit.training.distributed import share_from_main
+
+        refused = share_from_main(refused)
+        if refused:
+            raise RunLocked([Problem(**p) for p in refused])
+    try:
+        yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _read_lock(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+        value = json.loads(text) if text else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    return value if isinstance(value, dict) else {"unreadable": True}
+
+
+def _describe_holder(holder: dict[str, Any]) -> str:
+    if not holder or holder.get("unreadable"):
+        return f"a process whose lock file holds no readable details ({LOCK})"
+    return (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}: "
+            f"{holder.get('command')}")
 
 
 # ------------------------------------------------------------------------------------------------------------ training
@@ -129,9 +279,36 @@ def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejec
     if previous:
         say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
     out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / CONFIG)
+    # Atomic: a full disk here leaves no config.yaml rather than an empty or cut one.
+    atomic_write(out / CONFIG, lambda tmp: save_config(cfg, tmp), "the run's settings")
+    hashes = data_hashes(cfg)
+    if hashes:
+        text = json.dumps(hashes, indent=2)
+        atomic_write(out / DATA_FILES, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the data files' hashes")
     barrier()
     return out
+
+
+def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> None:
+    """``write(tmp)`` a file beside ``path``, fsync it, then rename it into place: a reader sees the whole file or the
+    previous one, never a part. A failed write (disk full ...) removes the partial file and raises
+    :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        if not is_write_failure(e):
+            raise
+        size = len(str(what)) + (tmp.stat().st_size if tmp.exists() else 0)
+        raise WriteFailed(write_failure(e, f"{path}" + (f" ({what})" if what else ""), path.parent,
+                                        max(size, 1 << 12))) from e
 
 
 def resume_command(cfg: Any) -> str:
@@ -144,17 +321,43 @@ def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():
         shutil.rmtree(tmp, ignore_errors=True)
-        save_model(tmp)
+        try:
+            save_model(tmp)
+            write_final_manifest(tmp)
+        except Exception as e:
+            written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
+            shutil.rmtree(tmp, ignore_errors=True)  # never a partial final/
+            if not is_write_failure(e):
+                raise
+            last = latest_checkpoint(out / CHECKPOINTS, say=lambda *_: None)
+            kept = (f"; the trained model is in the checkpoint {last} (write final/ again with: surefit train "
+                    f"--config {out / CONFIG} --resume)" if last else "")
+            raise WriteFailed(write_failure(e, f"the final model {final}", out, _final_bytes(last, written),
+                                            kept)) from e
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     barrier()
     return final
 
 
+def write_final_manifest(folder: Path) -> None:
+    """``final/manifest.json``: size and sha256 of every file of the saved model; ``eval``, ``predict`` and ``export``
+    verify it before loading, so corrupt or changed weights are refused rather than scored."""
+    write_manifest(folder)
+
+
+def _final_bytes(checkpoint: Path | None, written: int) -> int | None:
+    """final/ is about the size of a checkpoint's exported model (model/)."""
+    if checkpoint is not None and (checkpoint / "model").is_dir():
+        return sum(p.stat().st_size for p in (checkpoint / "model").rglob("*") if p.is_file())
+    return written or None
+
+
 def write_json(out: Path, name: str, value: Any) -> None:
-    """``OUTPUT/name`` as indented JSON (main process only)."""
+    """``OUTPUT/name`` as indented JSON, written atomically (main process only)."""
     if is_main_process():
-        (out / name).write_text(json.dumps(value, indent=2, default=str), encoding="utf-8")
+        text = json.dumps(value, indent=2, default=str)
+        atomic_write(out / name, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
@@ -229,6 +432,7 @@ class Run:
     report: dict[str, Any] = field(default_factory=dict)
     last_epoch: dict[str, Any] | None = None
     plan: dict[str, Any] = field(default_factory=dict)
+    say: Say = print
 
     @property
     def eval_batch_size(self) -> int:
@@ -292,18 +496,49 @@ class Run:
                     f"{Path.cwd()}; the validation split is re-derived from it", self.where(key),
                     "run surefit from the folder the training ran in, or pass --data FILE to evaluate on other data"))
         raise_if(problems, DataError)
+        for key, (path, why) in self.changed_data().items():
+            self.say(f"warning: the run's {'training' if key == 'data' else 'validation'} data {path} {why} since "
+                     f"training ({self.folder / DATA_FILES}): the validation split re-derived from it may not be the "
+                     "one training scored, and the numbers may not match metrics.jsonl")
+
+    def changed_data(self) -> dict[str, tuple[str, str]]:
+        """The run's data files whose contents differ from what training read (``data_files.json``)."""
+        path = self.folder / DATA_FILES
+        if not path.is_file():
+            return {}
+        saved = _read_json(path, "the data files' hashes")
+        changed = {}
+        for key, before in saved.items():
+            value = getattr(self.cfg, key, None)
+            if not isinstance(before, dict) or not value:
+                continue
+            now = _hash_source(str(value))
+            if now is None:
+                continue
+            if now["sha256"] != before.get("sha256"):
+                changed[key] = (str(value), f"changed ({before.get('bytes')} -> {now['bytes']} bytes, sha256 "
+                                            f"{str(before.get('sha256'))[:12]} -> {now['sha256'][:12]})")
+        return changed
 
     def validation_described(self) -> str:
+        changed = self.changed_data()
+        note = " (CHANGED since training)" if ("val_data" if self.cfg.val_data else "data") in changed else ""
         if self.cfg.val_data:
-            return f"validation data {self.cfg.val_data} (read as in training)"
-        return f"validation split of {self.cfg.data} (re-derived as in training)"
+            return f"validation data {self.cfg.val_data} (read as in training){note}"
+        return f"validation split of {self.cfg.data} (re-derived as in training){note}"
 
 
 _RUN_FIX = "pass the folder given as --output_dir to `surefit train` (it holds config.yaml, metrics.jsonl and final/)"
 
 
-def open_run(run: str | os.PathLike) -> Run:
-    """Check and read a finished run folder; every problem names the folder and what to pass instead."""
+def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code: bool = False,
+             say: Say = print) -> Run:
+    """Check and read a finished run folder; every problem names the folder (or file) and what to pass instead.
+
+    A run folder is data: the code its config.yaml names (a ``head``, a ``model`` factory, a ``data`` factory,
+    ``trust_remote_code``) is only run when this command line allows it (``allow_code``, ``trust_remote_code``);
+    ``final/`` is verified against its manifest; the JSON files read are checked for what they must hold.
+    """
     folder = Path(run)
     if not folder.exists():
         raise SurefitError(Problem(f"no such folder: {folder} (looked in {Path.cwd()})", "--run", _RUN_FIX))
@@ -325,6 +560,7 @@ def open_run(run: str | os.PathLike) -> Run:
         raise ConfigError(Problem(f"unknown task {task!r} in {config_path}", f"{config_path} 'task'",
                                   f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     cfg = build_config(cls, values, None, yaml_name=str(config_path))
+    raise_if(code_problems(cfg, config_path, allow_code, trust_remote_code), ConfigError)
     final = folder / FINAL
     if not final.is_dir():
         if (folder / CHECKPOINTS).is_dir() and any((folder / CHECKPOINTS).iterdir()):
@@ -334,29 +570,158 @@ def open_run(run: str | os.PathLike) -> Run:
             fix = "train the run to the end: final/ is written after the last epoch"
         raise SurefitError(Problem(f"{folder} has no final/ folder: the run did not finish (interrupted, failed, or "
                                    "still training)", "--run", fix))
-    report, plan = (json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
-                    for p in (folder / DATA_REPORT, folder / MEMORY_PLAN))
-    return Run(folder, cfg, final, report, _last_epoch(folder / METRICS), plan)
+    _verify_final(final, say)
+    report = _read_json(folder / DATA_REPORT, "what happened to the data", _DATA_REPORT_KEYS)
+    plan = _read_json(folder / MEMORY_PLAN, "the memory plan", _PLAN_KEYS)
+    return Run(folder, cfg, final, report, _last_epoch(folder / METRICS), plan, say)
+
+
+def code_problems(cfg: Any, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
+    """The settings of a run's config.yaml that would import or run code, unless this command line allows it."""
+    found: list[tuple[str, Any, str, bool]] = []
+    if cfg.trust_remote_code:
+        found.append(("trust_remote_code", True, "lets the model folder run its own Python code when loading",
+                      trust_remote_code or allow_code))
+    if getattr(cfg, "head", None):
+        found.append(("head", cfg.head, "imports the head factory's Python module", allow_code))
+    if cfg.task == "custom" and cfg.model:
+        found.append(("model", cfg.model, "imports the model factory's Python module", allow_code))
+    for key in ("data", "val_data"):
+        value = getattr(cfg, key, None)
+        if cfg.task == "custom" and value and ":" in str(value) and not Path(str(value)).exists():
+            found.append((key, value, "imports the dataset factory's Python module", allow_code))
+    problems = []
+    for key, value, what, allowed in found:
+        if allowed:
+            continue
+        flag = "--trust_remote_code (or --allow_code)" if key == "trust_remote_code" else "--allow_code"
+        problems.append(Problem(
+            f"the run's config sets {key}: {value!r}, which {what}; a run folder is data, and the code it names only "
+            "runs when the command line allows it", f"{config_path} '{key}'",
+            f"if you trust this run folder and that code, add {flag} to this command"))
+    return problems
+
+
+def _verify_final(final: Path, say: Say) -> None:
+    """``final/manifest.json`` must match ``final/``: corrupt or changed weights are refused, not scored."""
+    from surefit.training.checkpoint import MANIFEST
+
+    if not (final / MANIFEST).is_file():
+        say(f"warning: {final} has no {MANIFEST} (written before surefit kept one, or removed): its files cannot be "
+            "checked for corruption")
+        return
+    reason = verify(final, base=())
+    if reason:
+        raise SurefitError(Problem(f"{final} does not match its manifest: {reason}", str(final / MANIFEST),
+                                   "the saved model was changed or damaged after training; train the run again, or "
+                                   "finish it from a checkpoint (surefit train --config RUN/config.yaml --resume)"))
+
+
+# What the readers of a run take from its JSON files, and the types they need (None: may be null).
+_DATA_REPORT_KEYS: dict[str, tuple[type, ...]] = {"problem_type": (str, type(None)), "label2id": (dict, type(None)),
+                                                  "fields": (dict, type(None)), "encoding": (dict, type(None))}
+_PLAN_KEYS: dict[str, tuple[type, ...]] = {"eval_batch_size": (int, type(None)), "precision": (str, type(None)),
+                                           "frozen_dtype": (str, type(None))}
+
+
+def _read_json(path: Path, what: str, keys: dict[str, tuple[type, ...]] | None = None) -> dict[str, Any]:
+    """A JSON object of the run folder (``{}`` when absent); what is not what the readers expect is named."""
+    if not path.is_file():
+        return {}
+    fix = (f"{path.name} was changed or cut after training; restore it, or delete it (surefit then uses the run's "
+           "config.yaml) and check the results")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SurefitError(Problem(f"{path} ({what}) is not valid JSON: {e}", str(path), fix)) from e
+    if not isinstance(value, dict):
+        raise SurefitError(Problem(f"{path} ({what}) holds a {type(value).__name__}, not a JSON object", str(path),
+                                   fix))
+    problems = []
+    for key, types in (keys or {}).items():
+        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
+            problems.append(Problem(f"'{key}' is {value[key]!r} ({type(value[key]).__name__}); expected "
+                                    f"{' or '.join(t.__name__ for t in types if t is not type(None))}",
+                                    f"{path} '{key}'", fix))
+    if "eval_batch_size" in (keys or {}) and isinstance(value.get("eval_batch_size"), int) \
+            and value["eval_batch_size"] < 1:
+        problems.append(Problem(f"'eval_batch_size' is {value['eval_batch_size']}; expected 1 or more",
+                                f"{path} 'eval_batch_size'", fix))
+    label2id = value.get("label2id") if keys is _DATA_REPORT_KEYS else None
+    if isinstance(label2id, dict) and not all(isinstance(v, int) and not isinstance(v, bool)
+                                              for v in label2id.values()):
+        problems.append(Problem("'label2id' maps labels to something other than class numbers",
+                                f"{path} 'label2id'", fix))
+    raise_if(problems)
+    return value
+
+
+def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
+    """sha256 and size of the run's data files (``--data``, ``--val_data``; a folder: all its files), so that
+    ``eval`` can warn when the data it re-derives the validation split from has changed since training."""
+    out = {}
+    for key in ("data", "val_data"):
+        value = getattr(cfg, key, None)
+        if value:
+            found = _hash_source(str(value))
+            if found is not None:
+                out[key] = {"path": str(value), **found}
+    return out
+
+
+def _hash_source(value: str) -> dict[str, Any] | None:
+    import hashlib
+
+    path = Path(value)
+    if path.is_file():
+        files = [path]
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+    else:
+        return None  # a dataset factory (module:make) or a hub name: nothing on disk to hash
+    h, size = hashlib.sha256(), 0
+    try:
+        for p in files:
+            if path.is_dir():
+                h.update(str(p.relative_to(path)).encode() + b"\0")
+            with p.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+                    size += len(chunk)
+    except OSError:
+        return None
+    return {"sha256": h.hexdigest(), "bytes": size}
 
 
 def _last_epoch(path: Path) -> dict[str, Any] | None:
+    """The last epoch record of ``metrics.jsonl``; a record whose figures are not numbers is named, not used."""
     if not path.is_file():
         return None
     last = None
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except ValueError:
-            continue  # a line cut by a crash; the run's metrics are read for comparison only
+            if number == len(lines):
+                continue  # the last line cut by a crash; the run's metrics are read for comparison only
+            raise SurefitError(Problem(f"line {number} is not valid JSON: {line[:80]!r}", f"{path} line {number}",
+                                       "metrics.jsonl was changed after training; restore it or remove that line")) from None
         if isinstance(record, dict) and record.get("type") == "epoch":
+            wrong = {k: v for k, v in record.items() if k != "type" and isinstance(v, str)}
+            if wrong:
+                key, value = next(iter(wrong.items()))
+                raise SurefitError(Problem(f"'{key}' is {value!r}, not a number (an epoch record holds numbers)",
+                                           f"{path} line {number}",
+                                           "metrics.jsonl was changed after training; restore it or fix that line"))
             last = record
     return last
 
 
 def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
     """Write an export of ``run`` to ``dest`` atomically: ``write(tmp)`` fills a temporary folder beside ``dest``,
-    which then replaces it. ``dest`` may not be a file, the run itself or inside its ``final/``, and a non-empty
-    ``dest`` is refused unless ``overwrite``."""
+    which then replaces it. ``dest`` may not be a file, the run itself, a folder holding it or anything inside it,
+    and a non-empty ``dest`` is refused unless ``overwrite``."""
     _check_destination(run, dest, overwrite)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp{os.getpid()}"
@@ -375,9 +740,11 @@ def _check_destination(run: Run, dest: Path, overwrite: bool) -> None:
     if dest.exists() and not dest.is_dir():
         raise SurefitError(Problem(f"{dest} is a file", "--to", "pass a folder path (new or empty)"))
     resolved, folder = dest.resolve(), run.folder.resolve()
-    if resolved == folder or folder.is_relative_to(resolved) or resolved.is_relative_to(folder / FINAL):
-        raise SurefitError(Problem(f"{dest} holds the run {run.folder} (or is inside its final/); exporting there "
-                                   "would replace the run", "--to", "pass a folder outside the run"))
+    if folder.is_relative_to(resolved) or resolved.is_relative_to(folder):
+        inside = "is" if resolved == folder else "holds" if folder.is_relative_to(resolved) else "is inside"
+        raise SurefitError(Problem(f"{dest} {inside} the run folder {run.folder}; exporting there would replace the run's "
+                                   "files (its checkpoints, final/ or records)", "--to",
+                                   "pass a folder outside the run"))
     if dest.is_dir() and any(dest.iterdir()) and not overwrite:
         held = sorted(p.name for p in dest.iterdir())
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")

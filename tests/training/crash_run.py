@@ -4,7 +4,9 @@
 
 MODE: mid-epoch (SIGKILL at the start of the 5th optimizer step), after-checkpoint (SIGKILL right after the 2nd
 checkpoint is written), during-write (SIGKILL while the checkpoint of step 6 is written, before it is renamed into
-place), sigint / sigterm (that signal at the start of the 5th step: the run must finish the step, save and exit).
+place), sigint / sigterm (that signal at the start of the 5th step: the run must finish the step, save and exit),
+pause (at the start of the 5th step, write OUTPUT/paused and wait until OUTPUT/go exists, then go on: a run that is
+alive and holding its folder, for the lock tests).
 """
 
 import os
@@ -16,6 +18,8 @@ import surefit.training.loop as loop
 from surefit.cli import main
 
 mode = sys.argv[1]
+# mid-epoch: the optimizer step (counted in this process) at whose start to die; 5 unless CRASH_AT_STEP says otherwise
+at_step = int(os.environ.get("CRASH_AT_STEP", "5"))
 argv = sys.argv[sys.argv.index("--") + 1 :]
 calls = {"n": 0}
 
@@ -29,8 +33,24 @@ if mode in ("mid-epoch", "sigint", "sigterm"):
 
     def step(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 5:
+        if calls["n"] == at_step:
             kill({"mid-epoch": signal.SIGKILL, "sigint": signal.SIGINT, "sigterm": signal.SIGTERM}[mode])
+        return original_step(*a, **k)
+
+    loop.accumulate_step = step
+elif mode == "pause":
+    import time
+    from pathlib import Path
+
+    out = Path(argv[argv.index("--output_dir") + 1])
+    original_step = loop.accumulate_step
+
+    def step(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            (out / "paused").write_text(str(os.getpid()))
+            while not (out / "go").exists():
+                time.sleep(0.1)
         return original_step(*a, **k)
 
     loop.accumulate_step = step

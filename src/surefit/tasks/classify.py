@@ -465,6 +465,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         data_report=report, files={COLUMNS: table},
         plan={"eval_lengths": [len(f["input_ids"]) for f in val_feats], "lora": cfg.lora_r > 0},
         saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer",
+        where=lambda i: train_rows[i].where,
         rejected=report["rejected_rows"])
 
 

@@ -23,6 +23,7 @@ from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
     check_output_dir,
+    lock_run,
     open_metrics_log,
     predictions_path,
     resume_command,
@@ -72,6 +73,7 @@ class Prepared:
         saved: what ``final/`` holds, in words, for the last line of the run.
         on_epoch, counters, epoch_batches: passed on to :func:`~surefit.training.loop.fit`.
         rejected: rows dropped under ``--on_bad_rows skip`` (already written to ``rejected_rows.jsonl``).
+        where: a training example's index -> its source row in words, for messages (a non-finite loss names rows).
     """
 
     cfg: Any
@@ -94,6 +96,7 @@ class Prepared:
     counters: Any = None
     epoch_batches: Callable[[int], list[list[int]]] | None = None
     rejected: int = 0
+    where: Callable[[int], str] | None = None
 
 
 PrepareFn = Callable[..., Prepared]
@@ -105,9 +108,14 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     Returns:
         ``{"output_dir", "final_dir", "history", "data_report"}``.
     """
+    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
+    with lock_run(cfg, say):  # one run at a time in --output_dir, for the whole run (run_folder.RunLock)
+        return _train(cfg, prepare, say)
+
+
+def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
-    say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
     set_seed(cfg.seed)
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
@@ -146,7 +154,7 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
                       settings=LoopSettings.from_config(cfg, plan), accelerator=acc, evaluate=evaluate,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
-                      epoch_batches=p.epoch_batches)
+                      epoch_batches=p.epoch_batches, where=p.where)
     finally:
         log.close()
     final = save_final(out, lambda d: export(p.model, d))

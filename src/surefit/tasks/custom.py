@@ -309,7 +309,10 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
         raise DataError(problems)
     # The doctor sees what reaches the forward: with --loss the labels go to surefit's loss instead, unless the
     # forward takes them too.
-    takes_labels = cfg.labels_key in forward_protocol(model, [cfg.labels_key])[1]
+    # A forward(x) probed with the labels alone looks like forward(batch) (one positional argument): only a forward
+    # that names the labels key (or takes **kwargs) takes them.
+    label_mode, label_passed, _ = forward_protocol(model, [cfg.labels_key])
+    takes_labels = label_mode == "kwargs" and cfg.labels_key in label_passed
     rows = _Rows(data, [k for k in keys if k in caller.passed or (k == cfg.labels_key and takes_labels)])
     checked = _AsCalled(model, caller) if mode == "single" else model
 
@@ -358,7 +361,7 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
         data_report={"train_rows": len(train_idx), "val_rows": len(val_idx),
                      "arrays": {k: list(v.shape) for k, v in data.arrays.items()}},
         files={COLUMNS: table}, saved="the model (safetensors) and its factory spec", on_epoch=on_epoch,
-        epoch_batches=epoch_batches)
+        epoch_batches=epoch_batches, where=lambda i: f"{cfg.data} row {train_idx[i]}")
 
 
 def run(cfg: CustomConfig, say=print) -> dict[str, Any]:

@@ -206,7 +206,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
               # the planner measures with the plain loss: a shared layout is never larger
               "loss_fn": causal_lm_loss_sum},
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer",
-        on_epoch=on_epoch, counters=sharing, rejected=data_report["rejected_rows"])
+        on_epoch=on_epoch, counters=sharing, rejected=data_report["rejected_rows"], where=lambda i: train_ex[i].row.where)
 
 
 def run(cfg: SFTConfig, say: Say = print) -> dict[str, Any]:

@@ -51,13 +51,16 @@ class LoopSettings:
     # "bf16": activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights; see
     # training/speedups/lora_fast.SavedActivationsIn). None: as autograd saves them.
     saved_activations: str | None = None
+    # A non-finite loss or gradient norm: "stop" the run (the last good checkpoint stays), or "skip_step" (counted).
+    on_nonfinite: str = "stop"
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
         """A task config's settings, with the micro-batch and activation storage the memory plan chose."""
         return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
-                   seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations)
+                   seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations,
+                   on_nonfinite=getattr(cfg, "on_nonfinite", "stop"))
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -89,6 +92,12 @@ class Checkpointing:
 
 class OutOfMemoryInSync(SurefitError):
     title = "out of memory"
+
+
+class NonFiniteLoss(SurefitError):
+    """A non-finite loss, gradient norm or weights: the run stops before the step is applied or saved."""
+
+    title = "non-finite loss"
 
 
 class TrainingInterrupted(SurefitError):
@@ -165,15 +174,19 @@ class Progress:
     window_loss: float = 0.0
     window_items: int = 0
     examples: int = 0
+    nonfinite_skipped: int = 0  # optimizer steps skipped under --on_nonfinite skip_step, in the whole run
 
     def add(self, step: StepResult) -> None:
         self.global_step += 1
         self.step_in_epoch += 1
-        self.loss_sum += step.loss_sum
-        self.items += step.items
         self.tokens += step.tokens
         self.examples += step.examples
         self.seconds += step.seconds
+        if step.skipped:  # its loss is not a number: the epoch's loss is over the steps that were applied
+            self.nonfinite_skipped += 1
+            return
+        self.loss_sum += step.loss_sum
+        self.items += step.items
         self.window_loss += step.loss_sum
         self.window_items += step.items
 
@@ -194,6 +207,7 @@ class StepResult:
     seconds: float
     grad_norm: float | None
     stop: bool
+    skipped: bool = False
 
 
 class _Fit:
@@ -210,6 +224,7 @@ class _Fit:
         self.loss_fn, self.collate, self.settings = loss_fn, collate, settings
         self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
         self.log, self.say, self.counters = log, say, counters
+        self.where: Callable[[int], str] | None = None  # a training example's source row, for messages
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_adamw(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.steps_per_epoch = math.ceil(len(features) / settings.batch_size)
@@ -288,15 +303,98 @@ class _Fit:
             loss_fn=self.loss_fn, collate=self.collate, accelerator=self.accelerator, guard=self.guard, say=self.say,
             saved_activations=self.settings.saved_activations)
         loss_sum, stops = sum_over_processes([loss_sum, float(stop.requested is not None)], self.accelerator.device)
+        # Under fp16 the loss scaler expects overflowing gradients now and then and skips those steps itself.
+        scaled = getattr(self.accelerator, "scaler", None) is not None
         grad_norm = None
         if self.settings.max_grad_norm > 0:
             grad_norm = float(self.accelerator.clip_grad_norm_(self.params, self.settings.max_grad_norm))
+        elif not scaled:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        counts = dict(items=sum(self.counts[i] for i in step_indices), tokens=sum(self.lengths[i] for i in step_indices),
+                      examples=len(step_indices))
+        if not math.isfinite(loss_sum) or (not scaled and grad_norm is not None and not math.isfinite(grad_norm)):
+            # Every process sees the same summed loss and all-reduced gradients, so all of them take this branch.
+            self.optimizer.zero_grad(set_to_none=True)
+            problem = self.nonfinite_problem(step_indices, loss_sum, grad_norm)
+            if self.settings.on_nonfinite != "skip_step":
+                raise NonFiniteLoss(problem)
+            self.scheduler.step()  # the schedule follows the steps taken through the data, applied or not
+            self.say(f"--on_nonfinite skip_step: skipped step {self.progress.global_step + 1}: {problem.what}")
+            return StepResult(loss_sum=loss_sum, **counts, seconds=time.perf_counter() - t0, grad_norm=grad_norm,
+                              stop=stops > 0, skipped=True)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum=loss_sum, items=sum(self.counts[i] for i in step_indices),
-                          tokens=sum(self.lengths[i] for i in step_indices), examples=len(step_indices),
-                          seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)
+        return StepResult(loss_sum=loss_sum, **counts, seconds=time.perf_counter() - t0, grad_norm=grad_norm,
+                          stop=stops > 0)
+
+    def nonfinite_problem(self, step_indices: list[int], loss_sum: float, grad_norm: float | None,
+                          weights_only: bool = False) -> Problem:
+        """What went non-finite at this step, the rows of the step whose own loss is not finite, the likely causes,
+        and the last good checkpoint (nothing non-finite is applied or saved).
+
+        ``weights_only``: the step's update itself made the weights non-finite (found before saving a checkpoint).
+        """
+        from surefit.training.checkpoint import latest_checkpoint
+
+        p, s = self.progress, self.settings
+        largest = max((float(q.detach().abs().max()) for q in self.params if q.numel()), default=0.0)
+        step = p.global_step + (0 if weights_only else 1)
+        where = (f"step {step} (epoch {p.epoch})" if weights_only else
+                 f"step {step} (epoch {p.epoch}, step {p.step_in_epoch + 1} of {self.steps_per_epoch})")
+        lr_cause = (f"the learning rate is far too high (--lr {s.lr:g}); lower it (e.g. 10x) and keep --max_grad_norm "
+                    f"on (now {s.max_grad_norm:g})")
+        if weights_only:
+            what = f"the update of step {step} made the weights non-finite"
+            causes, rows = [lr_cause], ""
+            fix = "train again with a lower --lr (a resumed run keeps the run's --lr)"
+        else:
+            items = max(sum(self.counts[i] for i in step_indices), 1)
+            what = (f"the loss is {loss_sum / items:.4g}"
+                    + (f", the gradient norm is {grad_norm:.4g}" if grad_norm is not None else ""))
+            bad = self._nonfinite_examples(self.accelerator.unwrap_model(self.model), step_indices)
+            if not math.isfinite(largest):
+                causes = [f"the weights were already non-finite before this step: {lr_cause}"]
+            elif bad and len(bad) == len(step_indices) and largest > 1e4:
+                causes = [f"every row of the step gives a non-finite loss alone and the weights reach {largest:.3g}: "
+                          f"earlier updates were far too large: {lr_cause}"]
+            elif bad:
+                causes = ["these rows give a non-finite loss on their own: values that overflow in the model (extreme "
+                          "inputs, labels out of range for the loss, a division by zero or log of a non-positive "
+                          "value in a custom forward)"]
+            else:
+                causes = [f"each row's loss is finite alone: the gradient overflowed; lower --lr (now {s.lr:g}) or "
+                          f"set --max_grad_norm (now {s.max_grad_norm:g})"]
+            shown = bad or step_indices
+            rows = ", ".join(self.describe(i) for i in shown[:8]) + (f" and {len(shown) - 8} more"
+                                                                      if len(shown) > 8 else "")
+            rows = f"; {'rows with a non-finite loss' if bad else 'the step held rows'}: {rows}"
+            fix = ("fix the cause above, then train again or resume; or pass --on_nonfinite skip_step to skip such "
+                   "steps (each skip is counted and reported)")
+        if str(getattr(self.accelerator, "mixed_precision", "no")) == "fp16":
+            causes.append("fp16 overflows above 65504: train with --precision bf16 or fp32")
+        last = latest_checkpoint(self.checkpointing.folder, say=lambda *_: None) if self.main else None
+        kept = (f"the last good checkpoint {last} is kept (resume with: {self.checkpointing.resume_command})"
+                if last else "no checkpoint had been written yet")
+        applied = "nothing was saved" if weights_only else "this step was not applied"
+        return Problem(f"{what}{rows}. Likely cause: {'; '.join(causes)}. {applied.capitalize()}; {kept}", where, fix)
+
+    def describe(self, index: int) -> str:
+        return self.where(index) if self.where is not None else f"training example #{index}"
+
+    def _nonfinite_examples(self, model: Any, step_indices: list[int]) -> list[int]:
+        """The step's examples whose loss alone is not finite (forward only; the random generators are put back)."""
+        device = torch.device(self.accelerator.device)
+        bad = []
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), torch.no_grad():
+            for i in step_indices:
+                batch = _to_device(self.collate([self.features[i]]), device)
+                with self.accelerator.autocast():
+                    loss, _ = self.loss_fn(model, batch)
+                if not bool(torch.isfinite(loss).all()):
+                    bad.append(i)
+        return bad
 
     def log_step(self, step: StepResult) -> None:
         """Every ``log_every`` steps, a ``step`` record of the loss since the previous one."""
@@ -307,7 +405,8 @@ class _Fit:
             self.log.write({"type": "step", "step": p.global_step, "epoch": p.epoch,
                             "loss": p.window_loss / max(p.window_items, 1), "lr": self.scheduler.get_last_lr()[0],
                             "grad_norm": step.grad_norm, "tokens_per_s": step.tokens / max(step.seconds, 1e-9),
-                            "oom_splits": self.guard.splits})
+                            "oom_splits": self.guard.splits,
+                            **({"nonfinite_skipped": p.nonfinite_skipped} if p.nonfinite_skipped else {})})
         p.window_loss, p.window_items = 0.0, 0
 
     # -- the end of an epoch, checkpoints
@@ -319,6 +418,8 @@ class _Fit:
                   "train_loss": p.loss_sum / max(p.items, 1),
                   "train_tokens_per_s": p.tokens / max(p.seconds, 1e-9), "time_per_epoch": p.seconds,
                   "examples_seen": p.examples, "oom_splits": self.guard.splits}
+        if p.nonfinite_skipped:
+            record["nonfinite_skipped"] = p.nonfinite_skipped
         record.update(self.evaluate(p.epoch))
         if on_epoch is not None:
             on_epoch(record)
@@ -337,6 +438,8 @@ class _Fit:
             summed = sum_over_processes([float(v) for v in mine.values()], self.accelerator.device)
             counts = {k: int(v) for k, v in zip(mine, summed, strict=True)}
         ck = self.checkpointing
+        if not all(bool(torch.isfinite(q).all()) for q in self.params):  # every process holds the same weights
+            raise NonFiniteLoss(self.nonfinite_problem([], float("nan"), None, weights_only=True))
         if not self.main:
             barrier()
             return ck.folder / name
@@ -355,7 +458,7 @@ class _Fit:
             export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
-        prune(ck.folder, ck.keep, self.say)
+        prune(ck.folder, ck.keep, self.say, protect=ck.resume_from)
         barrier()
         return folder
 
@@ -383,6 +486,7 @@ def fit(
     on_epoch: Callable[[dict[str, Any]], None] | None = None,
     counters: Any | None = None,
     epoch_batches: Callable[[int], list[list[int]]] | None = None,
+    where: Callable[[int], str] | None = None,
 ) -> list[dict[str, Any]]:
     """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
 
@@ -405,6 +509,7 @@ def fit(
             processes, so a resumed epoch's record reports what an uninterrupted one does.
         epoch_batches: ``epoch -> steps`` (lists of example indices), the same on every process and for the same
             epoch; default: length-grouped batches of ``settings.batch_size`` (:func:`~surefit.data.sampling.step_batches`).
+        where: a training example's index -> its source row in words (``train.jsonl line 7``), for messages.
 
     With several processes, ``evaluate`` runs on the main process only, on the unwrapped model, while the others wait
     for its result; ``log`` and checkpoints are written by the main process only.
@@ -420,6 +525,7 @@ def fit(
     run = _Fit(model, features, lengths, counts, loss_fn=loss_fn, collate=collate, settings=settings,
                accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say,
                counters=counters)
+    run.where = where
     run.start()
     p = run.progress
     with _StopSignal(announce=run.main) as stop:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import sys
+from typing import Any
 
 from surefit.data.readers.common import _ICONV_FIX, _MAX_HEADER_NAME, Rejected, _Capped, _clip, short
 from surefit.data.readers.text import _Text, _too_big, _too_big_what
@@ -63,6 +64,7 @@ def _parse_delimited(
     wrong_count = _Capped(problems, source, "lines", rejects)
     too_big = _Capped(problems, source, "lines", rejects)
     lines: list[str] = []
+    spanning: list[tuple[int, int, int]] = []  # (row position, first line, last line) of records with line breaks
 
     def raw(first: int, last: int) -> str:
         # Split only when a row is rejected: most files have none, and a copy of every line costs memory.
@@ -118,31 +120,75 @@ def _parse_delimited(
                 )
                 continue
             if len(record) != len(header):
+                spans = (f" (a quote opened at line {first_line} closes at line {last_line}: lines {first_line}-"
+                         f"{last_line} were read as one record)" if first_line != last_line else "")
                 wrong_count.add(
                     Problem(
-                        f"expected {len(header)} cells (as in the header) but got {len(record)}",
+                        f"expected {len(header)} cells (as in the header) but got {len(record)}{spans}",
                         where=where,
                         fix=_cell_fix(kind),
                     ),
                     raw=_clip(raw(first_line, last_line)),
                 )
                 continue
+            if first_line != last_line:
+                spanning.append((len(rows), first_line, last_line))
             rows.append(Row(fields=dict(zip(header, record, strict=True)), where=where, index=len(rows)))
     except csv.Error as e:
+        # The record that failed began after the last one read: that is where its quote opened.
+        start = last_line + 1
+        stopped = f" (reading stopped at line {reader.line_num})" if reader.line_num != start else " (reading stopped here)"
+        opened = (f"; the quote that opened at line {start} is never closed" if "end of data" in str(e) else "")
         problems.append(
             Problem(
-                f"malformed {kind}: {e} (reading stopped here)",
-                where=f"{source} line {reader.line_num}",
+                f"malformed {kind}: {e}{opened}{stopped}",
+                where=f"{source} line {start}",
                 fix=_cell_fix(kind),
             )
         )
     finally:
         csv.field_size_limit(old_limit)
+    if header is not None and quoting != csv.QUOTE_NONE:
+        rows = _stray_quotes(rows, spanning, len(header), delimiter, raw, source, kind, problems, rejects)
     wrong_count.close()
     too_big.close()
     # In skip mode the row complaints went to rejects; they still mean this way of parsing fits the file less well.
     issues = len(problems) - before + (wrong_count.count + too_big.count if rejects is not None else 0)
     return rows, issues
+
+
+def _stray_quotes(rows: list[Row], spanning: list[tuple[int, int, int]], n_columns: int, delimiter: str, raw: Any,
+                  source: str, kind: str, problems: list[Problem], rejects: list[Rejected] | None) -> list[Row]:
+    """Records that hold line breaks in a file where such records are rare (at most 5% of 20 or more), and whose inner
+    lines read alone as whole rows: a stray quote merged those lines into one record. Each is a problem (or, with
+    --on_bad_rows skip, a rejected record) named at the line where the quote opened, instead of silently fewer rows.
+    """
+    if not spanning or n_columns < 2 or len(rows) < 20 or len(spanning) > 0.05 * len(rows):
+        return rows
+    dropped = set()
+    for position, first, last in spanning:
+        inner = raw(first, last).split("\n")[1:]
+        looks_like_rows = [first + 1 + i for i, line in enumerate(inner[:-1]) if len(line.split(delimiter)) == n_columns]
+        if not looks_like_rows:
+            continue
+        shown = ", ".join(map(str, looks_like_rows[:5])) + (" ..." if len(looks_like_rows) > 5 else "")
+        problem = Problem(
+            f"a quote opened at line {first} closes only at line {last}: lines {first}-{last} were read as one record, "
+            f"though line{'s' if len(looks_like_rows) > 1 else ''} {shown} look{'' if len(looks_like_rows) > 1 else 's'}"
+            f" like rows of their own, and no other record of the file spans lines (a stray '\"'?)",
+            where=f"{source} line {first}",
+            fix=f"remove the stray quote, or write a quote inside a cell as \"\" within a quoted cell; a {kind} cell "
+                "that really spans lines must be quoted whole",
+        )
+        if rejects is not None:
+            rejects.append(Rejected(problem.where, problem.what, _clip(raw(first, last))))
+        else:
+            problems.append(problem)
+        dropped.add(position)
+    if not dropped:
+        return rows
+    kept = [r for i, r in enumerate(rows) if i not in dropped]
+    return [Row(fields=r.fields, where=r.where, index=i) for i, r in enumerate(kept)]
 
 
 def _header(record: list[str], source: str, line: int, kind: str, problems: list[Problem]) -> list[str] | None:

@@ -18,7 +18,7 @@ from surefit.data.readers.common import (
 from surefit.data.readers.delimited import _read_delimited
 from surefit.data.readers.json_rows import _read_json, _read_jsonl
 from surefit.data.readers.tabular import _read_dataset_folder, _read_parquet
-from surefit.data.readers.text import _read_text
+from surefit.data.readers.text import _read_text, not_a_regular_file
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -50,6 +50,10 @@ def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list
         return []
     if p.is_dir():
         return _read_folder(p, source, problems)
+    irregular = not_a_regular_file(p, source)
+    if irregular is not None:
+        problems.append(irregular)
+        return []
 
     ext = p.suffix.lower()
     if ext not in _DATA_EXTS:

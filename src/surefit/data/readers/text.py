@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,11 +41,34 @@ class _Text:
     problem: Problem | None = None
 
 
+def not_a_regular_file(p: Path, source: str) -> Problem | None:
+    """A problem when ``p`` (after following symlinks) is a named pipe, a device or a socket: reading one blocks
+    forever (a pipe nobody writes to) or never ends (``/dev/zero``)."""
+    try:
+        mode = p.stat().st_mode
+    except OSError as e:
+        return Problem(f"cannot read {source}: {e.strerror or e}", fix="check the path and its permissions")
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    kind = ("a named pipe (FIFO)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+            else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "not a file")
+    target = f" (a link to {os.path.realpath(p)})" if p.is_symlink() else ""
+    return Problem(f"{source} is {kind}{target}, not a regular file: reading it could block forever or never end",
+                   fix="save the data to a file and pass that file")
+
+
 def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool) -> _Text | None:
     try:
-        data = p.read_bytes()
+        with p.open("rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            # Read what the file held when opened, and one byte more to notice a file that keeps growing.
+            data = fh.read(size + 1)
     except OSError as e:
         problems.append(Problem(f"cannot read {source}: {e.strerror or e}", fix="check the file's permissions"))
+        return None
+    if len(data) > size:
+        problems.append(Problem(f"{source} grew while it was read (it held {size} bytes when opened)",
+                                fix="pass a file that is not being written to"))
         return None
     binary = _binary_problem(data, source, kind)
     if binary is not None:
