@@ -282,7 +282,7 @@ def _messages_from_alpaca(f: dict, bad: _RowProblems) -> list[dict]:
     return out
 
 
-def check_messages(messages: list[dict], bad: _RowProblems) -> None:
+def check_messages(messages: list[dict], bad: _RowProblems, complete: bool = True) -> None:
     """Known roles, no empty turn, a possible order: system first, no two assistant turns in a row, ends on an
     assistant turn."""
     for turn, m in enumerate(messages, 1):
@@ -296,10 +296,8 @@ def check_messages(messages: list[dict], bad: _RowProblems) -> None:
             bad.add("order", f"turn {turn}: a system turn after the first turn")
         if role == "assistant" and turn > 1 and messages[turn - 2]["role"] == "assistant":
             bad.add("order", f"turns {turn - 1}-{turn}: two assistant turns in a row")
-    if messages and messages[-1]["role"] in ROLES and messages[-1]["role"] != "assistant":
+    if complete and messages and messages[-1]["role"] in ROLES and messages[-1]["role"] != "assistant":
         bad.add("order", f"ends on a {messages[-1]['role']} turn (turn {len(messages)}): nothing to train after it")
-    if messages and all(m["role"] != "assistant" for m in messages[:-1]) and messages[-1]["role"] != "assistant":
-        pass  # already reported as ending on a non-assistant turn
 
 
 _FIXES = {
@@ -317,11 +315,12 @@ _KIND_TEXT = {"role": "an unknown role", "empty": "an empty turn", "order": "an 
 
 
 def to_conversations(rows: list[Row], choice: FormatChoice, source: str, problems: list[Problem],
-                     rejects: list[Rejected] | None = None) -> list[Row]:
+                     rejects: list[Rejected] | None = None, complete: bool = True) -> list[Row]:
     """Rows of a conversational format -> rows with ``messages`` and ``tools`` fields, every row checked.
 
     Bad rows are problems (one per kind, each row listed with its turn), or, under ``--on_bad_rows skip``
-    (``rejects`` a list), appended to ``rejects`` with every reason.
+    (``rejects`` a list), appended to ``rejects`` with every reason. ``complete=False`` (``predict``): a
+    conversation may end on a user or tool turn (the model answers it).
     """
     out: list[Row] = []
     by_kind: dict[str, list[str]] = {}
@@ -348,7 +347,7 @@ def to_conversations(rows: list[Row], choice: FormatChoice, source: str, problem
                         + _messages_from_openai(f.get("completion"), bad, "completion"))
             tools = _parse_tools(f.get("tools"), bad)
         if not any(k in ("shape", "missing") for k, _ in bad.items):
-            check_messages(messages, bad)
+            check_messages(messages, bad, complete)
         if not bad.items:
             out.append(row.with_fields(messages=messages, tools=tools))
             continue
