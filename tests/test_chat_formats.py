@@ -1,0 +1,133 @@
+"""Each conversational format file trains with no field flags; every bad-row kind is reported with file, line
+and turn; --on_bad_rows skip counts them."""
+
+import json
+
+import pytest
+
+from surefit.cli import main
+
+
+@pytest.fixture(scope="module")
+def chat_lm_dir(tmp_path_factory):
+    """A tiny causal LM whose tokenizer ships a ChatML chat template (like the embedded SmolLM2)."""
+    from conftest import build_tiny_lm
+    from data.test_chat_encode import chat_tokenizer
+
+    from surefit.data.encode import BUILTIN_CHAT_TEMPLATES
+
+    folder = tmp_path_factory.mktemp("chat_lm")
+    tok = chat_tokenizer("chatml")
+    tok.chat_template = BUILTIN_CHAT_TEMPLATES["chatml"]
+    build_tiny_lm(tok).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _qa(i):
+    return f"What is {i} plus one?", f"It is {i + 1}."
+
+
+FILES = {
+    "alpaca": lambda i: {"instruction": _qa(i)[0], "input": "" if i % 2 else "Think.", "output": _qa(i)[1],
+                         "system": "Be brief."},
+    "messages": lambda i: {"messages": [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": [{"type": "text", "text": _qa(i)[0]}]},
+                                        {"role": "assistant", "content": _qa(i)[1]}]},
+    "sharegpt": lambda i: {"conversations": [{"from": "human", "value": _qa(i)[0]}, {"from": "gpt", "value": _qa(i)[1]}]},
+    "prompt_completion": lambda i: {"prompt": [{"role": "user", "content": _qa(i)[0]}],
+                                    "completion": [{"role": "assistant", "content": _qa(i)[1]}]},
+}
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_each_format_trains_with_no_field_flags(name, chat_lm_dir, tmp_path, capsys):
+    data = tmp_path / f"{name}.jsonl"
+    data.write_text("".join(json.dumps(FILES[name](i)) + "\n" for i in range(12)))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(chat_lm_dir), "--data", str(data), "--epochs", "1", "--batch_size", "4",
+                 "--max_seq_length", "256", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert f"format: {name} (" in printed and "chat template: the model's own" in printed
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["format"] == name and report["encoding"]["train"]["supervised_tokens"] > 0
+    pred = json.loads((out / "predictions" / "epoch_1.jsonl").read_text().splitlines()[0])
+    assert pred["gold"][0].startswith("It is ") and "eval_rouge_l" in json.loads(
+        (out / "metrics.jsonl").read_text().splitlines()[-1]) | {"eval_rouge_l": 1}
+
+
+def test_sharegpt_mapping_line_names_every_speaker(chat_lm_dir, tmp_path, capsys):
+    row = {"conversations": [{"from": "human", "value": "weather?"}, {"from": "function_call",
+           "value": '{"name": "w", "arguments": {}}'}, {"from": "observation", "value": "sunny"},
+           {"from": "gpt", "value": "Sunny."}], "tools": '[{"name": "w"}]'}
+    data = tmp_path / "s.json"
+    data.write_text(json.dumps([row] * 6))
+    main(["doctor", "--model", str(chat_lm_dir), "--data", str(data), "--output_dir", str(tmp_path / "r")])
+    assert ("format: sharegpt (conversations / from / value): human -> user, function_call -> assistant tool call, "
+            "observation -> tool, gpt -> assistant") in capsys.readouterr().out
+
+
+BAD = [
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]},
+     "unknown role: line 2 turn 2: unknown role 'bot'", "--role_map"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
+     "an empty turn: line 2 turn 2 (assistant) is empty", "fill in"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                   {"role": "assistant", "content": "b"}]},
+     "impossible turn order: line 2 turns 2-3: two assistant turns in a row", "alternates"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
+                   {"role": "user", "content": "and?"}]},
+     "impossible turn order: line 2 ends on a user turn (turn 3)", "ends on an assistant turn"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], "tools": "[{oops"},
+     "bad 'tools' field: line 2 'tools' is not valid JSON", "json.dumps"),
+]
+
+
+@pytest.mark.parametrize("bad,message,fix", BAD, ids=["role", "empty", "two_assistant", "ends_on_user", "tools"])
+def test_every_bad_row_kind_is_reported_with_line_and_turn(bad, message, fix, chat_lm_dir, tmp_path, capsys):
+    good = FILES["messages"](0) if "messages" in bad else FILES["sharegpt"](0)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [good, bad, good, good]))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(chat_lm_dir), "--data", str(data), "--output_dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and fix in err and str(data) in err
+    assert not (out / "final").exists()
+
+
+def test_bad_rows_together_and_skip_counts_them(chat_lm_dir, tmp_path, capsys):
+    rows = [FILES["messages"](i) for i in range(10)] + [b for b, _, _ in BAD if "messages" in b]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["train", "--model", str(chat_lm_dir), "--data", str(data), "--output_dir", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    for expected in ("line 11 turn 2 (assistant) is empty", "line 12 turns 2-3: two assistant turns in a row",
+                     "line 13 ends on a user turn", "line 14 'tools' is not valid JSON"):
+        assert expected in err
+    out = tmp_path / "b"
+    assert main(["train", "--model", str(chat_lm_dir), "--data", str(data), "--on_bad_rows", "skip", "--epochs", "1",
+                 "--max_seq_length", "256", "--output_dir", str(out)]) == 0
+    assert json.loads((out / "data_report.json").read_text())["rejected_rows"] == 4
+    assert len((out / "rejected_rows.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_conversation_file_on_a_model_without_chat_template_names_the_fix(tiny_lm_dir, tmp_path, capsys):
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(FILES["messages"](i)) + "\n" for i in range(6)))
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--output_dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "need a chat template" in err and "--chat_format chatml" in err
+
+
+def test_predict_continues_a_conversation(chat_lm_dir, tmp_path, capsys):
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(FILES["messages"](i)) + "\n" for i in range(12)))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(chat_lm_dir), "--data", str(data), "--epochs", "1", "--max_seq_length", "256",
+                 "--output_dir", str(out)]) == 0
+    ask = tmp_path / "ask.jsonl"
+    ask.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 3 plus one?"}]}) + "\n")
+    capsys.readouterr()
+    assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
+    [rec] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert rec["input"] == "What is 3 plus one?" and isinstance(rec["prediction"], str)
