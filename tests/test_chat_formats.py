@@ -131,3 +131,21 @@ def test_predict_continues_a_conversation(chat_lm_dir, tmp_path, capsys):
     assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
     [rec] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert rec["input"] == "What is 3 plus one?" and isinstance(rec["prediction"], str)
+
+
+def test_inspect_marks_only_assistant_spans_and_writes_jsonl(chat_lm_dir, tmp_path, capsys):
+    from surefit.data.encode import BUILTIN_CHAT_TEMPLATES  # noqa: F401 - the model's own template is ChatML
+
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(FILES["messages"](i)) + "\n" for i in range(3)))
+    out = tmp_path / "enc.jsonl"
+    assert main(["inspect", "--task", "sft", "--model", str(chat_lm_dir), "--data", str(data), "--limit", "2",
+                 "--out", str(out), "--show", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "<|im_start|>assistant\n[[It is 1.<|im_end|>\n]]" in printed
+    shown = printed.split("like this]]) ---\n")[1]
+    assert "[[" not in shown.split("<|im_start|>assistant")[0]  # nothing of the system or user turn supervised
+    assert "turns per role: system 2, user 2, assistant 2" in printed
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(records) == 2 and {"where", "input_ids", "labels", "text"} <= records[0].keys()
+    assert len(records[0]["input_ids"]) == len(records[0]["labels"]) and records[0]["text"].endswith("<|im_end|>\n")

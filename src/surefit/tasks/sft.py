@@ -750,3 +750,72 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     if merge:
         say(f"--merge: {run.folder} was trained in full (no LoRA adapter); copied the model as it is")
     return "LoRA adapter (load with peft; its base model is named in adapter_config.json)" if lora else "model"
+
+
+# ------------------------------------------------------------------------------------------------------------ inspect
+
+
+def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool | None = None,
+            say: Say = print) -> dict[str, Any]:
+    """``surefit inspect --task sft``: what training would supervise, without loading the model's weights.
+
+    Every row is read, checked and encoded as training would (format, template, truncation); the first ``show``
+    examples are printed with the supervised spans marked (colour on a terminal, ``[[ ]]`` otherwise), then counts
+    per role. ``out``: one JSON object per encoded example (``where``, ``input_ids``, ``labels``, ``text``).
+
+    Returns:
+        The counts printed.
+    """
+    import json
+    import sys
+
+    rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
+    rows, _, report = load_data(rows_cfg, say)
+    source = resolve_model(cfg.model)
+    path = model_folder(source, log=say)
+    tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
+    encoder = Encoder.build(cfg, tokenizer, report["format"], report["format_conversational"])
+    say(encoder.why)
+    examples, rep = encoder.encode(rows, "all", cfg.on_bad_rows == "skip")
+    if color is None:
+        color = sys.stdout.isatty()
+    on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
+    for ex in examples[:show]:
+        say(f"--- {ex.row.where} (supervised spans marked {on}like this{off}) ---")
+        say(marked_text(tokenizer, ex, on, off))
+    roles = getattr(rep, "roles", {}) or {}
+    counts = {"rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens, "supervised_tokens": rep.supervised_tokens,
+              "turns": roles, "shortened": len(getattr(rep, "rows_shortened", [])), "excluded": len(rep.excluded)}
+    say(f"{rep.encoded}/{rep.rows} rows encoded; {rep.tokens} tokens, {rep.supervised_tokens} supervised "
+        f"({100.0 * rep.supervised_tokens / max(rep.tokens, 1):.1f}%)")
+    if roles:
+        trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
+        say("turns per role: " + ", ".join(f"{r} {n}" for r, n in roles.items()) + f"; supervised: {trained} "
+            "and its terminator; system, user and tool turns never")
+    say(f"shortened to fit: {counts['shortened']} rows; excluded: {counts['excluded']} rows")
+    for where, why in rep.excluded[:10]:
+        say(f"  excluded {where}: {why}")
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            for ex in examples:
+                f.write(json.dumps({"where": ex.row.where, "input_ids": ex.input_ids, "labels": ex.labels,
+                                    "text": tokenizer.decode(ex.input_ids, skip_special_tokens=False)},
+                                   ensure_ascii=False) + "\n")
+        say(f"wrote {len(examples)} encoded examples to {out}")
+    return counts
+
+
+def marked_text(tokenizer: Any, ex: Example, on: str, off: str) -> str:
+    """The example's text with each supervised run of tokens between ``on`` and ``off``."""
+    parts: list[str] = []
+    run: list[int] = []
+    trained = False
+    for t, label in [*zip(ex.input_ids, ex.labels, strict=True), (None, None)]:
+        if t is None or (label != -100) != trained:
+            if run:
+                text = tokenizer.decode(run, skip_special_tokens=False)
+                parts.append(f"{on}{text}{off}" if trained else text)
+            run, trained = [], label is not None and label != -100
+        if t is not None:
+            run.append(t)
+    return "".join(parts)
