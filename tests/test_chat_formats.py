@@ -11,9 +11,7 @@ from surefit.cli import main
 @pytest.fixture(scope="module")
 def chat_lm_dir(tmp_path_factory):
     """A tiny causal LM whose tokenizer ships a ChatML chat template (like the embedded SmolLM2)."""
-    from conftest import build_tiny_lm
-    from data.test_chat_encode import chat_tokenizer
-
+    from conftest import build_tiny_lm, chat_tokenizer
     from surefit.data.encode import BUILTIN_CHAT_TEMPLATES
 
     folder = tmp_path_factory.mktemp("chat_lm")
@@ -134,8 +132,6 @@ def test_predict_continues_a_conversation(chat_lm_dir, tmp_path, capsys):
 
 
 def test_inspect_marks_only_assistant_spans_and_writes_jsonl(chat_lm_dir, tmp_path, capsys):
-    from surefit.data.encode import BUILTIN_CHAT_TEMPLATES  # noqa: F401 - the model's own template is ChatML
-
     data = tmp_path / "m.jsonl"
     data.write_text("".join(json.dumps(FILES["messages"](i)) + "\n" for i in range(3)))
     out = tmp_path / "enc.jsonl"

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from conftest import chat_tokenizer
 from surefit.data.encode import (
     BUILTIN_CHAT_TEMPLATES,
     ChatEncodeSettings,
@@ -13,12 +14,6 @@ from surefit.data.encode import (
 )
 from surefit.data.rows import Row
 
-SPECIALS = {
-    "chatml": (["<|im_start|>", "<|im_end|>"], "<|im_end|>", "<|im_start|>"),
-    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>",
-               "<|begin_of_text|>"),
-    "gemma": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<eos>", "<bos>"),
-}
 TERMINATOR = {"chatml": "<|im_end|>", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>"}
 
 CALL = {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -33,23 +28,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "I cannot tell tomorrow's weather.", "train": True},
 ]
 TOOLS = [{"name": "get_weather", "description": "weather now", "parameters": {"type": "object"}}]
-
-
-def chat_tokenizer(family: str):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    specials, eos, bos = SPECIALS[family]
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials + (["<pad>"] if family != "gemma" else []),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    corpus = [m["content"] for m in CONVERSATION] * 3 + ["system user assistant tool model ipython"]
-    tok.train_from_iterator(corpus, trainer)
-    if family == "gemma":
-        tok.add_special_tokens(["<pad>"])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token="<pad>")
 
 
 def _supervised_runs(ex):
@@ -84,7 +62,7 @@ def test_supervised_tokens_are_the_assistant_contents_plus_terminators(family, t
     for m in CONVERSATION:
         if m["role"] != "assistant":
             assert m["content"] not in supervised
-    assert "get_weather" not in tok.decode([t for t, lab in zip(ex.input_ids, ex.labels) if lab == -100]) or tools
+    assert "weather now" not in supervised  # the tool schemas are context
     assert ex.num_supervised == sum(len(r) for r in _supervised_runs(ex))
     # The prompt for generation ends with the assistant header of the last turn.
     assert tok.decode(ex.prompt_ids, skip_special_tokens=False).endswith(
