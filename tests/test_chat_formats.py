@@ -145,3 +145,49 @@ def test_inspect_marks_only_assistant_spans_and_writes_jsonl(chat_lm_dir, tmp_pa
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and {"where", "input_ids", "labels", "text"} <= records[0].keys()
     assert len(records[0]["input_ids"]) == len(records[0]["labels"]) and records[0]["text"].endswith("<|im_end|>\n")
+
+
+def test_fill_template_leaves_an_empty_optional_paragraph_out():
+    from surefit.data.formats import fill_template
+
+    t = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+    assert fill_template(t, {"instruction": "Reword.", "input": "It be good."}) == (
+        "### Instruction:\nReword.\n\n### Input:\nIt be good.\n\n### Response:\n")
+    assert fill_template(t, {"instruction": "Name a colour.", "input": ""}) == (
+        "### Instruction:\nName a colour.\n\n### Response:\n")
+    assert fill_template("{instruction}\n\n{input}", {"instruction": "Hi", "input": None}) == "Hi"
+    assert fill_template("{input}\n\nQ: {q}", {"input": " ", "q": "Why?"}) == "Q: Why?"
+
+
+def test_template_names_any_field_and_a_field_no_row_has_is_refused(tiny_lm_dir, tmp_path, capsys):
+    rows = [{"instruction": f"Say {w}.", "context": "" if i % 2 else f"The word is {w}.", "response": w}
+            for i, w in enumerate(["cat", "dog", "bird", "tree", "park", "city"] * 2)]
+    data = tmp_path / "dolly.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    template = "{instruction}\n\nContext: {context}\n\nAnswer:"
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--target_field", "response",
+                 "--template", template, "--epochs", "1", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "format: input_target (instruction / context / response): --template fills the prompt" in printed
+    assert [line.split() for line in printed.splitlines() if line.strip().startswith("context ")] == [
+        ["context", "kept", "named", "in", "--template"]]
+    assert "--template: 6 of 12 rows have no or an empty 'context'" in printed
+    preds = [json.loads(line) for line in (out / "predictions" / "epoch_0.jsonl").read_text().splitlines()]
+    assert all("{" not in p["input"] for p in preds)
+    assert any(p["input"].startswith("Say ") and "Context:" not in p["input"] for p in preds) or all(
+        "Context: The word" in p["input"] for p in preds)
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--target_field", "response",
+                 "--template", "{instruction}\n{contxt}", "--output_dir", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert "--template names {contxt}, a field no row of" in err and "'context'" in err
+
+
+def test_alpaca_template_writes_the_user_turn(chat_lm_dir, tmp_path, capsys):
+    data = tmp_path / "a.jsonl"
+    data.write_text("".join(json.dumps(FILES["alpaca"](i)) + "\n" for i in range(4)))
+    assert main(["inspect", "--task", "sft", "--model", str(chat_lm_dir), "--data", str(data), "--show", "2",
+                 "--template", "Task: {instruction}\n\nInput: {input}"]) == 0
+    printed = capsys.readouterr().out
+    assert "<|im_start|>user\nTask: What is 0 plus one?\n\nInput: Think.<|im_end|>" in printed
+    assert "<|im_start|>user\nTask: What is 1 plus one?<|im_end|>" in printed  # empty input: left out cleanly

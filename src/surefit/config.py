@@ -176,7 +176,9 @@ class SFTConfig(TrainConfig):
     input_field: str = opt("input", "Column holding the input text.")
     target_field: str = opt("target", "Column holding the target text.")
     template: str | None = opt(
-        None, "Prompt template containing {input} once. Default: a plain instruction template (see README)."
+        None, "Prompt template naming fields of the rows, e.g. 'Question: {input}\\nAnswer: ' or "
+        "'{instruction}\\n\\n{input}' (a paragraph whose fields are all empty is left out). For conversations it "
+        "writes the user turn. Default: a plain instruction template, or the model's chat template."
     )
     chat_template: bool | None = opt(
         None, "Format prompts with the model's own chat template. Default: yes when the model ships one (the choice "
@@ -220,15 +222,15 @@ class SFTConfig(TrainConfig):
                              "use auto, squad, rouge_l or your own module:function"))
         _at_least(p, self, "max_new_tokens", 1)
         if self.template is not None:
-            n = self.template.count("{input}")
-            if n != 1:
-                p.append(
-                    Problem(
-                        f"must contain {{input}} exactly once (found {n} times in {self.template!r})",
-                        "--template",
-                        'e.g. --template "Question: {input}\\nAnswer: "',
-                    )
-                )
+            import re
+
+            names = re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", self.template)
+            if not names:
+                p.append(Problem(f"names no field of the rows (e.g. {{input}}) in {self.template!r}", "--template",
+                                 'e.g. --template "Question: {input}\\nAnswer: " or "{instruction}\\n\\n{input}"'))
+            if self.template.count("{input}") > 1:
+                p.append(Problem(f"must contain {{input}} at most once (found {self.template.count('{input}')} times "
+                                 f"in {self.template!r})", "--template", 'e.g. --template "Question: {input}\\nAnswer: "'))
             if self.chat_template:
                 p.append(Problem("--template and --chat_template both given", "--chat_template", "use one of them"))
         return p

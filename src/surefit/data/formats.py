@@ -15,6 +15,7 @@ dropped and counted instead.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,8 +77,11 @@ def parse_role_map(text: str | None) -> tuple[dict[str, str], list[Problem]]:
 
 
 def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_field: str = "input",
-                  target_field: str = "target", role_map: dict[str, str] | None = None) -> FormatChoice | Problem:
+                  target_field: str = "target", role_map: dict[str, str] | None = None,
+                  needs_input: bool = True) -> FormatChoice | Problem:
     """The rows' format: ``wanted`` unless ``"auto"``, else the first shape whose fields most rows have.
+
+    ``needs_input=False``: a ``--template`` names the prompt's fields, so flat rows need only the target field.
 
     Returns a :class:`Problem` (naming the fields found and the known shapes) when no shape fits.
     """
@@ -96,7 +100,7 @@ def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_fiel
             name = "messages"
         elif has("conversations"):
             name = "sharegpt"
-        elif has(input_field, target_field):
+        elif has(input_field, target_field) or (not needs_input and has(target_field) and not has("output")):
             name = "input_target"
         elif has("prompt", "completion"):
             name = "prompt_completion"
@@ -382,7 +386,9 @@ def field_table(rows: list[Row], choice: FormatChoice, extra_used: tuple[str, ..
     table = []
     for name, n in counts.items():
         where = f" ({n} of {len(rows)} rows)" if n != len(rows) else ""
-        if name in choice.used or name in extra_used:
+        if name in extra_used:
+            table.append({"column": name, "status": "kept", "why": f"named in --template{where}"})
+        elif name in choice.used:
             table.append({"column": name, "status": "kept", "why": f"read by the {choice.name} format{where}"})
         elif name == "answers":
             table.append({"column": name, "status": "kept", "why": "gold answers for scoring"})
@@ -390,6 +396,74 @@ def field_table(rows: list[Row], choice: FormatChoice, extra_used: tuple[str, ..
             table.append({"column": name, "status": "dropped",
                           "why": f"not part of the {choice.name} format{where}; name it in --template to use it"})
     return table
+
+
+_PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def template_fields(template: str) -> list[str]:
+    """The fields a ``--template`` names, in order, each once."""
+    return list(dict.fromkeys(_PLACEHOLDER.findall(template)))
+
+
+def fill_template(template: str, fields: dict[str, Any]) -> str:
+    """The template with each ``{field}`` replaced by the row's value.
+
+    A paragraph (text between blank lines) whose fields are all empty or absent is left out whole, so that an
+    empty optional field (Alpaca's ``input``) leaves no dangling "### Input:" header or blank lines behind.
+    """
+    def value(name: str) -> str:
+        v = fields.get(name)
+        return "" if v is None else str(v)
+
+    parts = re.split(r"(\n\s*\n)", template)
+    # (separator before, paragraph): a paragraph left out takes its separator with it.
+    paragraphs = [("" if i == 0 else parts[i - 1], parts[i]) for i in range(0, len(parts), 2)]
+    out: list[str] = []
+    for sep, para in paragraphs:
+        names = _PLACEHOLDER.findall(para)
+        if names and not any(value(n).strip() for n in names):
+            continue
+        out.append((sep if out else "") + _PLACEHOLDER.sub(lambda m: value(m.group(1)), para))
+    return "".join(out)
+
+
+def apply_template(rows: list[Row], template: str, choice: FormatChoice, input_field: str, source: str,
+                   problems: list[Problem]) -> tuple[list[Row], list[str]]:
+    """Fill ``--template`` from each row's fields: a flat row's input becomes the filled text; an Alpaca row's user
+    turn does. A field no row has is a problem (before anything trains); one some rows lack is left out of those
+    rows and counted in the notes.
+
+    ``{input}`` of a flat row is the ``--input_field`` column (as it always was).
+    """
+    names = template_fields(template)
+    alias = {"input": input_field} if not choice.conversational else {}
+    present = {k for r in rows for k in r.fields}
+    missing = [n for n in names if alias.get(n, n) not in present]
+    if missing:
+        listed = ", ".join(repr(k) for k in sorted(present)) or "(none)"
+        problems.append(Problem(f"--template names {', '.join('{' + n + '}' for n in missing)}, a field no row of "
+                                f"{source} has (its fields: {listed})", "--template",
+                                "name fields the rows have, e.g. {instruction} and {input}"))
+        return rows, []
+    notes = []
+    for n in names:
+        lacking = sum(1 for r in rows if not str(r.fields.get(alias.get(n, n)) or "").strip())
+        if lacking:
+            notes.append(f"--template: {lacking} of {len(rows)} rows have no or an empty '{n}'; its paragraph is "
+                         "left out of their prompt")
+    out = []
+    for r in rows:
+        values = {n: r.fields.get(alias.get(n, n)) for n in names}
+        text = fill_template(template, values)
+        if choice.conversational:
+            messages = [dict(m) for m in r.fields["messages"]]
+            last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+            messages[last_user]["content"] = text
+            out.append(r.with_fields(messages=messages))
+        else:
+            out.append(r.with_fields(**{input_field: text}))
+    return out, notes
 
 
 def last_assistant(messages: list[dict]) -> str:

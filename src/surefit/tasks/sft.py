@@ -33,10 +33,13 @@ from surefit.data.encode import (
 )
 from surefit.data.formats import (
     FormatChoice,
+    apply_template,
     detect_format,
     field_table,
+    fill_template,
     last_assistant,
     parse_role_map,
+    template_fields,
     to_conversations,
 )
 from surefit.data.readers import Rejected, check_text_fields, read_checked, read_splits
@@ -81,20 +84,43 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
     """
     role_map, role_problems = parse_role_map(cfg.role_map)
     problems += role_problems
-    choice = detect_format(rows, source, wanted or cfg.format, cfg.input_field, cfg.target_field, role_map)
+    choice = detect_format(rows, source, wanted or cfg.format, cfg.input_field, cfg.target_field, role_map,
+                           needs_input=not prerendered(cfg))
     if isinstance(choice, Problem):
         problems.append(choice)
         return [], None, []
     if choice.conversational:
-        return to_conversations(rows, choice, source, problems, rejects), choice, []
+        rows = to_conversations(rows, choice, source, problems, rejects)
+        if cfg.template and choice.name == "alpaca":
+            rows, notes = apply_template(rows, cfg.template, choice, cfg.input_field, source, problems)
+            return rows, choice, notes
+        if cfg.template:
+            problems.append(Problem(f"--template writes the prompt of input/target and Alpaca rows; the turns of "
+                                    f"{choice.name} rows are written by the chat template", "--template",
+                                    "drop --template (or --chat_format NAME|FILE.jinja to change the chat template)"))
+        return rows, choice, []
     fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
     if choice.name == "prompt_completion":
         fields = [("prompt", "--format"), ("completion", "--format")]
+    if prerendered(cfg):  # the template's fields are the prompt: the input field may be absent or empty
+        fields = fields[1:]
+        names = template_fields(cfg.template)
+        choice.fields = " / ".join([*names, fields[0][0]])
+        choice.mapping = f"--template fills the prompt from {', '.join(names)}; {fields[0][0]} -> trained answer"
     kept, notes = check_text_fields(rows, fields, problems, source, rejects=rejects)
     if choice.name == "prompt_completion":
         kept = [r.with_fields(**{cfg.input_field: r.fields["prompt"], cfg.target_field: r.fields["completion"]})
                 for r in kept]
+    if prerendered(cfg):
+        kept, more = apply_template(kept, cfg.template, choice, cfg.input_field, source, problems)
+        notes += more
     return kept, choice, notes
+
+
+def prerendered(cfg: SFTConfig) -> bool:
+    """A --template naming fields other than {input} is filled per row while reading (see
+    :func:`surefit.data.formats.apply_template`); one with only {input} is split around it as it always was."""
+    return bool(cfg.template) and template_fields(cfg.template) != ["input"]
 
 
 def conversation_key(row: Row, input_field: str) -> str:
@@ -153,7 +179,8 @@ def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None =
             report["notes"] += notes
             if found is not None and choice is None:
                 choice = found
-                table = field_table(raw, found)
+                named = tuple(template_fields(cfg.template)) if cfg.template else ()
+                table = field_table(raw, found, named)
             if found is not None and found.conversational and rejects is not None and raw and not loaded[name]:
                 problems.append(Problem(f"all {len(raw)} rows of {path} were rejected (first: {rejects[before].where}: "
                                         f"{rejects[before].reason})", str(path), "fix the rows (see the rejected rows "
@@ -234,7 +261,8 @@ class Encoder:
                     "the tokenizer so that inference formats prompts the same way"))
             return cls(cfg, tokenizer, why, chat=chat)
         if cfg.template:
-            return cls(cfg, tokenizer, "prompt template: --template", prompt=build_prompt_format(tokenizer, cfg.template))
+            return cls(cfg, tokenizer, "prompt template: --template",
+                       prompt=build_prompt_format(tokenizer, "{input}" if prerendered(cfg) else cfg.template))
         if format_name == "prompt_completion":
             return cls(cfg, tokenizer, "prompt template: none (prompt / completion rows: the prompt as written)",
                        prompt=build_prompt_format(tokenizer, "{input}"))
@@ -708,6 +736,10 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             rows = [r.with_fields(messages=[{"role": "user", "content": r.fields[input_field]}], tools=None)
                     for r in rows]
     cfg = run.cfg
+    if prerendered(cfg) and not conversational:
+        names = template_fields(cfg.template)
+        rows = [r.with_fields(**{input_field: fill_template(cfg.template, {
+            n: r.fields.get(input_field if n == "input" else n) for n in names})}) for r in rows]
     loaded = load(run, say)
     encoder: Encoder = loaded.extra["encoder"]
     max_new = _max_new_tokens(run, max_new_tokens, loaded, None, _encode_settings(cfg))
