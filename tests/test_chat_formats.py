@@ -138,13 +138,13 @@ def test_inspect_marks_only_assistant_spans_and_writes_jsonl(chat_lm_dir, tmp_pa
     assert main(["inspect", "--task", "sft", "--model", str(chat_lm_dir), "--data", str(data), "--limit", "2",
                  "--out", str(out), "--show", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "<|im_start|>assistant\n[[It is 1.<|im_end|>\n]]" in printed
+    assert "<|im_start|>assistant\n[[It is 1.<|im_end|>]]" in printed
     shown = printed.split("like this]]) ---\n")[1]
     assert "[[" not in shown.split("<|im_start|>assistant")[0]  # nothing of the system or user turn supervised
     assert "turns per role: system 2, user 2, assistant 2" in printed
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 2 and {"where", "input_ids", "labels", "text"} <= records[0].keys()
-    assert len(records[0]["input_ids"]) == len(records[0]["labels"]) and records[0]["text"].endswith("<|im_end|>\n")
+    assert len(records[0]["input_ids"]) == len(records[0]["labels"]) and records[0]["text"].endswith("<|im_end|>")
 
 
 def test_fill_template_leaves_an_empty_optional_paragraph_out():
@@ -191,3 +191,31 @@ def test_alpaca_template_writes_the_user_turn(chat_lm_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "<|im_start|>user\nTask: What is 0 plus one?\n\nInput: Think.<|im_end|>" in printed
     assert "<|im_start|>user\nTask: What is 1 plus one?<|im_end|>" in printed  # empty input: left out cleanly
+
+
+def test_a_base_model_with_a_builtin_template_saves_it_and_stops_at_its_end_of_turn(tmp_path, capsys):
+    """Gemma style: EOS is <eos>, yet a turn ends with <end_of_turn>; generation must stop at both."""
+    from conftest import build_tiny_lm, chat_tokenizer
+    from transformers import AutoTokenizer
+
+    from surefit.data.encode import BUILTIN_CHAT_TEMPLATES
+
+    model_dir = tmp_path / "base"
+    tok = chat_tokenizer("gemma")
+    build_tiny_lm(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "s.jsonl"
+    data.write_text("".join(json.dumps(FILES["sharegpt"](i)) + "\n" for i in range(8)))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(model_dir), "--data", str(data), "--chat_format", "gemma", "--epochs", "1",
+                 "--max_seq_length", "128", "--max_new_tokens", "6", "--output_dir", str(out)]) == 0
+    assert "chat template: built-in 'gemma' (--chat_format)" in capsys.readouterr().out
+    report = json.loads((out / "data_report.json").read_text())
+    assert {tok.convert_tokens_to_ids("<end_of_turn>"), tok.eos_token_id} <= set(report["stop_ids"])
+    assert AutoTokenizer.from_pretrained(out / "final").chat_template == BUILTIN_CHAT_TEMPLATES["gemma"]
+    ask = tmp_path / "ask.jsonl"
+    ask.write_text(json.dumps({"conversations": [{"from": "human", "value": "What is 2 plus one?"}]}) + "\n")
+    capsys.readouterr()
+    assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
+    [rec] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert rec["input"] == "What is 2 plus one?" and rec["stopped"] in ("end of turn", "max_new_tokens (6)")

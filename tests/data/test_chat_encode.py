@@ -55,7 +55,7 @@ def test_supervised_tokens_are_the_assistant_contents_plus_terminators(family, t
     assert failures == []
     runs = [tok.decode(r, skip_special_tokens=False) for r in _supervised_runs(ex)]
     assistants = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
-    assert [r.rstrip("\n") for r in runs] == [a + TERMINATOR[family] for a in assistants]
+    assert runs == [a + TERMINATOR[family] for a in assistants]
     assert tok.convert_tokens_to_ids(TERMINATOR[family]) in terminators
     # Nothing of the system, user or tool turns (nor the tool schemas) is supervised.
     supervised = "".join(runs)
@@ -77,7 +77,8 @@ def test_last_assistant_trains_only_the_final_turn():
     row = Row({"messages": CONVERSATION, "tools": None}, "x line 1", 0)
     [ex], *_ = encode_conversations([row], tok, fmt, ChatEncodeSettings(2048, train_on="last_assistant"))
     runs = [tok.decode(r, skip_special_tokens=False) for r in _supervised_runs(ex)]
-    assert runs == ["I cannot tell tomorrow's weather.<|im_end|>\n"]
+    assert runs == ["I cannot tell tomorrow's weather.<|im_end|>"]
+    assert ex.input_ids[-1] == tok.convert_tokens_to_ids("<|im_end|>")  # the sequence ends on the terminator
 
 
 def test_context_assistant_turns_are_not_trained():

@@ -407,6 +407,7 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
 
     Each trained assistant turn's span is the text between the render of the turns before it (with the generation
     prompt) and the render of the turns up to it: the assistant's content plus what the template writes after it.
+    Its tokens up to the terminator are trained; whitespace after the terminator is not.
     Each piece of text between span boundaries is tokenized on its own, so the spans are exact token spans.
 
     Returns:
@@ -449,9 +450,14 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
                                   f"decode to its text {text[:60]!r}")
         _check_span(text, messages[k], piece, specials, fmt, k, tokenizer)
         terminators |= {t for t in piece if t in specials}
-        ids += piece
-        labels += piece
-        pos = end
+        # Whitespace the template writes after the terminator (ChatML's "\n") stays in the input but is not trained:
+        # generation stops at the terminator. After the last turn it is left out, so the sequence ends on it.
+        last = max(i for i, t in enumerate(piece) if t in specials) + 1
+        tail = piece[last:]
+        at_end = end == spans[-1][1] and not full[end:].strip()
+        ids += piece[:last] if at_end else piece
+        labels += piece[:last] + ([] if at_end else [-100] * len(tail))
+        pos = len(full) if at_end else end
     if pos < len(full):
         piece = _ids(tokenizer, full[pos:])
         ids += piece

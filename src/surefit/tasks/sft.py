@@ -380,6 +380,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     tokenizer.padding_side = "left"
     features = [e.features() for e in train_ex]
     eos_ids = sorted(set(eos_token_ids(model, tokenizer)) | encoder.terminators)
+    if encoder.terminators - set(eos_token_ids(model, tokenizer)):
+        # Saved with the model: plain transformers generation then stops at the template's end of turn too.
+        model.generation_config.eos_token_id = eos_ids
     metric = choose_metric(cfg, conversational)
     say(f"metrics: {metric}" + (" (--metric auto: " + ("open-ended answers" if conversational else
                                                         "extractive answers") + ")" if cfg.metric == "auto" else ""))
@@ -448,10 +451,11 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
                    max_new_tokens: int, batch_size: int, accelerator: Any, say: Say = print,
-                   progress: bool = False) -> list[str]:
+                   progress: bool = False, lengths: list[int] | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
-    With ``progress`` a line per batch shows how far generation is, with an estimate of the time left."""
+    With ``progress`` a line per batch shows how far generation is, with an estimate of the time left. ``lengths``
+    (a list) receives each continuation's length in tokens, its stop token excluded."""
     import time
 
     start = time.monotonic()
@@ -478,6 +482,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
         "generation",
         say,
     )
+    if lengths is not None:
+        lengths += [len(g) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
 
 
@@ -751,11 +757,14 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             ids, n_cut = encoder.prompt_ids(r, room)
             prompts.append(ids)
             cut.append(n_cut)
+        lengths: list[int] = []
         preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
-                               max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say)
+                               max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
+                               lengths=lengths)
         batch = []
-        for row, pred, n_cut in zip(part, preds, cut, strict=True):
-            rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred}
+        for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
+            rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
+                   "stopped": "end of turn" if n < max_new else f"max_new_tokens ({max_new})"}
             if n_cut:
                 rec["input_tokens_cut"] = n_cut
                 what = "oldest turns" if conversational else f"input tokens cut from the {cfg.truncation_side}"
