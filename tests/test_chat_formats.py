@@ -195,9 +195,9 @@ def test_alpaca_template_writes_the_user_turn(chat_lm_dir, tmp_path, capsys):
 
 def test_a_base_model_with_a_builtin_template_saves_it_and_stops_at_its_end_of_turn(tmp_path, capsys):
     """Gemma style: EOS is <eos>, yet a turn ends with <end_of_turn>; generation must stop at both."""
-    from conftest import build_tiny_lm, chat_tokenizer
     from transformers import AutoTokenizer
 
+    from conftest import build_tiny_lm, chat_tokenizer
     from surefit.data.encode import BUILTIN_CHAT_TEMPLATES
 
     model_dir = tmp_path / "base"
