@@ -219,3 +219,29 @@ def test_a_base_model_with_a_builtin_template_saves_it_and_stops_at_its_end_of_t
     assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
     [rec] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert rec["input"] == "What is 2 plus one?" and rec["stopped"] in ("end of turn", "max_new_tokens (6)")
+
+
+def test_rows_of_no_known_shape_name_the_missing_field_and_the_shapes(tiny_lm_dir, tmp_path, capsys):
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": f"q{i}", "answer": "a"}) + "\n" for i in range(4)))
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--output_dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"field 'input' not found in {data}" in err and "'question'" in err and "'messages', 'conversations'" in err
+
+
+def test_split_keeps_whole_conversations_and_augmentation_never_touches_assistant_text(tmp_path):
+    from surefit.config import SFTConfig
+    from surefit.tasks.sft import conversation_key, load_data
+
+    rows = [{"messages": [{"role": "user", "content": f"Hello there.\n\nQuestion: what is {i % 10} plus one?"},
+                          {"role": "assistant", "content": f"It is {i % 10 + 1}."}]} for i in range(40)]
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = SFTConfig(data=str(data), augmentation_factor=3, val_fraction=0.25, output_dir=str(tmp_path / "o"))
+    train, val, report = load_data(cfg, say=lambda *_: None)
+    assert len(train) == 3 * (40 - len(val)) and report["format"] == "messages"
+    val_keys = {conversation_key(r, "input") for r in val}
+    assert not any(conversation_key(r, "input") in val_keys for r in train)  # duplicates stay on one side
+    changed = [r for r in train if r.variant_of is not None]
+    assert changed and all(r.fields["messages"][1]["content"] == rows[r.index]["messages"][1]["content"] for r in train)
+    assert any(r.fields["messages"][0]["content"] != rows[r.index]["messages"][0]["content"] for r in changed)

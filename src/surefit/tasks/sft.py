@@ -83,12 +83,18 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
     Returns ``(rows, format, notes)``; the format is ``None`` when it cannot be told (a problem is added).
     """
     role_map, role_problems = parse_role_map(cfg.role_map)
-    problems += role_problems
+    if wanted is None:  # once per run: the training file's read
+        problems += role_problems
     choice = detect_format(rows, source, wanted or cfg.format, cfg.input_field, cfg.target_field, role_map,
                            needs_input=not prerendered(cfg))
     if isinstance(choice, Problem):
-        problems.append(choice)
-        return [], None, []
+        # No known shape: the flat fields' own problems say which field is missing and what the rows have instead.
+        choice = detect_format(rows, source, "input_target", cfg.input_field, cfg.target_field)
+        found = len(problems)
+        rows, _, notes = _read_formatted(rows, cfg, source, problems, rejects, "input_target")
+        problems[found:] = [replace(p, fix=p.fix + FORMAT_HINT) if p.where in ("--input_field", "--target_field")
+                            else p for p in problems[found:]]
+        return rows, choice, notes
     if choice.conversational:
         rows = to_conversations(rows, choice, source, problems, rejects)
         if cfg.template and choice.name == "alpaca":
@@ -121,6 +127,10 @@ def prerendered(cfg: SFTConfig) -> bool:
     """A --template naming fields other than {input} is filled per row while reading (see
     :func:`surefit.data.formats.apply_template`); one with only {input} is split around it as it always was."""
     return bool(cfg.template) and template_fields(cfg.template) != ["input"]
+
+
+FORMAT_HINT = ("; or give the rows a shape surefit reads without field flags: 'messages', 'conversations', "
+               "'instruction' + 'output', 'prompt' + 'completion' (see --format)")
 
 
 def conversation_key(row: Row, input_field: str) -> str:
