@@ -67,17 +67,17 @@ def test_sharegpt_mapping_line_names_every_speaker(chat_lm_dir, tmp_path, capsys
 
 BAD = [
     ({"conversations": [{"from": "human", "value": "hi"}, {"from": "bot", "value": "hello"}]},
-     "unknown role: line 2 turn 2: unknown role 'bot'", "--role_map"),
+     "1 row has an unknown role: line 2 turn 2: unknown role 'bot'", "--role_map"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "  "}]},
-     "an empty turn: line 2 turn 2 (assistant) is empty", "fill in"),
+     "1 row has an empty turn: line 2 turn 2 (assistant) is empty", "fill in"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
                    {"role": "assistant", "content": "b"}]},
-     "impossible turn order: line 2 turns 2-3: two assistant turns in a row", "alternates"),
+     "1 row has an impossible turn order: line 2 turns 2-3: two assistant turns in a row", "alternates"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"},
                    {"role": "user", "content": "and?"}]},
-     "impossible turn order: line 2 ends on a user turn (turn 3)", "ends on an assistant turn"),
+     "1 row has an impossible turn order: line 2 ends on a user turn (turn 3)", "ends on an assistant turn"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], "tools": "[{oops"},
-     "bad 'tools' field: line 2 'tools' is not valid JSON", "json.dumps"),
+     "1 row has a bad 'tools' field: line 2 'tools' is not valid JSON", "json.dumps"),
 ]
 
 

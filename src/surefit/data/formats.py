@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from surefit.data.readers import Rejected
+from surefit.data.readers import SKIP_HINT, Rejected
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -305,8 +305,8 @@ def check_messages(messages: list[dict], bad: _RowProblems, complete: bool = Tru
 
 
 _FIXES = {
-    "role": "map the speaker to a role with --role_map SPEAKER=ROLE (roles: system, user, assistant, tool), "
-            "or fix these rows",
+    "role": "use the roles system, user, assistant, tool (map other ShareGPT speaker names with --role_map "
+            "SPEAKER=ROLE), or fix these rows",
     "empty": "fill in or remove the empty turns",
     "order": "a conversation starts with an optional system turn, then alternates user (or tool) and assistant "
              "turns and ends on an assistant turn; fix or remove these rows",
@@ -327,7 +327,7 @@ def to_conversations(rows: list[Row], choice: FormatChoice, source: str, problem
     conversation may end on a user or tool turn (the model answers it).
     """
     out: list[Row] = []
-    by_kind: dict[str, list[str]] = {}
+    by_kind: dict[str, list[tuple[str, str]]] = {}
     for row in rows:
         bad = _RowProblems()
         f = row.fields
@@ -361,12 +361,13 @@ def to_conversations(rows: list[Row], choice: FormatChoice, source: str, problem
                                     json.dumps(row.fields, ensure_ascii=False)[:2000]))
             continue
         for kind, text in bad.items:
-            by_kind.setdefault(kind, []).append(f"{local} {text}")
+            by_kind.setdefault(kind, []).append((local, text))
     for kind, items in by_kind.items():
-        shown = "; ".join(items[:MAX_WHERES]) + (f"; and {len(items) - MAX_WHERES} more" if len(items) > MAX_WHERES else "")
-        problems.append(Problem(f"{len(items)} turn problem{'s' if len(items) != 1 else ''} of {_KIND_TEXT[kind]}: "
-                                f"{shown}", where=source, fix=_FIXES[kind] + " (or pass --on_bad_rows skip to drop "
-                                "these rows, counted)"))
+        rows_hit = len({w for w, _ in items})
+        shown = "; ".join(f"{w} {t}" for w, t in items[:MAX_WHERES])
+        shown += f"; and {len(items) - MAX_WHERES} more" if len(items) > MAX_WHERES else ""
+        problems.append(Problem(f"{rows_hit} row{'s' if rows_hit != 1 else ''} {'have' if rows_hit != 1 else 'has'} "
+                                f"{_KIND_TEXT[kind]}: {shown}", where=source, fix=f"{_FIXES[kind]}; {SKIP_HINT}"))
     return out
 
 

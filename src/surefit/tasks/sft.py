@@ -403,7 +403,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
                                                   generate=cfg.eval_generate, metric=metric)
-        say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
+        # The answers' scores first, then the loss (as every run has printed them)
+        shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
+        say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
         if not cfg.eval_generate:
             return Evaluation(metrics, None)
         return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field))
@@ -730,8 +732,8 @@ def _read_run_file(run: Run, path: str, text_fields: list[tuple[str, str]], comp
                               + ([{"role": "assistant", "content": str(r.fields[text_fields[1][0]]), "train": True}]
                                  if len(text_fields) > 1 and text_fields[1][0] in r.fields else []), tools=None)
                 for r in rows]
-    raise_input_problems([replace(p, fix=p.fix.replace(" (or pass --on_bad_rows skip to drop these rows, counted)", "")
-                                  .replace(f"; {SKIP_HINT}", "")) for p in problems])
+    raise_input_problems([replace(p, fix=p.fix.replace(f"; {SKIP_HINT}", "").replace(SKIP_HINT, ""))
+                          for p in problems])
     return rows
 
 
