@@ -509,9 +509,14 @@ class ChatReport(EncodeReport):
     turns_dropped: int = 0
     rows_shortened: list[tuple[str, int]] = field(default_factory=list)  # (where, turns dropped)
     roles: dict[str, int] = field(default_factory=dict)  # turns per role
+    tools_rows: int = 0  # rows that give tool schemas
+    tool_call_turns: int = 0  # assistant turns that call a tool
+    tools_how: str = ""  # how the template got them, in words
 
     def summary(self) -> str:
         base = super().summary()
+        if self.tools_rows:
+            base += f"; {self.tools_rows} rows give tools ({self.tools_how})"
         if self.rows_shortened:
             base += (f"; {len(self.rows_shortened)} conversations shortened to fit --max_seq_length (oldest "
                      f"{self.turns_dropped} turns dropped, system kept)")
@@ -563,6 +568,11 @@ def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, setti
             report.rows_shortened.append((row.where, dropped))
         for m in messages:
             report.roles[m["role"]] = report.roles.get(m["role"], 0) + 1
+            report.tool_call_turns += bool(m.get("tool_calls"))
+        if tools:
+            report.tools_rows += 1
+            report.tools_how = ("passed to the chat template" if fmt.takes_tools else "the chat template takes no "
+                                "tools: written into the system turn as JSON")
         terminators |= term
         ex = Example(input_ids=ids, labels=labels, prompt_len=prompt_len, row=row)
         examples.append(ex)

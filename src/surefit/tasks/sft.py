@@ -845,7 +845,11 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
         trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
         say("turns per role: " + ", ".join(f"{r} {n}" for r, n in roles.items()) + f"; supervised: {trained} "
             "and its terminator; system, user and tool turns never")
-    say(f"shortened to fit: {counts['shortened']} rows; excluded: {counts['excluded']} rows")
+    if getattr(rep, "tools_rows", 0):
+        say(f"tools: {rep.tools_rows} rows give tool schemas ({rep.tools_how}); {rep.tool_call_turns} assistant turns "
+            "call a tool (trained like any assistant turn)")
+    say(f"shortened to fit: {counts['shortened']} of {rep.rows} rows (oldest turns dropped); excluded: "
+        f"{counts['excluded']} of {rep.rows} rows")
     for where, why in rep.excluded[:10]:
         say(f"  excluded {where}: {why}")
     if out:
