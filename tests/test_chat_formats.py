@@ -245,3 +245,17 @@ def test_split_keeps_whole_conversations_and_augmentation_never_touches_assistan
     changed = [r for r in train if r.variant_of is not None]
     assert changed and all(r.fields["messages"][1]["content"] == rows[r.index]["messages"][1]["content"] for r in train)
     assert any(r.fields["messages"][0]["content"] != rows[r.index]["messages"][0]["content"] for r in changed)
+
+
+def test_field_table_says_what_became_of_every_field():
+    from surefit.data.formats import detect_format, field_table
+    from surefit.data.rows import Row
+
+    rows = [Row({"input": f"ctx {i}\n\nQuestion: q{i}?", "target": "a", "question": f"q{i}?", "id": str(i),
+                 "answers": ["a"]}, f"f line {i}", i) for i in range(3)]
+    table = {r["column"]: (r["status"], r["why"]) for r in field_table(rows, detect_format(rows, "f"))}
+    assert table == {"input": ("kept", "read by the input_target format"),
+                     "target": ("kept", "read by the input_target format"),
+                     "question": ("kept", "its text is part of 'input' already"),
+                     "id": ("dropped", "not part of the input_target format; name it in --template to use it"),
+                     "answers": ("kept", "gold answers for scoring")}

@@ -393,6 +393,8 @@ def field_table(rows: list[Row], choice: FormatChoice, extra_used: tuple[str, ..
             table.append({"column": name, "status": "kept", "why": f"read by the {choice.name} format{where}"})
         elif name == "answers":
             table.append({"column": name, "status": "kept", "why": "gold answers for scoring"})
+        elif _inside(rows, name, choice.used[0]):
+            table.append({"column": name, "status": "kept", "why": f"its text is part of '{choice.used[0]}' already"})
         else:
             table.append({"column": name, "status": "dropped",
                           "why": f"not part of the {choice.name} format{where}; name it in --template to use it"})
@@ -465,6 +467,15 @@ def apply_template(rows: list[Row], template: str, choice: FormatChoice, input_f
         else:
             out.append(r.with_fields(**{input_field: text}))
     return out, notes
+
+
+def _inside(rows: list[Row], name: str, container: str, sample: int = 50) -> bool:
+    """Whether the field's text is part of another field's in every sampled row (SQuAD's context and question are
+    part of its input)."""
+    seen = [r for r in rows[:sample] if name in r.fields and name != container]
+    return bool(seen) and all(isinstance(r.fields[name], str) and r.fields[name].strip()
+                              and isinstance(r.fields.get(container), str) and r.fields[name] in r.fields[container]
+                              for r in seen)
 
 
 def last_assistant(messages: list[dict]) -> str:
