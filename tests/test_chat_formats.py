@@ -251,7 +251,7 @@ def test_field_table_says_what_became_of_every_field():
     from surefit.data.formats import detect_format, field_table
     from surefit.data.rows import Row
 
-    rows = [Row({"input": f"ctx {i}\n\nQuestion: q{i}?", "target": "a", "question": f"q{i}?", "id": str(i),
+    rows = [Row({"input": f"ctx {i}\n\nQuestion: q{i}?", "target": "a", "question": f"Question: q{i}?", "id": str(i),
                  "answers": ["a"]}, f"f line {i}", i) for i in range(3)]
     table = {r["column"]: (r["status"], r["why"]) for r in field_table(rows, detect_format(rows, "f"))}
     assert table == {"input": ("kept", "read by the input_target format"),

@@ -473,7 +473,8 @@ def _inside(rows: list[Row], name: str, container: str, sample: int = 50) -> boo
     """Whether the field's text is part of another field's in every sampled row (SQuAD's context and question are
     part of its input)."""
     seen = [r for r in rows[:sample] if name in r.fields and name != container]
-    return bool(seen) and all(isinstance(r.fields[name], str) and r.fields[name].strip()
+    # Short values (ids, numbers) are found inside any text by chance: only texts of 8 characters or more count.
+    return bool(seen) and all(isinstance(r.fields[name], str) and len(r.fields[name].strip()) >= 8
                               and isinstance(r.fields.get(container), str) and r.fields[name] in r.fields[container]
                               for r in seen)
 
