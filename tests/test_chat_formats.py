@@ -259,3 +259,58 @@ def test_field_table_says_what_became_of_every_field():
                      "question": ("kept", "its text is part of 'input' already"),
                      "id": ("dropped", "not part of the input_target format; name it in --template to use it"),
                      "answers": ("kept", "gold answers for scoring")}
+
+
+def test_string_prompt_completion_rows_use_the_prompt_as_written(tiny_lm_dir, tmp_path, capsys):
+    rows = [{"prompt": f"Q: where is the {w}?\nA:", "completion": f" on the {w}"} for w in ("mat", "park", "tree") * 4]
+    data = tmp_path / "pc.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "enc.jsonl"
+    assert main(["inspect", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "format: prompt_completion (prompt / completion): prompt -> prompt as written (no template)" in printed
+    first = json.loads(out.read_text().splitlines()[0])
+    assert first["text"] == "Q: where is the mat?\nA: on the mat</s>"
+    assert first["labels"].count(-100) == len(first["input_ids"]) - sum(1 for x in first["labels"] if x != -100)
+
+
+def test_metrics_rouge_l_and_a_user_metric_named_on_the_command_line(tmp_path, monkeypatch):
+    from surefit.errors import ConfigError
+    from surefit.eval.metrics import rouge_l
+    from surefit.tasks.sft import score
+
+    assert rouge_l("the cat sat on the mat", "a cat sat on a mat") == 1.0  # articles are normalised away
+    assert rouge_l("cat mat sat", "cat sat mat") == pytest.approx(2 / 3)
+    assert rouge_l("", "") == 1.0 and rouge_l("x", "") == 0.0
+    assert score("rouge_l", ["It is 4."], [["it is 4"]]) == {"eval_rouge_l": 1.0, "eval_em": 1.0}
+    (tmp_path / "my_metric.py").write_text("def length(predictions, references):\n"
+                                           "    return {'len_ratio': len(predictions[0]) / len(references[0])}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert score("my_metric:length", ["abcd"], [["ab"]]) == {"eval_len_ratio": 2.0}
+    with pytest.raises(ConfigError) as e:
+        score("my_metric:nope", ["a"], [["a"]])
+    assert "cannot load metric 'my_metric:nope'" in e.value.render() and "--metric" in e.value.render()
+
+
+def test_eval_generate_false_keeps_the_loss_only(chat_lm_dir, tmp_path, capsys):
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(FILES["messages"](i)) + "\n" for i in range(12)))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(chat_lm_dir), "--data", str(data), "--epochs", "1", "--eval_generate", "false",
+                 "--output_dir", str(out)]) == 0
+    assert "eval computes the validation loss only (--eval_generate false)" in capsys.readouterr().out
+    epochs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x]
+    assert [set(r) & {"eval_loss", "eval_rouge_l", "eval_em"} for r in epochs if r["type"] == "epoch"] == [
+        {"eval_loss"}, {"eval_loss"}]
+    assert not (out / "predictions").exists() or not any((out / "predictions").iterdir())
+
+
+def test_generation_reports_progress_per_batch():
+    from conftest import tiny_llama
+
+    from surefit.eval.generate import greedy_generate
+
+    seen = []
+    out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, pad_token_id=0, eos_token_ids=[0], max_new_tokens=2,
+                          batch_size=2, progress=lambda done, total: seen.append((done, total)))
+    assert len(out) == 5 and seen == [(2, 5), (4, 5), (5, 5)]
