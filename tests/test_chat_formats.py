@@ -307,7 +307,6 @@ def test_eval_generate_false_keeps_the_loss_only(chat_lm_dir, tmp_path, capsys):
 
 def test_generation_reports_progress_per_batch():
     from conftest import tiny_llama
-
     from surefit.eval.generate import greedy_generate
 
     seen = []
