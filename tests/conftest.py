@@ -72,6 +72,32 @@ def build_tiny_lm(tokenizer, seed: int = 0):
     return LlamaForCausalLM(config)
 
 
+# Special tokens of three chat-template families: (specials, eos, bos).
+CHAT_SPECIALS = {
+    "chatml": (["<|im_start|>", "<|im_end|>"], "<|im_end|>", "<|im_start|>"),
+    "llama3": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|eot_id|>",
+               "<|begin_of_text|>"),
+    "gemma": (["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], "<eos>", "<bos>"),
+}
+
+def chat_tokenizer(family: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, eos, bos = CHAT_SPECIALS[family]
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=specials + (["<pad>"] if family != "gemma" else []),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [" ".join(WORDS), "What is the weather in Paris? It is 21 degrees and clear.",
+              "system user assistant tool model ipython"] * 3
+    tok.train_from_iterator(corpus, trainer)
+    if family == "gemma":
+        tok.add_special_tokens(["<pad>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=bos, pad_token="<pad>")
+
+
 @pytest.fixture(scope="session")
 def tiny_lm_dir(tmp_path_factory) -> Path:
     """A saved tiny causal LM + tokenizer folder (pad == eos, like SmolLM2 and many Llama-family tokenizers)."""

@@ -100,6 +100,13 @@ def report(run: str | Path, say=print) -> Path:
     return write_report(folder, say=say)
 
 
+def inspect_sft(config: Any, out: str | None = None, show: int = 2, say=print) -> dict:
+    """What an sft run would supervise: see :func:`surefit.tasks.sft.inspect`."""
+    from surefit.tasks.sft import inspect
+
+    return inspect(config, out, show, say=say)
+
+
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,
                  max_memory_gb: float | None = None, say=print) -> str:
     """Describe every array of a tensor dataset; with a model factory, each input's first layer and any mismatch.

@@ -82,9 +82,12 @@ def build_parser() -> argparse.ArgumentParser:
                             description="Build the run's setup exactly as `surefit train` would and report every "
                             "problem found; exit code 1 if any is an error. Takes the same flags as `train`.")
     doctor.add_argument("--list", action="store_true", help="list every finding code and what it catches")
-    inspect = sub.add_parser("inspect", allow_abbrev=False, help="describe tensor data, and which layer consumes each input",
+    inspect = sub.add_parser("inspect", allow_abbrev=False, help="describe tensor data, and which layer consumes each input; "
+                             "--task sft: what training supervises",
                              description="Name, shape, dtype, value range and footprint of every array; with --model, "
-                             "which layer first consumes each input and whether the shapes agree.")
+                             "which layer first consumes each input and whether the shapes agree. With --task sft "
+                             "--data FILE [--limit N] [--out FILE.jsonl] [--show N] (and any train flag): the first "
+                             "examples with their supervised spans marked, counts per role, and the encoded examples.")
     inspect.add_argument("--data", required=True, help="a folder of shards, or a dataset factory module:make")
     inspect.add_argument("--model", "--model-factory", dest="model", help="model factory module:build or file.py:build")
     inspect.add_argument("--model_args", "--model-args", dest="model_args", help="JSON keyword arguments for the factory")
@@ -178,6 +181,30 @@ def _run_use_command(command: str, ns: argparse.Namespace) -> int:
     return 0
 
 
+def _task_of(argv: list[str]) -> str | None:
+    for i, a in enumerate(argv):
+        if a == "--task" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--task="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _pull(argv: list[str], flag: str) -> tuple[list[str], str | None]:
+    """``argv`` without ``flag VALUE`` (or ``flag=VALUE``), and the value."""
+    rest, value, skip = [], None, False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+        elif a == flag and i + 1 < len(argv):
+            value, skip = argv[i + 1], True
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return rest, value
+
+
 def parse_train_config(argv: list[str]) -> Any:
     """argv of ``surefit train ...`` (without the command) -> a validated config."""
     ns, unknown = build_parser().parse_known_args(["train", *argv])
@@ -259,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
 
             report = doctor(cfg)
             return 1 if report.has_errors else 0
+        if command == "inspect" and _task_of(argv[1:]) == "sft":
+            from surefit.api import inspect_sft
+
+            rest, out = _pull(argv[1:], "--out")
+            rest, show = _pull(rest, "--show")
+            inspect_sft(parse_train_config(rest), out, int(show) if show else 2)
+            return 0
         if command == "inspect":
             from surefit.api import inspect_data
 

@@ -192,9 +192,32 @@ class SFTConfig(TrainConfig):
     input_field: str = opt("input", "Column holding the input text.")
     target_field: str = opt("target", "Column holding the target text.")
     template: str | None = opt(
-        None, "Prompt template containing {input} once. Default: a plain instruction template (see README)."
+        None, "Prompt template naming fields of the rows, e.g. 'Question: {input}\\nAnswer: ' or "
+        "'{instruction}\\n\\n{input}' (a paragraph whose fields are all empty is left out). For conversations it "
+        "writes the user turn. Default: a plain instruction template, or the model's chat template."
     )
-    chat_template: bool = opt(False, "Format prompts with the tokenizer's chat template instead of --template.")
+    chat_template: bool | None = opt(
+        None, "Format prompts with the model's own chat template. Default: yes when the model ships one (the choice "
+        "is printed); false: the plain template for input/target rows.")
+    chat_format: str | None = opt(
+        None, "A chat template for a model that ships none (or to replace its own): a built-in name (chatml, llama3, "
+        "gemma) or a Jinja file. It is saved with the tokenizer.")
+    format: Literal["auto", "input_target", "prompt_completion", "alpaca", "messages", "sharegpt"] = opt(
+        "auto", "Row format. 'auto' detects it from the fields (messages, conversations, instruction/output, "
+        "prompt/completion, --input_field/--target_field) and prints the mapping.")
+    role_map: str | None = opt(
+        None, "ShareGPT speaker names -> roles, e.g. 'bot=assistant,human=user' (added to the known names).")
+    train_on: Literal["all_assistant", "last_assistant"] = opt(
+        "all_assistant", "Which assistant turns of a conversation carry loss (with the terminator after each).")
+    truncation: Literal["drop_oldest", "exclude"] = opt(
+        "drop_oldest", "A conversation longer than --max_seq_length: drop its oldest exchanges (the system turn stays) "
+        "or exclude it. Either way it is counted and listed; an assistant turn is never cut.")
+    metric: str = opt(
+        "auto", "Scores of the generated answers: 'squad' (token F1 + normalised exact match, for extractive "
+        "answers), 'rouge_l' (ROUGE-L + normalised exact match, for open-ended answers), or your own "
+        "'module:function' (predictions, references -> dict; imported only when named here). 'auto': squad for "
+        "input/target rows, rouge_l for conversations.")
+    eval_generate: bool = opt(True, "Generate answers and score them at each evaluation; false: validation loss only.")
     max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
     truncation_side: Literal["left", "right"] = opt(
         "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
@@ -210,17 +233,20 @@ class SFTConfig(TrainConfig):
     def problems(self) -> list[Problem]:
         p = super().problems()
         _at_least(p, self, "augmentation_factor", 1)
+        if self.metric not in ("auto", "squad", "rouge_l") and ":" not in self.metric:
+            p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
+                             "use auto, squad, rouge_l or your own module:function"))
         _at_least(p, self, "max_new_tokens", 1)
         if self.template is not None:
-            n = self.template.count("{input}")
-            if n != 1:
-                p.append(
-                    Problem(
-                        f"must contain {{input}} exactly once (found {n} times in {self.template!r})",
-                        "--template",
-                        'e.g. --template "Question: {input}\\nAnswer: "',
-                    )
-                )
+            import re
+
+            names = re.findall(r"\{([A-Za-z_][A-Za-z0-9_]*)\}", self.template)
+            if not names:
+                p.append(Problem(f"names no field of the rows (e.g. {{input}}) in {self.template!r}", "--template",
+                                 'e.g. --template "Question: {input}\\nAnswer: " or "{instruction}\\n\\n{input}"'))
+            if self.template.count("{input}") > 1:
+                p.append(Problem(f"must contain {{input}} at most once (found {self.template.count('{input}')} times "
+                                 f"in {self.template!r})", "--template", 'e.g. --template "Question: {input}\\nAnswer: "'))
             if self.chat_template:
                 p.append(Problem("--template and --chat_template both given", "--chat_template", "use one of them"))
         return p

@@ -118,8 +118,8 @@ class Example:
 
     @property
     def num_supervised(self) -> int:
-        """Tokens that carry loss (target + EOS)."""
-        return len(self.input_ids) - self.prompt_len
+        """Tokens that carry loss (target + EOS; every trained assistant span of a conversation)."""
+        return sum(1 for t in self.labels if t != -100)
 
     def features(self) -> dict[str, list[int]]:
         return {"input_ids": self.input_ids, "labels": self.labels}
@@ -243,3 +243,346 @@ def encode_prompts(
         cut.append(len(inp) - len(kept))
         prompts.append(fmt.prefix_ids + kept + fmt.suffix_ids)
     return prompts, cut
+
+
+# ------------------------------------------------------------------------------------------------------------ conversations
+
+# Built-in chat templates for base models that ship none. Each writes a terminator token after every turn, renders a
+# system turn, a tool turn and the tool schemas (as a system note), and ends a generation prompt with the assistant
+# header, so the render of a prefix is a prefix of the full render.
+BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
+    "chatml": (
+        "{% if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}"
+        "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}{{ 'You can call these tools:\\n' + (tools | tojson) + "
+        "'<|im_end|>\\n' }}{% endif %}"
+        "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    ),
+    "llama3": (
+        "{{ bos_token }}{% if tools %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
+        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+        "{{ 'You can call these tools:\\n' + (tools | tojson) + '<|eot_id|>' }}{% endif %}"
+        "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+        "{{ '<|start_header_id|>' + ('ipython' if m['role'] == 'tool' else m['role']) + '<|end_header_id|>\\n\\n' + "
+        "m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+    ),
+    "gemma": (
+        "{{ bos_token }}{% set ns = namespace(system='') %}"
+        "{% if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] + '\\n\\n' %}{% endif %}"
+        "{% if tools %}{% set ns.system = ns.system + 'You can call these tools:\\n' + (tools | tojson) + '\\n\\n' %}"
+        "{% endif %}{% set ns.first = true %}"
+        "{% for m in messages %}{% if m['role'] != 'system' %}"
+        "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+        "{% if ns.first and m['role'] == 'user' %}{{ ns.system }}{% set ns.first = false %}{% endif %}"
+        "{{ m['content'] + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+    ),
+}
+TOOLS_NOTE = "You can call these tools:\n"
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """A chat template and what it takes.
+
+    Attributes:
+        source: the Jinja text.
+        name: how it is named to the user: ``"the model's own"``, ``"chatml"``, a file path.
+        takes_tools: the template renders ``tools`` itself; otherwise they go into the system turn as JSON.
+        takes_tool_calls: the template renders an assistant turn's ``tool_calls``; otherwise the call is written
+            into the turn's content as JSON (so the model still learns to make it).
+    """
+
+    source: str
+    name: str
+    takes_tools: bool
+    takes_tool_calls: bool
+
+
+def chat_format(source: str, name: str) -> ChatFormat:
+    return ChatFormat(source, name, "tools" in source, "tool_calls" in source)
+
+
+def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_name: str | None) -> tuple[ChatFormat | None, str]:
+    """Which chat template renders conversations, and why, in words.
+
+    ``template_name`` (a built-in name or a ``.jinja`` file) wins; then the model's own template unless
+    ``chat_template`` is ``False``; ``None``: no chat template (flat rows use the plain prompt template).
+    The chosen template is set on the tokenizer so that it is saved with it and inference formats prompts the same.
+    """
+    from surefit.errors import ConfigError, Problem
+
+    if template_name:
+        if template_name in BUILTIN_CHAT_TEMPLATES:
+            fmt = chat_format(BUILTIN_CHAT_TEMPLATES[template_name], template_name)
+            why = f"chat template: built-in {template_name!r} (--chat_format)"
+        else:
+            from pathlib import Path
+
+            path = Path(template_name)
+            if not path.is_file():
+                raise ConfigError(Problem(f"{template_name!r} is neither a built-in chat template nor a file",
+                                          "--chat_format", f"use one of {', '.join(BUILTIN_CHAT_TEMPLATES)} or a "
+                                          "path to a Jinja file"))
+            fmt = chat_format(path.read_text(encoding="utf-8"), str(path))
+            why = f"chat template: {path} (--chat_format)"
+        tokenizer.chat_template = fmt.source
+        return fmt, why
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):  # several named templates: the default one renders conversations
+        own = own.get("default")
+    if chat_template is False:
+        return None, "prompt template: plain (--chat_template false)"
+    if own:
+        why = "chat template: the model's own" + (" (the default for a model that ships one; --chat_template false "
+                                                  "uses the plain template)" if chat_template is None else "")
+        return chat_format(own, "the model's own"), why
+    return None, "prompt template: plain (the model ships no chat template; --chat_format chatml|llama3|gemma|FILE" \
+                 ".jinja sets one)"
+
+
+class TemplateProblem(Exception):
+    """A chat template that cannot label a row by position (caught and reported with the row)."""
+
+
+def render_chat(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
+                add_generation_prompt: bool) -> str:
+    """The template's text for ``messages`` (internal form, see :mod:`surefit.data.formats`)."""
+    import json
+
+    msgs = []
+    for m in messages:
+        msg = {k: v for k, v in m.items() if k != "train"}
+        if msg.get("tool_calls") and not fmt.takes_tool_calls:
+            calls = [c.get("function", c) for c in msg.pop("tool_calls")]
+            if not msg["content"].strip():
+                msg["content"] = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+        elif msg.get("tool_calls") and fmt.takes_tool_calls:
+            # The content holds the call's JSON too (ShareGPT function_call): the template writes the call itself.
+            if m["content"].strip().startswith(("{", "[")):
+                msg["content"] = ""
+        msgs.append(msg)
+    kwargs: dict[str, Any] = {}
+    if tools and fmt.takes_tools:
+        kwargs["tools"] = tools
+    elif tools:
+        note = TOOLS_NOTE + json.dumps(tools, ensure_ascii=False)
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
+        else:
+            msgs.insert(0, {"role": "system", "content": note})
+    try:
+        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=fmt.source, **kwargs)
+    except Exception as e:  # a Jinja error raised by the template itself (e.g. "roles must alternate")
+        raise TemplateProblem(f"chat template ({fmt.name}) failed to render: {e}") from e
+
+
+@dataclass
+class ChatEncodeSettings:
+    """How conversations are encoded: what is trained and what long conversations lose."""
+
+    max_seq_length: int
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    truncation: Literal["drop_oldest", "exclude"] = "drop_oldest"
+
+
+def _trained_turns(messages: list[dict], train_on: str) -> list[int]:
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True)]
+    return turns[-1:] if train_on == "last_assistant" else turns
+
+
+def _special_ids(tokenizer: Any) -> set[int]:
+    ids = set(tokenizer.all_special_ids)
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    ids |= {i for i, t in added.items() if getattr(t, "special", False)}
+    return ids
+
+
+def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
+                       train_on: str) -> tuple[list[int], list[int], int, set[int], str]:
+    """Token ids and labels of one conversation, labels by position.
+
+    Each trained assistant turn's span is the text between the render of the turns before it (with the generation
+    prompt) and the render of the turns up to it: the assistant's content plus what the template writes after it.
+    Its tokens up to the terminator are trained; whitespace after the terminator is not.
+    Each piece of text between span boundaries is tokenized on its own, so the spans are exact token spans.
+
+    Returns:
+        ``(input_ids, labels, prompt_len, terminator_ids, text)``: ``prompt_len`` is where the last trained turn
+        begins (generation feeds the ids before it); ``terminator_ids`` are the special ids the template writes
+        after an assistant turn (generation stops on them).
+
+    Raises:
+        TemplateProblem: the template's render of a prefix is not a prefix of the full render, a span does not
+            decode to its own text, or the span is not the assistant's content plus a terminator.
+    """
+    full = render_chat(tokenizer, fmt, messages, tools, add_generation_prompt=False)
+    spans: list[tuple[int, int, int]] = []
+    for k in _trained_turns(messages, train_on):
+        before = render_chat(tokenizer, fmt, messages[:k], tools, add_generation_prompt=True)
+        upto = render_chat(tokenizer, fmt, messages[: k + 1], tools, add_generation_prompt=False)
+        if not (upto.startswith(before) and full.startswith(upto)):
+            raise TemplateProblem(
+                f"chat template ({fmt.name}): the render of the conversation up to turn {k + 1} is not a prefix of "
+                "the full render, so the assistant turn cannot be labelled by position")
+        spans.append((len(before), len(upto), k))
+    if not spans:
+        raise TemplateProblem("no assistant turn to train")
+    specials = _special_ids(tokenizer)
+    ids: list[int] = []
+    labels: list[int] = []
+    terminators: set[int] = set()
+    pos = 0
+    prompt_len = 0
+    for start, end, k in spans:
+        if start > pos:
+            piece = _ids(tokenizer, full[pos:start])
+            ids += piece
+            labels += [-100] * len(piece)
+        prompt_len = len(ids)
+        text = full[start:end]
+        piece = _ids(tokenizer, text)
+        if tokenizer.decode(piece, skip_special_tokens=False) != text:
+            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the assistant span's tokens do not "
+                                  f"decode to its text {text[:60]!r}")
+        _check_span(text, messages[k], piece, specials, fmt, k, tokenizer)
+        terminators |= {t for t in piece if t in specials}
+        # Whitespace the template writes after the terminator (ChatML's "\n") stays in the input but is not trained:
+        # generation stops at the terminator. After the last turn it is left out, so the sequence ends on it.
+        last = max(i for i, t in enumerate(piece) if t in specials) + 1
+        tail = piece[last:]
+        at_end = end == spans[-1][1] and not full[end:].strip()
+        ids += piece[:last] if at_end else piece
+        labels += piece[:last] + ([] if at_end else [-100] * len(tail))
+        pos = len(full) if at_end else end
+    if pos < len(full):
+        piece = _ids(tokenizer, full[pos:])
+        ids += piece
+        labels += [-100] * len(piece)
+    return ids, labels, prompt_len, terminators, full
+
+
+def _check_span(text: str, message: dict, piece: list[int], specials: set[int], fmt: ChatFormat, k: int,
+                tokenizer: Any) -> None:
+    """A trained span is the assistant's content (or its tool call), then only what the template writes after every
+    assistant turn: whitespace and at least one special token (the terminator the model must learn to stop on)."""
+    content = message["content"].strip()
+    body = text.lstrip()
+    if content and body.startswith(content):
+        after = body[len(content):]
+    elif message.get("tool_calls"):
+        names = [c.get("function", c).get("name", "") for c in message["tool_calls"]]
+        if not all(n in text for n in names):
+            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the tool call "
+                                  f"{', '.join(names)} is not in the trained span {text[:80]!r}")
+        return
+    else:
+        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the trained span {text[:80]!r} does not "
+                              "start with the assistant's content (the template changes it)")
+    if not any(t in specials for t in piece):
+        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: writes no end-of-turn token after the "
+                              f"assistant's answer (after it: {after!r}), so the model would never learn to stop")
+    rest = after
+    for t in sorted({tokenizer.convert_ids_to_tokens(i) for i in piece if i in specials}, key=len, reverse=True):
+        rest = rest.replace(t, "")
+    if rest.strip():
+        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: writes text other than its end-of-turn "
+                              f"token after the assistant's answer ({after!r}), which would be trained")
+
+
+def _drop_oldest(messages: list[dict]) -> list[dict] | None:
+    """The conversation without its oldest exchange (the system turn stays); ``None`` when nothing can go."""
+    start = 1 if messages and messages[0]["role"] == "system" else 0
+    for j in range(start + 1, len(messages)):
+        if messages[j]["role"] == "user" and any(m["role"] == "assistant" for m in messages[start:j]):
+            return messages[:start] + messages[j:]
+    return None
+
+
+@dataclass
+class ChatReport(EncodeReport):
+    """Encoding counts for conversations: turns dropped to fit, per-role turns and tokens."""
+
+    turns_dropped: int = 0
+    rows_shortened: list[tuple[str, int]] = field(default_factory=list)  # (where, turns dropped)
+    roles: dict[str, int] = field(default_factory=dict)  # turns per role
+    tools_rows: int = 0  # rows that give tool schemas
+    tool_call_turns: int = 0  # assistant turns that call a tool
+    tools_how: str = ""  # how the template got them, in words
+
+    def summary(self) -> str:
+        base = super().summary()
+        if self.tools_rows:
+            base += f"; {self.tools_rows} rows give tools ({self.tools_how})"
+        if self.rows_shortened:
+            base += (f"; {len(self.rows_shortened)} conversations shortened to fit --max_seq_length (oldest "
+                     f"{self.turns_dropped} turns dropped, system kept)")
+        return base
+
+
+def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, settings: ChatEncodeSettings,
+                         split: str = "train") -> tuple[list[Example], ChatReport, list[tuple[str, str]], set[int]]:
+    """Encode conversation rows (``messages`` / ``tools`` fields); labels by position on the template's render.
+
+    Long conversations lose their oldest exchanges first (``drop_oldest``; the system turn stays) or are excluded
+    (``exclude``); an assistant turn is never cut. Both are counted in the report.
+
+    Returns:
+        ``(examples, report, template_problems, terminator_ids)``: ``template_problems`` are ``(where, text)`` of
+        rows the template cannot label (the caller reports them; nothing trains on a mislabelled row).
+    """
+    report = ChatReport(split=split, rows=len(rows))
+    examples: list[Example] = []
+    failures: list[tuple[str, str]] = []
+    terminators: set[int] = set()
+    for row in rows:
+        messages: list[dict] | None = row.fields["messages"]
+        tools = row.fields.get("tools")
+        dropped = 0
+        try:
+            while True:
+                ids, labels, prompt_len, term, _ = label_conversation(tokenizer, fmt, messages, tools,
+                                                                     settings.train_on)
+                if len(ids) <= settings.max_seq_length:
+                    break
+                shorter = _drop_oldest(messages) if settings.truncation == "drop_oldest" else None
+                if shorter is None or not _trained_turns(shorter, settings.train_on):
+                    how = ("even with only its last exchange" if settings.truncation == "drop_oldest"
+                           else "(--truncation exclude)")
+                    report.excluded.append((row.where, f"{len(ids)} tokens {how}; --max_seq_length is "
+                                                       f"{settings.max_seq_length}"))
+                    messages = None
+                    break
+                dropped += len(messages) - len(shorter)
+                messages = shorter
+        except TemplateProblem as e:
+            failures.append((row.where, str(e)))
+            continue
+        if messages is None:
+            continue
+        if dropped:
+            report.turns_dropped += dropped
+            report.rows_shortened.append((row.where, dropped))
+        for m in messages:
+            report.roles[m["role"]] = report.roles.get(m["role"], 0) + 1
+            report.tool_call_turns += bool(m.get("tool_calls"))
+        if tools:
+            report.tools_rows += 1
+            report.tools_how = ("passed to the chat template" if fmt.takes_tools else "the chat template takes no "
+                                "tools: written into the system turn as JSON")
+        terminators |= term
+        ex = Example(input_ids=ids, labels=labels, prompt_len=prompt_len, row=row)
+        examples.append(ex)
+        report.tokens += len(ids)
+        report.supervised_tokens += ex.num_supervised
+        report.longest_target = max(report.longest_target, len(ids) - prompt_len)
+    report.encoded = len(examples)
+    return examples, report, failures, terminators
+
+
+def chat_prompt(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None) -> list[int]:
+    """Generation prompt ids: the conversation so far, then the assistant header."""
+    return _ids(tokenizer, render_chat(tokenizer, fmt, messages, tools, add_generation_prompt=True))

@@ -97,6 +97,13 @@ def _special_ids(setup: Setup) -> tuple[int | None, int | None]:
     return out[0], out[1]
 
 
+def _generation_eos(setup: Setup) -> set[int]:
+    """The ids that end generation in the model's generation config (chat models often list an end-of-turn id)."""
+    ids = getattr(getattr(setup.model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, (list, tuple)) else [ids]
+    return {i for i in ids if isinstance(i, int)}
+
+
 def _collator_name(setup: Setup) -> str:
     c = setup.data_collator
     if c is None:
@@ -549,6 +556,8 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
     # chat rows end with the template's turn terminator (and maybe a newline after it): that is their end
     term = _turn_terminator(_tokenizer(setup))
     ends_turn = set() if term is None else {term[0]}
+    # A chat template ends a turn with its own token (Gemma's <end_of_turn>); the generation config lists it.
+    stops = {eos} | _generation_eos(setup)
     missing: list[int] = []
     packed = total = 0
     ends: list[int] = []
@@ -566,7 +575,7 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
         total += 1
         if ends_turn and (ids[-1] in ends_turn or (len(ids) > 1 and ids[-2] in ends_turn)):
             continue
-        if ids[-1] != eos:
+        if ids[-1] not in stops:
             missing.append(i)
             ends.append(ids[-1])
             packed += eos in ids

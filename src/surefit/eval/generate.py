@@ -22,6 +22,7 @@ def greedy_generate(
     batch_size: int,
     device: torch.device | str = "cpu",
     autocast: Any = None,
+    progress: Any = None,
 ) -> list[list[int]]:
     """Greedy continuations of tokenized prompts, in the prompts' order.
 
@@ -36,6 +37,7 @@ def greedy_generate(
         max_new_tokens: longest continuation.
         batch_size: prompts per ``generate`` call.
         autocast: a context-manager factory (e.g. ``accelerator.autocast``) or ``None``.
+        progress: called as ``progress(done, total)`` after each batch (prompts done of all), or ``None``.
 
     Returns:
         The generated token ids per prompt, without the prompt and without the EOS.
@@ -56,6 +58,8 @@ def greedy_generate(
                               max_new_tokens)
             for i, seq in zip(idx, new, strict=True):
                 out[i] = seq
+            if progress is not None:
+                progress(min(start + batch_size, len(order)), len(order))
     finally:
         model.train(was_training)
     return out

@@ -69,6 +69,25 @@ def token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def rouge_l(prediction: str, gold: str) -> float:
+    """ROUGE-L F1 (longest common subsequence of normalised tokens) for open-ended answers, where token F1 rewards
+    a bag of words and exact match is too strict. Both empty: 1.0; one empty: 0.0."""
+    a, b = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not a or not b:
+        return float(a == b)
+    prev = [0] * (len(b) + 1)
+    for x in a:
+        cur = [0]
+        for j, y in enumerate(b, 1):
+            cur.append(prev[j - 1] + 1 if x == y else max(prev[j], cur[j - 1]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    p, r = lcs / len(a), lcs / len(b)
+    return 2 * p * r / (p + r)
+
+
 def squad_scores(predictions: Sequence[str], golds: Sequence[Sequence[str]]) -> dict[str, float]:
     """Corpus-level SQuAD scores: for each example the best score over its gold answers, then the mean.
 
