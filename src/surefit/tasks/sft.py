@@ -172,7 +172,7 @@ def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None =
 
     Returns:
         ``(train_rows, val_rows, report)``; ``report`` holds the counts printed to the user and saved, the format
-        (``report["format"]``) and what became of each field (``report["fields"]``).
+        (``report["format"]``) and what became of each field (``report["field_table"]``).
     """
     problems = list(problems or [])
     report: dict[str, Any] = {"notes": []}
@@ -202,7 +202,7 @@ def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None =
     assert choice is not None
     report["format"] = choice.name
     report["format_conversational"] = choice.conversational
-    report["fields"] = table
+    report["field_table"] = table
     say(choice.line())
     say("fields of the rows:\n" + render_columns(table))
 
