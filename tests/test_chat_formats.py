@@ -313,3 +313,34 @@ def test_generation_reports_progress_per_batch():
     out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, pad_token_id=0, eos_token_ids=[0], max_new_tokens=2,
                           batch_size=2, progress=lambda done, total: seen.append((done, total)))
     assert len(out) == 5 and seen == [(2, 5), (4, 5), (5, 5)]
+
+
+@pytest.mark.slow
+def test_embedded_model_supervises_exactly_the_glaive_assistant_turns_and_im_end(tmp_path, capsys):
+    """The done-when check on the real tokenizer: ShareGPT tool-call rows, the model's own ChatML template."""
+    from pathlib import Path
+
+    from surefit.models import load_tokenizer, model_folder, resolve_model
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "chat" / "glaive_toolcall_40.json"
+    out = tmp_path / "enc.jsonl"
+    assert main(["inspect", "--task", "sft", "--data", str(data), "--out", str(out), "--show", "0"]) == 0
+    source = resolve_model(None)
+    tok, _ = load_tokenizer(model_folder(source, log=lambda *_: None), source)
+    rows = json.loads(data.read_text())
+    spans = calls = 0
+    for line, row in zip(out.read_text().splitlines(), rows, strict=True):
+        rec = json.loads(line)
+        runs, cur = [], []
+        for t, label in zip(rec["input_ids"], rec["labels"], strict=True):
+            if label != -100:
+                cur.append(t)
+            elif cur:
+                runs, cur = runs + [cur], []
+        runs += [cur] if cur else []
+        texts = [tok.decode(r, skip_special_tokens=False) for r in runs]
+        turns = [m["value"] + "<|im_end|>" for m in row["conversations"] if m["from"] in ("gpt", "function_call")]
+        assert texts and texts == turns[len(turns) - len(texts):]  # the oldest turns may be dropped to fit
+        spans += len(texts)
+        calls += sum(t.startswith('{"name"') for t in texts)
+    assert calls > 0 and spans > len(rows)
