@@ -80,7 +80,8 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
                                                                                      list[str]]:
     """Rows of one file in the internal form of their format (detected, or ``wanted``), every row checked.
 
-    Returns ``(rows, format, notes)``; the format is ``None`` when it cannot be told (a problem is added).
+    Rows of no known shape are read as input/target rows, so that the problems name the missing field, what the rows
+    have instead, and the shapes read without flags. Returns ``(rows, format, notes)``.
     """
     role_map, role_problems = parse_role_map(cfg.role_map)
     if wanted is None:  # once per run: the training file's read
