@@ -344,3 +344,42 @@ def test_embedded_model_supervises_exactly_the_glaive_assistant_turns_and_im_end
         spans += len(texts)
         calls += sum(t.startswith('{"name"') for t in texts)
     assert calls > 0 and spans > len(rows)
+
+
+def _convert(rows, name="auto", role_map=None, complete=True):
+    from surefit.data.formats import detect_format, parse_role_map, to_conversations
+    from surefit.data.rows import Row
+
+    rows = [Row(r, f"f.jsonl line {i}", i - 1) for i, r in enumerate(rows, 1)]
+    roles, role_problems = parse_role_map(role_map)
+    choice = detect_format(rows, "f.jsonl", name, role_map=roles)
+    problems = list(role_problems)
+    out = to_conversations(rows, choice, "f.jsonl", problems, complete=complete)
+    return out, problems, choice
+
+
+def test_alpaca_with_system_and_history_becomes_turns_in_order():
+    [row], problems, choice = _convert([{"system": "Be kind.", "history": [["Hi", "Hello!"]], "instruction": "Add 2+2.",
+                                         "input": "", "output": "4"}])
+    assert problems == [] and choice.name == "alpaca"
+    assert [(m["role"], m["content"]) for m in row.fields["messages"]] == [
+        ("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Add 2+2."), ("assistant", "4")]
+
+
+def test_conversations_stored_as_json_text_and_role_map():
+    convo = json.dumps([{"from": "person", "value": "Hi"}, {"from": "bot", "value": "Hello!"}])
+    [row], problems, choice = _convert([{"conversations": convo}], role_map="person=user,bot=assistant")
+    assert problems == [] and "person -> user, bot -> assistant" in choice.line()
+    _, problems, _ = _convert([{"conversations": convo}], role_map="bot:assistant")
+    assert "cannot read 'bot:assistant': expected SPEAKER=ROLE" in problems[0].what and problems[0].where == "--role_map"
+
+
+def test_a_conversation_must_start_with_a_user_turn_and_parts_must_be_text():
+    _, problems, _ = _convert([{"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]},
+                               {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                                             {"role": "assistant", "content": "A"}]}])
+    text = " | ".join(p.what for p in problems)
+    assert "line 1 turn 2: starts with an assistant turn" in text
+    assert "line 2 turn 1: content is neither text nor a list of text parts" in text
+    [row], problems, _ = _convert([{"messages": [{"role": "user", "content": "Hi"}]}], complete=False)
+    assert problems == [] and row.fields["messages"][-1]["role"] == "user"  # predict: the model answers it
