@@ -383,3 +383,33 @@ def test_a_conversation_must_start_with_a_user_turn_and_parts_must_be_text():
     assert "line 2 turn 1: content is neither text nor a list of text parts" in text
     [row], problems, _ = _convert([{"messages": [{"role": "user", "content": "Hi"}]}], complete=False)
     assert problems == [] and row.fields["messages"][-1]["role"] == "user"  # predict: the model answers it
+
+
+def test_a_template_that_refuses_a_row_is_reported_with_the_row(tmp_path, capsys):
+    """A template that raises (like Gemma's 'roles must alternate') names the row and the template's own words."""
+    from conftest import build_tiny_lm, chat_tokenizer
+
+    model_dir = tmp_path / "m"
+    tok = chat_tokenizer("chatml")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}"
+                         "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    build_tiny_lm(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rows = [FILES["messages"](i) for i in range(6)]
+    rows[3]["messages"][2:2] = [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}]
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["train", "--model", str(model_dir), "--data", str(data), "--val_fraction", "0.2",
+                 "--output_dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "row cannot be rendered and labelled by position" in err and "line 4" in err
+    assert "no tool turns" in err and "--on_bad_rows skip" in err
+
+
+def test_chat_settings_that_contradict_each_other_are_refused():
+    from surefit.config import SFTConfig
+
+    text = " | ".join(p.what for p in SFTConfig(chat_format="chatml", chat_template=False).problems())
+    assert "--chat_format chatml and --chat_template false both given" in text
+    assert any(p.where == "--metric" for p in SFTConfig(metric="bleu").problems())

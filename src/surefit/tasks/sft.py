@@ -294,10 +294,11 @@ class Encoder:
         if failures and not skip:
             shown = "; ".join(f"{w}: {why}" for w, why in failures[:5])
             more = f" and {len(failures) - 5} more" if len(failures) > 5 else ""
-            raise DataError(Problem(f"{len(failures)} {split} rows cannot be labelled by position: {shown}{more}",
-                                    "--chat_format", "use a chat template whose render of a conversation's start is "
-                                    "the start of its full render (e.g. --chat_format chatml), or --on_bad_rows skip "
-                                    "to exclude these rows"))
+            raise DataError(Problem(f"{len(failures)} {split} row{'s' if len(failures) != 1 else ''} cannot be rendered and labelled by position with "
+                                    f"the chat template: {shown}{more}", "--chat_format",
+                                    "use a chat template that renders these conversations, and whose render of a "
+                                    "conversation's start is the start of its full render (e.g. --chat_format chatml), "
+                                    "or pass --on_bad_rows skip to exclude these rows (listed)"))
         report.excluded += failures
         return examples, report
 
