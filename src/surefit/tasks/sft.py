@@ -468,17 +468,23 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
                    progress: bool = False, lengths: list[int] | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
-    With ``progress`` a line per batch shows how far generation is, with an estimate of the time left. ``lengths``
-    (a list) receives each continuation's length in tokens, its stop token excluded."""
-    import time
+    With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
+    the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
+    tokens, its stop token excluded."""
+    import sys
 
-    start = time.monotonic()
+    from tqdm.auto import tqdm
+
+    from surefit.training.distributed import is_main_process
+
+    bar = None
+    if progress and len(prompts) > batch_size:
+        # As the training bar: in a log file (not a terminal) redrawn at most every 30 s.
+        bar = tqdm(total=len(prompts), desc="generating", unit="answer", dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not is_main_process())
 
     def show(done: int, total: int) -> None:
-        spent = time.monotonic() - start
-        left = spent / done * (total - done) if done else 0.0
-        filled = int(20 * done / max(total, 1))
-        say(f"  generating [{'#' * filled}{'.' * (20 - filled)}] {done}/{total} answers, about {left:.0f} s left")
+        bar.update(done - bar.n)
 
     generated = shrink_on_oom(
         lambda bs: greedy_generate(
@@ -490,12 +496,14 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
             batch_size=bs,
             device=accelerator.device,
             autocast=accelerator.autocast,
-            progress=show if progress and len(prompts) > bs else None,
+            progress=show if bar is not None else None,
         ),
         batch_size,
         "generation",
         say,
     )
+    if bar is not None:
+        bar.close()
     if lengths is not None:
         lengths += [len(g) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
