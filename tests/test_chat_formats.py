@@ -129,6 +129,12 @@ def test_predict_continues_a_conversation(chat_lm_dir, tmp_path, capsys):
     assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
     [rec] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert rec["input"] == "What is 3 plus one?" and isinstance(rec["prediction"], str)
+    # eval on another conversation file: read in the run's way, scored with the run's metrics
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(FILES["sharegpt"](i)) + "\n" for i in range(20, 24)))
+    assert main(["eval", "--run", str(out), "--data", str(other), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rows"] == 4 and set(result["metrics"]) == {"eval_loss", "eval_rouge_l", "eval_em"}
 
 
 def test_inspect_marks_only_assistant_spans_and_writes_jsonl(chat_lm_dir, tmp_path, capsys):
