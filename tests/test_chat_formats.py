@@ -129,6 +129,12 @@ def test_predict_continues_a_conversation(chat_lm_dir, tmp_path, capsys):
     assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
     [rec] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert rec["input"] == "What is 3 plus one?" and isinstance(rec["prediction"], str)
+    # eval on another conversation file: read in the run's way, scored with the run's metrics
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps(FILES["sharegpt"](i)) + "\n" for i in range(20, 24)))
+    assert main(["eval", "--run", str(out), "--data", str(other), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rows"] == 4 and set(result["metrics"]) == {"eval_loss", "eval_rouge_l", "eval_em"}
 
 
 def test_inspect_marks_only_assistant_spans_and_writes_jsonl(chat_lm_dir, tmp_path, capsys):
@@ -313,3 +319,103 @@ def test_generation_reports_progress_per_batch():
     out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, pad_token_id=0, eos_token_ids=[0], max_new_tokens=2,
                           batch_size=2, progress=lambda done, total: seen.append((done, total)))
     assert len(out) == 5 and seen == [(2, 5), (4, 5), (5, 5)]
+
+
+@pytest.mark.slow
+def test_embedded_model_supervises_exactly_the_glaive_assistant_turns_and_im_end(tmp_path, capsys):
+    """The done-when check on the real tokenizer: ShareGPT tool-call rows, the model's own ChatML template."""
+    from pathlib import Path
+
+    from surefit.models import load_tokenizer, model_folder, resolve_model
+
+    data = Path(__file__).resolve().parents[1] / "examples" / "chat" / "glaive_toolcall_40.json"
+    out = tmp_path / "enc.jsonl"
+    assert main(["inspect", "--task", "sft", "--data", str(data), "--out", str(out), "--show", "0"]) == 0
+    source = resolve_model(None)
+    tok, _ = load_tokenizer(model_folder(source, log=lambda *_: None), source)
+    rows = json.loads(data.read_text())
+    spans = calls = 0
+    for line, row in zip(out.read_text().splitlines(), rows, strict=True):
+        rec = json.loads(line)
+        runs, cur = [], []
+        for t, label in zip(rec["input_ids"], rec["labels"], strict=True):
+            if label != -100:
+                cur.append(t)
+            elif cur:
+                runs, cur = runs + [cur], []
+        runs += [cur] if cur else []
+        texts = [tok.decode(r, skip_special_tokens=False) for r in runs]
+        turns = [m["value"] + "<|im_end|>" for m in row["conversations"] if m["from"] in ("gpt", "function_call")]
+        assert texts and texts == turns[len(turns) - len(texts):]  # the oldest turns may be dropped to fit
+        spans += len(texts)
+        calls += sum(t.startswith('{"name"') for t in texts)
+    assert calls > 0 and spans > len(rows)
+
+
+def _convert(rows, name="auto", role_map=None, complete=True):
+    from surefit.data.formats import detect_format, parse_role_map, to_conversations
+    from surefit.data.rows import Row
+
+    rows = [Row(r, f"f.jsonl line {i}", i - 1) for i, r in enumerate(rows, 1)]
+    roles, role_problems = parse_role_map(role_map)
+    choice = detect_format(rows, "f.jsonl", name, role_map=roles)
+    problems = list(role_problems)
+    out = to_conversations(rows, choice, "f.jsonl", problems, complete=complete)
+    return out, problems, choice
+
+
+def test_alpaca_with_system_and_history_becomes_turns_in_order():
+    [row], problems, choice = _convert([{"system": "Be kind.", "history": [["Hi", "Hello!"]], "instruction": "Add 2+2.",
+                                         "input": "", "output": "4"}])
+    assert problems == [] and choice.name == "alpaca"
+    assert [(m["role"], m["content"]) for m in row.fields["messages"]] == [
+        ("system", "Be kind."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Add 2+2."), ("assistant", "4")]
+
+
+def test_conversations_stored_as_json_text_and_role_map():
+    convo = json.dumps([{"from": "person", "value": "Hi"}, {"from": "bot", "value": "Hello!"}])
+    [row], problems, choice = _convert([{"conversations": convo}], role_map="person=user,bot=assistant")
+    assert problems == [] and "person -> user, bot -> assistant" in choice.line()
+    _, problems, _ = _convert([{"conversations": convo}], role_map="bot:assistant")
+    assert "cannot read 'bot:assistant': expected SPEAKER=ROLE" in problems[0].what and problems[0].where == "--role_map"
+
+
+def test_a_conversation_must_start_with_a_user_turn_and_parts_must_be_text():
+    _, problems, _ = _convert([{"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": "A"}]},
+                               {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]},
+                                             {"role": "assistant", "content": "A"}]}])
+    text = " | ".join(p.what for p in problems)
+    assert "line 1 turn 2: starts with an assistant turn" in text
+    assert "line 2 turn 1: content is neither text nor a list of text parts" in text
+    [row], problems, _ = _convert([{"messages": [{"role": "user", "content": "Hi"}]}], complete=False)
+    assert problems == [] and row.fields["messages"][-1]["role"] == "user"  # predict: the model answers it
+
+
+def test_a_template_that_refuses_a_row_is_reported_with_the_row(tmp_path, capsys):
+    """A template that raises (like Gemma's 'roles must alternate') names the row and the template's own words."""
+    from conftest import build_tiny_lm, chat_tokenizer
+
+    model_dir = tmp_path / "m"
+    tok = chat_tokenizer("chatml")
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool turns') }}"
+                         "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    build_tiny_lm(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    rows = [FILES["messages"](i) for i in range(6)]
+    rows[3]["messages"][2:2] = [{"role": "assistant", "content": "x"}, {"role": "tool", "content": "y"}]
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["train", "--model", str(model_dir), "--data", str(data), "--val_fraction", "0.2",
+                 "--output_dir", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "row cannot be rendered and labelled by position" in err and "line 4" in err
+    assert "no tool turns" in err and "--on_bad_rows skip" in err
+
+
+def test_chat_settings_that_contradict_each_other_are_refused():
+    from surefit.config import SFTConfig
+
+    text = " | ".join(p.what for p in SFTConfig(chat_format="chatml", chat_template=False).problems())
+    assert "--chat_format chatml and --chat_template false both given" in text
+    assert any(p.where == "--metric" for p in SFTConfig(metric="bleu").problems())

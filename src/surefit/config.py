@@ -237,6 +237,9 @@ class SFTConfig(TrainConfig):
             p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
                              "use auto, squad, rouge_l or your own module:function"))
         _at_least(p, self, "max_new_tokens", 1)
+        if self.chat_format and self.chat_template is False:
+            p.append(Problem(f"--chat_format {self.chat_format} and --chat_template false both given",
+                             "--chat_template", "drop one: --chat_format sets the chat template, false uses none"))
         if self.template is not None:
             import re
 

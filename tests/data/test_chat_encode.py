@@ -143,3 +143,25 @@ def test_the_model_template_is_the_default_and_a_builtin_is_saved_with_the_token
     fmt, why = resolve_chat_template(AutoTokenizer.from_pretrained(tmp_path), None, None)
     assert fmt.name == "the model's own" and "the model's own" in why
     assert resolve_chat_template(AutoTokenizer.from_pretrained(tmp_path), False, None)[0] is None
+
+
+def test_a_template_that_takes_tools_and_tool_calls_renders_them_itself(tmp_path):
+    """A Jinja file given with --chat_format: tools go to the template, a tool call is written by it, and the call
+    (not its JSON as content) is what is trained."""
+    source = (
+        "{% if tools %}<|im_start|>system\nTOOLS {{ tools | map(attribute='name') | join(',') }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}CALL {{ c['function']['name'] }}"
+        "({{ c['function']['arguments'] | tojson }}){% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    path = tmp_path / "tools.jinja"
+    path.write_text(source)
+    tok = chat_tokenizer("chatml")
+    fmt, why = resolve_chat_template(tok, None, str(path))
+    assert fmt.takes_tools and fmt.takes_tool_calls and str(path) in why
+    row = Row({"messages": CONVERSATION[1:5], "tools": TOOLS}, "x line 1", 0)
+    [ex], rep, failures, _ = encode_conversations([row], tok, fmt, ChatEncodeSettings(2048))
+    assert failures == [] and rep.tools_rows == 1 and rep.tools_how == "passed to the chat template"
+    runs = [tok.decode(r, skip_special_tokens=False) for r in _supervised_runs(ex)]
+    assert runs == ['CALL get_weather({"city": "Paris"})<|im_end|>', "It is 21 degrees and clear.<|im_end|>"]
+    assert tok.decode(ex.input_ids, skip_special_tokens=False).startswith("<|im_start|>system\nTOOLS get_weather")

@@ -132,7 +132,7 @@ def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_fiel
     roles = {**SHAREGPT_ROLES, **(role_map or {})}
     speakers: list[str] = []
     for r in rows:
-        conv = r.fields.get("conversations")
+        conv = _json_list(r.fields.get("conversations"))
         if isinstance(conv, list):
             for m in conv:
                 s = m.get("from", m.get("role")) if isinstance(m, dict) else None
@@ -205,7 +205,18 @@ def _tool_call(value: str) -> list | None:
     return out
 
 
+def _json_list(items: Any) -> Any:
+    """A list stored as JSON text (CSV and some exports write conversations that way) -> the list."""
+    if isinstance(items, str) and items.lstrip().startswith("["):
+        try:
+            return json.loads(items)
+        except ValueError:
+            return items
+    return items
+
+
 def _messages_from_openai(items: Any, bad: _RowProblems, field_name: str, train: bool = True) -> list[dict]:
+    items = _json_list(items)
     if not isinstance(items, list) or not items:
         bad.add("shape", f"'{field_name}' is not a non-empty list of messages")
         return []
@@ -232,6 +243,7 @@ def _messages_from_openai(items: Any, bad: _RowProblems, field_name: str, train:
 
 
 def _messages_from_sharegpt(items: Any, roles: dict[str, str], bad: _RowProblems) -> list[dict]:
+    items = _json_list(items)
     if not isinstance(items, list) or not items:
         bad.add("shape", "'conversations' is not a non-empty list of turns")
         return []
@@ -289,6 +301,10 @@ def _messages_from_alpaca(f: dict, bad: _RowProblems) -> list[dict]:
 def check_messages(messages: list[dict], bad: _RowProblems, complete: bool = True) -> None:
     """Known roles, no empty turn, a possible order: system first, no two assistant turns in a row, ends on an
     assistant turn."""
+    first = next((t for t, m in enumerate(messages, 1) if m["role"] != "system"), None)
+    if first is not None and messages[first - 1]["role"] in ("assistant", "tool"):
+        bad.add("order", f"turn {first}: starts with a{'n' if messages[first - 1]['role'] == 'assistant' else ''} "
+                         f"{messages[first - 1]['role']} turn; the first turn after the system turn is a user turn")
     for turn, m in enumerate(messages, 1):
         role = m["role"]
         if role not in ROLES:

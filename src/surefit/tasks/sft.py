@@ -80,7 +80,8 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
                                                                                      list[str]]:
     """Rows of one file in the internal form of their format (detected, or ``wanted``), every row checked.
 
-    Returns ``(rows, format, notes)``; the format is ``None`` when it cannot be told (a problem is added).
+    Rows of no known shape are read as input/target rows, so that the problems name the missing field, what the rows
+    have instead, and the shapes read without flags. Returns ``(rows, format, notes)``.
     """
     role_map, role_problems = parse_role_map(cfg.role_map)
     if wanted is None:  # once per run: the training file's read
@@ -293,10 +294,11 @@ class Encoder:
         if failures and not skip:
             shown = "; ".join(f"{w}: {why}" for w, why in failures[:5])
             more = f" and {len(failures) - 5} more" if len(failures) > 5 else ""
-            raise DataError(Problem(f"{len(failures)} {split} rows cannot be labelled by position: {shown}{more}",
-                                    "--chat_format", "use a chat template whose render of a conversation's start is "
-                                    "the start of its full render (e.g. --chat_format chatml), or --on_bad_rows skip "
-                                    "to exclude these rows"))
+            raise DataError(Problem(f"{len(failures)} {split} row{'s' if len(failures) != 1 else ''} cannot be rendered and labelled by position with "
+                                    f"the chat template: {shown}{more}", "--chat_format",
+                                    "use a chat template that renders these conversations, and whose render of a "
+                                    "conversation's start is the start of its full render (e.g. --chat_format chatml), "
+                                    "or pass --on_bad_rows skip to exclude these rows (listed)"))
         report.excluded += failures
         return examples, report
 
@@ -466,17 +468,23 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
                    progress: bool = False, lengths: list[int] | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
-    With ``progress`` a line per batch shows how far generation is, with an estimate of the time left. ``lengths``
-    (a list) receives each continuation's length in tokens, its stop token excluded."""
-    import time
+    With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
+    the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
+    tokens, its stop token excluded."""
+    import sys
 
-    start = time.monotonic()
+    from tqdm.auto import tqdm
+
+    from surefit.training.distributed import is_main_process
+
+    bar = None
+    if progress and len(prompts) > batch_size:
+        # As the training bar: in a log file (not a terminal) redrawn at most every 30 s.
+        bar = tqdm(total=len(prompts), desc="generating", unit="answer", dynamic_ncols=True,
+                   mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not is_main_process())
 
     def show(done: int, total: int) -> None:
-        spent = time.monotonic() - start
-        left = spent / done * (total - done) if done else 0.0
-        filled = int(20 * done / max(total, 1))
-        say(f"  generating [{'#' * filled}{'.' * (20 - filled)}] {done}/{total} answers, about {left:.0f} s left")
+        bar.update(done - bar.n)
 
     generated = shrink_on_oom(
         lambda bs: greedy_generate(
@@ -488,12 +496,14 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
             batch_size=bs,
             device=accelerator.device,
             autocast=accelerator.autocast,
-            progress=show if progress and len(prompts) > bs else None,
+            progress=show if bar is not None else None,
         ),
         batch_size,
         "generation",
         say,
     )
+    if bar is not None:
+        bar.close()
     if lengths is not None:
         lengths += [len(g) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
