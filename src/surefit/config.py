@@ -485,7 +485,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(Problem(f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config holds settings, "
                                   "not data", "--config", "pass the settings file (data goes in --data)"))
     try:
-        data = yaml.load(raw.decode("utf-8"), Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader with caps
+        loader = _ConfigLoader(raw.decode("utf-8"))  # yaml.SafeLoader with caps: safe_load's construction
+        try:
+            data = loader.get_single_data()
+        finally:
+            loader.dispose()
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(Problem(f"cannot parse {path}: {e}", "--config", "fix the YAML syntax")) from e
     if data is None:
