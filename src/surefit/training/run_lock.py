@@ -54,16 +54,24 @@ class RunLock:
 
         if self.folder.exists() and not self.folder.is_dir():
             return self  # --output_dir is a file: reported with the other configuration problems
-        if not self.folder.exists():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.created_folder = True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not self.folder.exists():
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self.created_folder = True
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise SurefitError(Problem(f"cannot create {self.path}: {e.strerror or e}", "--output_dir",
+                                       "pass an --output_dir you can write to")) from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
-            os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
+                # A file system without locks (some network mounts): run, but say that nothing guards the folder.
+                os.close(fd)
+                self.say(f"warning: cannot lock {self.path} ({e.strerror or e}): nothing stops a second run from "
+                         "writing into this folder at the same time")
+                return self
+            os.close(fd)
             holder = _read_lock(self.path)
             raise RunLocked(Problem(
                 f"{self.folder} is in use by another surefit run: {_describe_holder(holder)}; two runs in one folder "
