@@ -518,7 +518,7 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(Problem(f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config holds settings, "
                                   "not data", "--config", "pass the settings file (data goes in --data)"))
     try:
-        loader = _ConfigLoader(raw.decode("utf-8"))  # yaml.SafeLoader with caps: what safe_load does, bounded
+        loader = _ConfigLoader(raw.decode("utf-8"))  # yaml.SafeLoader with caps: safe_load's construction
         try:
             data = loader.get_single_data()
         finally:

@@ -26,31 +26,21 @@ imported when the command line allows it (:func:`code_settings`).
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import shlex
 import shutil
-import socket
-import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from surefit.config import TASK_CONFIGS, build_config, config_to_dict, load_yaml, save_config
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
-from surefit.training.checkpoint import (
-    WriteFailed,
-    is_write_failure,
-    latest_checkpoint,
-    verify,
-    write_failure,
-    write_manifest,
-)
+from surefit.training import integrity, untrusted
+from surefit.training.checkpoint import latest_checkpoint
+from surefit.training.checkpoint import verify as verify_checkpoint
 from surefit.training.distributed import barrier, is_main_process, world_size
+from surefit.training.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
 
 Say = Callable[[str], None]
 
@@ -66,7 +56,6 @@ DATA_FILES = "data_files.json"
 PREDICTIONS = "predictions"
 CHECKPOINTS = "checkpoints"
 FINAL = "final"
-LOCK = ".surefit.lock"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
@@ -79,133 +68,6 @@ RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_eve
                      "gpu_memory_gb", "grad_accum", "gradient_checkpointing",
                      # what to do about a non-finite loss only matters once one happens
                      "on_nonfinite"}
-
-
-# ------------------------------------------------------------------------------------------------------------ the lock
-
-
-class RunLocked(SurefitError):
-    title = "run folder in use"
-
-
-class RunLock:
-    """An exclusive lock on a run folder for the life of a run (``fcntl.flock`` on ``OUTPUT/.surefit.lock``).
-
-    The file holds the holder's pid, host, command and start time, so a refused run can name it. The kernel drops
-    a flock when its process dies, however it dies, so a lock whose file still names a holder but can be taken is
-    stale (its run was killed): it is taken over and the takeover is reported. On a clean exit the file is emptied.
-
-    Only the main process of a multi-process run locks; the others are the same run.
-    """
-
-    def __init__(self, folder: str | os.PathLike, say: Say = print) -> None:
-        self.folder, self.say = Path(folder), say
-        self.path = self.folder / LOCK
-        self._fd: int | None = None
-        self.created_folder = False
-        self.took_over: dict[str, Any] | None = None
-
-    def acquire(self) -> RunLock:
-        """Take the lock, or raise :class:`RunLocked` naming the process that holds it."""
-        import fcntl
-
-        if self.folder.exists() and not self.folder.is_dir():
-            return self  # --output_dir is a file: reported with the other configuration problems
-        if not self.folder.exists():
-            self.folder.mkdir(parents=True, exist_ok=True)
-            self.created_folder = True
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise
-            holder = _read_lock(self.path)
-            raise RunLocked(Problem(
-                f"{self.folder} is in use by another surefit run: {_describe_holder(holder)}; two runs in one folder "
-                "would interleave metrics.jsonl and mix their checkpoints and final/", "--output_dir",
-                "wait for that run to finish (or stop it), or pass another --output_dir; to continue it later use "
-                "--resume once it has stopped")) from None
-        stale = _read_lock(self.path)
-        if stale:
-            self.took_over = stale
-            self.say(f"took over the lock of {self.folder} from a run that is no longer running "
-                     f"({_describe_holder(stale)}); it was interrupted or killed")
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                  "command": " ".join(shlex.quote(a) for a in sys.argv)}
-        self._fd = fd
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(record).encode(), 0)
-            os.fsync(fd)
-        except OSError:
-            pass  # a full disk: the lock holds all the same (a refused run then cannot name this one)
-        return self
-
-    def release(self) -> None:
-        """Empty the lock file (a clean exit leaves no stale holder) and drop the lock."""
-        if self._fd is None:
-            return
-        import fcntl
-
-        try:
-            os.ftruncate(self._fd, 0)
-        except OSError:
-            pass  # a full disk cannot stop the unlock; the next run reports a harmless takeover
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-        os.close(self._fd)
-        self._fd = None
-        if self.created_folder and self.folder.is_dir() and [p.name for p in self.folder.iterdir()] == [LOCK]:
-            shutil.rmtree(self.folder, ignore_errors=True)  # a run refused before writing anything leaves no folder
-
-    def __enter__(self) -> RunLock:
-        return self.acquire()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.release()
-
-
-@contextmanager
-def lock_run(cfg: Any, say: Say = print) -> Iterator[RunLock | None]:
-    """Hold the lock on ``--output_dir`` for the block. With several processes the main one takes it and every
-    process learns whether it did, so that a refused run stops on all of them rather than leaving some waiting."""
-    lock = RunLock(cfg.output_dir, say) if is_main_process() else None
-    refused: list[dict[str, str]] | None = None
-    if lock is not None:
-        try:
-            lock.acquire()
-        except RunLocked as e:
-            refused = [vars(p) for p in e.problems]
-            if world_size() <= 1:
-                raise
-    if world_size() > 1:
-        from surefit.training.distributed import share_from_main
-
-        refused = share_from_main(refused)
-        if refused:
-            raise RunLocked([Problem(**p) for p in refused])
-    try:
-        yield lock
-    finally:
-        if lock is not None:
-            lock.release()
-
-
-def _read_lock(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-        value = json.loads(text) if text else {}
-    except (OSError, ValueError):
-        return {"unreadable": True}
-    return value if isinstance(value, dict) else {"unreadable": True}
-
-
-def _describe_holder(holder: dict[str, Any]) -> str:
-    if not holder or holder.get("unreadable"):
-        return f"a process whose lock file holds no readable details ({LOCK})"
-    return (f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}: "
-            f"{holder.get('command')}")
 
 
 # ------------------------------------------------------------------------------------------------------------ training
@@ -250,7 +112,7 @@ def resume_point(cfg: Any, problems: list[Problem], say: Say = print) -> Path | 
                                     "--resume", "check --output_dir, or start a new run without --resume"))
         return folder
     folder = Path(cfg.resume)
-    reason = verify(folder) if folder.is_dir() else "no such folder"
+    reason = verify_checkpoint(folder) if folder.is_dir() else "no such folder"
     if reason:
         problems.append(Problem(f"cannot resume from {folder}: {reason}", "--resume",
                                 "use --resume alone to pick the newest usable checkpoint"))
@@ -281,7 +143,7 @@ def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejec
     out.mkdir(parents=True, exist_ok=True)
     # Atomic: a full disk here leaves no config.yaml rather than an empty or cut one.
     atomic_write(out / CONFIG, lambda tmp: save_config(cfg, tmp), "the run's settings")
-    hashes = data_hashes(cfg)
+    hashes = untrusted.data_hashes(cfg)
     if hashes:
         text = json.dumps(hashes, indent=2)
         atomic_write(out / DATA_FILES, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the data files' hashes")
@@ -303,12 +165,12 @@ def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> N
             os.close(fd)
         os.replace(tmp, path)
     except Exception as e:
+        size = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
-        if not is_write_failure(e):
+        if not integrity.is_write_failure(e):
             raise
-        size = len(str(what)) + (tmp.stat().st_size if tmp.exists() else 0)
-        raise WriteFailed(write_failure(e, f"{path}" + (f" ({what})" if what else ""), path.parent,
-                                        max(size, 1 << 12))) from e
+        named = f"{path}" + (f" ({what})" if what else "")
+        raise integrity.WriteFailed(integrity.write_failure(e, named, path.parent, max(size, 1 << 12))) from e
 
 
 def resume_command(cfg: Any) -> str:
@@ -323,27 +185,21 @@ def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             save_model(tmp)
-            write_final_manifest(tmp)
+            integrity.write_manifest(tmp)  # eval, predict and export verify it: corrupt weights are refused
         except Exception as e:
             written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
             shutil.rmtree(tmp, ignore_errors=True)  # never a partial final/
-            if not is_write_failure(e):
+            if not integrity.is_write_failure(e):
                 raise
             last = latest_checkpoint(out / CHECKPOINTS, say=lambda *_: None)
             kept = (f"; the trained model is in the checkpoint {last} (write final/ again with: surefit train "
                     f"--config {out / CONFIG} --resume)" if last else "")
-            raise WriteFailed(write_failure(e, f"the final model {final}", out, _final_bytes(last, written),
-                                            kept)) from e
+            needed = _final_bytes(last, written)
+            raise integrity.WriteFailed(integrity.write_failure(e, f"the final model {final}", out, needed, kept)) from e
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
     barrier()
     return final
-
-
-def write_final_manifest(folder: Path) -> None:
-    """``final/manifest.json``: size and sha256 of every file of the saved model; ``eval``, ``predict`` and ``export``
-    verify it before loading, so corrupt or changed weights are refused rather than scored."""
-    write_manifest(folder)
 
 
 def _final_bytes(checkpoint: Path | None, written: int) -> int | None:
@@ -503,22 +359,7 @@ class Run:
 
     def changed_data(self) -> dict[str, tuple[str, str]]:
         """The run's data files whose contents differ from what training read (``data_files.json``)."""
-        path = self.folder / DATA_FILES
-        if not path.is_file():
-            return {}
-        saved = _read_json(path, "the data files' hashes")
-        changed = {}
-        for key, before in saved.items():
-            value = getattr(self.cfg, key, None)
-            if not isinstance(before, dict) or not value:
-                continue
-            now = _hash_source(str(value))
-            if now is None:
-                continue
-            if now["sha256"] != before.get("sha256"):
-                changed[key] = (str(value), f"changed ({before.get('bytes')} -> {now['bytes']} bytes, sha256 "
-                                            f"{str(before.get('sha256'))[:12]} -> {now['sha256'][:12]})")
-        return changed
+        return untrusted.changed_data(self.folder / DATA_FILES, self.cfg)
 
     def validation_described(self) -> str:
         changed = self.changed_data()
@@ -560,7 +401,7 @@ def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code
         raise ConfigError(Problem(f"unknown task {task!r} in {config_path}", f"{config_path} 'task'",
                                   f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     cfg = build_config(cls, values, None, yaml_name=str(config_path))
-    raise_if(code_problems(cfg, config_path, allow_code, trust_remote_code), ConfigError)
+    raise_if(untrusted.code_problems(cfg, config_path, allow_code, trust_remote_code), ConfigError)
     final = folder / FINAL
     if not final.is_dir():
         if (folder / CHECKPOINTS).is_dir() and any((folder / CHECKPOINTS).iterdir()):
@@ -570,152 +411,10 @@ def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code
             fix = "train the run to the end: final/ is written after the last epoch"
         raise SurefitError(Problem(f"{folder} has no final/ folder: the run did not finish (interrupted, failed, or "
                                    "still training)", "--run", fix))
-    _verify_final(final, say)
-    report = _read_json(folder / DATA_REPORT, "what happened to the data", _DATA_REPORT_KEYS)
-    plan = _read_json(folder / MEMORY_PLAN, "the memory plan", _PLAN_KEYS)
-    return Run(folder, cfg, final, report, _last_epoch(folder / METRICS), plan, say)
-
-
-def code_problems(cfg: Any, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
-    """The settings of a run's config.yaml that would import or run code, unless this command line allows it."""
-    found: list[tuple[str, Any, str, bool]] = []
-    if cfg.trust_remote_code:
-        found.append(("trust_remote_code", True, "lets the model folder run its own Python code when loading",
-                      trust_remote_code or allow_code))
-    if getattr(cfg, "head", None):
-        found.append(("head", cfg.head, "imports the head factory's Python module", allow_code))
-    if cfg.task == "custom" and cfg.model:
-        found.append(("model", cfg.model, "imports the model factory's Python module", allow_code))
-    for key in ("data", "val_data"):
-        value = getattr(cfg, key, None)
-        if cfg.task == "custom" and value and ":" in str(value) and not Path(str(value)).exists():
-            found.append((key, value, "imports the dataset factory's Python module", allow_code))
-    problems = []
-    for key, value, what, allowed in found:
-        if allowed:
-            continue
-        flag = "--trust_remote_code (or --allow_code)" if key == "trust_remote_code" else "--allow_code"
-        problems.append(Problem(
-            f"the run's config sets {key}: {value!r}, which {what}; a run folder is data, and the code it names only "
-            "runs when the command line allows it", f"{config_path} '{key}'",
-            f"if you trust this run folder and that code, add {flag} to this command"))
-    return problems
-
-
-def _verify_final(final: Path, say: Say) -> None:
-    """``final/manifest.json`` must match ``final/``: corrupt or changed weights are refused, not scored."""
-    from surefit.training.checkpoint import MANIFEST
-
-    if not (final / MANIFEST).is_file():
-        say(f"warning: {final} has no {MANIFEST} (written before surefit kept one, or removed): its files cannot be "
-            "checked for corruption")
-        return
-    reason = verify(final, base=())
-    if reason:
-        raise SurefitError(Problem(f"{final} does not match its manifest: {reason}", str(final / MANIFEST),
-                                   "the saved model was changed or damaged after training; train the run again, or "
-                                   "finish it from a checkpoint (surefit train --config RUN/config.yaml --resume)"))
-
-
-# What the readers of a run take from its JSON files, and the types they need (None: may be null).
-_DATA_REPORT_KEYS: dict[str, tuple[type, ...]] = {"problem_type": (str, type(None)), "label2id": (dict, type(None)),
-                                                  "fields": (dict, type(None)), "encoding": (dict, type(None))}
-_PLAN_KEYS: dict[str, tuple[type, ...]] = {"eval_batch_size": (int, type(None)), "precision": (str, type(None)),
-                                           "frozen_dtype": (str, type(None))}
-
-
-def _read_json(path: Path, what: str, keys: dict[str, tuple[type, ...]] | None = None) -> dict[str, Any]:
-    """A JSON object of the run folder (``{}`` when absent); what is not what the readers expect is named."""
-    if not path.is_file():
-        return {}
-    fix = (f"{path.name} was changed or cut after training; restore it, or delete it (surefit then uses the run's "
-           "config.yaml) and check the results")
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise SurefitError(Problem(f"{path} ({what}) is not valid JSON: {e}", str(path), fix)) from e
-    if not isinstance(value, dict):
-        raise SurefitError(Problem(f"{path} ({what}) holds a {type(value).__name__}, not a JSON object", str(path),
-                                   fix))
-    problems = []
-    for key, types in (keys or {}).items():
-        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
-            problems.append(Problem(f"'{key}' is {value[key]!r} ({type(value[key]).__name__}); expected "
-                                    f"{' or '.join(t.__name__ for t in types if t is not type(None))}",
-                                    f"{path} '{key}'", fix))
-    if "eval_batch_size" in (keys or {}) and isinstance(value.get("eval_batch_size"), int) \
-            and value["eval_batch_size"] < 1:
-        problems.append(Problem(f"'eval_batch_size' is {value['eval_batch_size']}; expected 1 or more",
-                                f"{path} 'eval_batch_size'", fix))
-    label2id = value.get("label2id") if keys is _DATA_REPORT_KEYS else None
-    if isinstance(label2id, dict) and not all(isinstance(v, int) and not isinstance(v, bool)
-                                              for v in label2id.values()):
-        problems.append(Problem("'label2id' maps labels to something other than class numbers",
-                                f"{path} 'label2id'", fix))
-    raise_if(problems)
-    return value
-
-
-def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
-    """sha256 and size of the run's data files (``--data``, ``--val_data``; a folder: all its files), so that
-    ``eval`` can warn when the data it re-derives the validation split from has changed since training."""
-    out = {}
-    for key in ("data", "val_data"):
-        value = getattr(cfg, key, None)
-        if value:
-            found = _hash_source(str(value))
-            if found is not None:
-                out[key] = {"path": str(value), **found}
-    return out
-
-
-def _hash_source(value: str) -> dict[str, Any] | None:
-    import hashlib
-
-    path = Path(value)
-    if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file())
-    else:
-        return None  # a dataset factory (module:make) or a hub name: nothing on disk to hash
-    h, size = hashlib.sha256(), 0
-    try:
-        for p in files:
-            if path.is_dir():
-                h.update(str(p.relative_to(path)).encode() + b"\0")
-            with p.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-                    size += len(chunk)
-    except OSError:
-        return None
-    return {"sha256": h.hexdigest(), "bytes": size}
-
-
-def _last_epoch(path: Path) -> dict[str, Any] | None:
-    """The last epoch record of ``metrics.jsonl``; a record whose figures are not numbers is named, not used."""
-    if not path.is_file():
-        return None
-    last = None
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                continue  # the last line cut by a crash; the run's metrics are read for comparison only
-            raise SurefitError(Problem(f"line {number} is not valid JSON: {line[:80]!r}", f"{path} line {number}",
-                                       "metrics.jsonl was changed after training; restore it or remove that line")) from None
-        if isinstance(record, dict) and record.get("type") == "epoch":
-            wrong = {k: v for k, v in record.items() if k != "type" and isinstance(v, str)}
-            if wrong:
-                key, value = next(iter(wrong.items()))
-                raise SurefitError(Problem(f"'{key}' is {value!r}, not a number (an epoch record holds numbers)",
-                                           f"{path} line {number}",
-                                           "metrics.jsonl was changed after training; restore it or fix that line"))
-            last = record
-    return last
+    untrusted.verify_final(final, say)
+    report = untrusted.read_json(folder / DATA_REPORT, "what happened to the data", untrusted.DATA_REPORT_KEYS)
+    plan = untrusted.read_json(folder / MEMORY_PLAN, "the memory plan", untrusted.PLAN_KEYS)
+    return Run(folder, cfg, final, report, untrusted.last_epoch(folder / METRICS), plan, say)
 
 
 def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:

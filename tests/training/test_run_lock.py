@@ -82,3 +82,23 @@ def test_the_lock_of_a_killed_run_is_taken_over_and_reported(args, tmp_path, cap
     assert f"resumed from {out / 'checkpoints' / 'step-0000003'}" in said
     assert (out / "final" / "adapter_model.safetensors").is_file()
     assert (out / ".surefit.lock").read_text() == ""  # released on a clean exit
+
+
+def test_an_output_dir_that_cannot_be_created_is_named_not_a_traceback(tmp_path, capsys):
+    import stat
+
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    readonly.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        out = readonly / "run"
+        if os.access(readonly, os.W_OK):  # root writes anywhere; /sys refuses even root a new folder
+            if not Path("/sys").is_dir():
+                pytest.skip("no folder here refuses root a new folder")
+            out = Path("/sys/surefit-test-run")
+        assert main(["train", "--data", str(tmp_path / "none.jsonl"), "--output_dir", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"--output_dir: cannot create {out / '.surefit.lock'}: " in err
+        assert "Traceback" not in err
+    finally:
+        readonly.chmod(stat.S_IRWXU)

@@ -91,6 +91,13 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
     train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
                                             key, "text")
     report["notes"] += notes
+    if not cfg.val_data:
+        # label2id comes from the training rows, as with a validation file: built from --data before the split, it
+        # would hold a class the split put wholly in validation, which the model never sees (it is an error instead).
+        spec = build_label_spec([(f"{cfg.data} (training split)", train_rows), (f"{cfg.data} (validation split)", val)],
+                                fields.label, cfg.problem_type, problems)
+        raise_input_problems(problems)
+        assert spec is not None
     report["notes"].append(spec.how)
     report["notes"].append(spec.summary())
     report.update(train_rows=len(train_rows), val_rows=len(val), problem_type=spec.problem_type,

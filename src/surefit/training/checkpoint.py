@@ -24,12 +24,9 @@ none; a crash mid-write leaves a ``.tmp`` folder that the next save removes.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import json
 import os
 import random
-import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -39,8 +36,9 @@ import numpy as np
 import torch
 
 from surefit.errors import Problem, SurefitError
+from surefit.training import integrity
+from surefit.training.integrity import MANIFEST
 
-MANIFEST = "manifest.json"
 STATE = "trainer_state.json"
 WEIGHTS = "trainable.safetensors"
 RNG = "rng.pt"
@@ -50,75 +48,6 @@ ALWAYS_REQUIRED = (WEIGHTS, RNG, STATE)
 
 class CheckpointError(SurefitError):
     title = "checkpoint error"
-
-
-class WriteFailed(SurefitError):
-    """A file of the run could not be written (disk full, quota, file-size limit, permissions)."""
-
-    title = "write failed"
-
-
-# What the libraries really raise when a write fails: OSError from Python's own writes, SafetensorError from
-# safetensors ("I/O error: No space left on device (os error 28)"), and RuntimeError from torch.save's zip writer
-# ("PytorchStreamWriter failed writing file ..." or "[enforce fail at inline_container.cc] . unexpected pos ...").
-_TORCH_WRITE_FAILURES = ("PytorchStreamWriter", "inline_container", "file write failed", "unexpected pos")
-_CAUSES = {
-    errno.ENOSPC: "the disk is full",
-    errno.EDQUOT: "the disk quota is used up",
-    errno.EFBIG: "a file is larger than the file-size limit (ulimit -f)",
-    errno.EROFS: "the file system is read-only",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "permission denied",
-}
-
-
-def is_write_failure(e: BaseException) -> bool:
-    """Whether ``e`` is how torch, safetensors or Python report a failed write (see ``_TORCH_WRITE_FAILURES``)."""
-    if isinstance(e, OSError):
-        return True
-    if type(e).__name__ == "SafetensorError":
-        return True
-    return isinstance(e, RuntimeError) and any(m in str(e) for m in _TORCH_WRITE_FAILURES)
-
-
-def _errno_of(e: BaseException) -> int | None:
-    if isinstance(e, OSError) and e.errno:
-        return e.errno
-    found = re.search(r"os error (\d+)|\[Errno (\d+)\]", str(e))
-    return int(found.group(1) or found.group(2)) if found else None
-
-
-def write_failure(e: BaseException, what: str, where: Path, needed: int | None = None,
-                  after: str = "") -> Problem:
-    """A Problem for a failed write: the cause in words (from the error, or the free space when the library does not
-    say), the space it needed and the space left, what was kept, and the fix."""
-    from surefit.units import human_bytes
-
-    try:
-        free = shutil.disk_usage(next(p for p in [Path(where), *Path(where).parents] if p.exists())).free
-    except (OSError, StopIteration):
-        free = None
-    code = _errno_of(e)
-    cause = _CAUSES.get(code) if code is not None else None
-    if cause is None and free is not None and needed is not None and free < needed:
-        cause = "the disk is full"
-    if cause is None:  # torch's zip writer does not say why; a file-size limit is the other usual reason
-        import resource
-
-        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-        if limit != resource.RLIM_INFINITY and (needed is None or limit < needed):
-            cause = _CAUSES[errno.EFBIG]
-    cause = cause or "the write failed"
-    detail = str(e).strip() or type(e).__name__
-    space = ""
-    if needed is not None:
-        space = f"; it needs about {human_bytes(needed)}"
-    if free is not None:
-        space += f", {human_bytes(free)} is free there"
-    return Problem(f"could not write {what}: {cause} ({type(e).__name__}: {detail[:200]}){space}{after}",
-                   str(where),
-                   "free disk space (or raise the quota or file-size limit, or fix the folder's permissions), or pass "
-                   "another --output_dir; then resume with --resume where a checkpoint was kept")
 
 
 # ------------------------------------------------------------------------------------------------------------ RNG
@@ -184,22 +113,6 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
 # ------------------------------------------------------------------------------------------------------------ save
 
 
-def write_manifest(folder: Path, required: list[str] | None = None) -> None:
-    """``folder/manifest.json``: every file under ``folder`` with its size and sha256 (``required``: all of them)."""
-    files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
-    manifest = {"format": 2, "required": sorted(entries) if required is None else required, "files": entries}
-    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -251,13 +164,8 @@ def save_checkpoint(
         if export is not None:
             export(tmp / "model")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        required = [*ALWAYS_REQUIRED] + [name for obj, name in ((optimizer, "optimizer.pt"),
-                                                                (scheduler, "scheduler.pt"), (scaler, "scaler.pt"))
-                                         if obj is not None]
-        manifest = {"format": 2, "required": required,
-                    "files": {str(p.relative_to(tmp)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
-                              for p in files}}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+        integrity.write_manifest(tmp, [*ALWAYS_REQUIRED] + [name for obj, name in ((optimizer, "optimizer.pt"),
+                                                  (scheduler, "scheduler.pt"), (scaler, "scaler.pt")) if obj is not None])
         for p in files + [tmp / MANIFEST]:
             _fsync(p)
         if before_commit is not None:
@@ -268,11 +176,11 @@ def save_checkpoint(
         _fsync(folder.parent)  # the rename itself must reach the disk
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
-        if not is_write_failure(e):
+        if not integrity.is_write_failure(e):
             raise
         previous = latest_checkpoint(folder.parent, say=lambda *_: None)
         keep = f"; the previous checkpoint {previous} is intact" if previous else "; no earlier checkpoint exists"
-        raise CheckpointError(write_failure(e, f"checkpoint {folder}", folder.parent,
+        raise CheckpointError(integrity.write_failure(e, f"checkpoint {folder}", folder.parent,
                                             checkpoint_bytes(model, optimizer, export is not None), keep)) from e
     return folder
 
@@ -291,84 +199,10 @@ def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: 
 # ------------------------------------------------------------------------------------------------------------ load
 
 
-def read_manifest(folder: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """``(manifest, None)``, or ``(None, what is wrong with manifest.json)``. Reads both the current form
-    (``format`` 2: ``required`` + ``files``) and the first one (a flat ``{name: {bytes, sha256}}``)."""
-    manifest_path = folder / MANIFEST
-    if not manifest_path.is_file():
-        return None, "no manifest.json (the write did not finish)"
-    try:
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return None, "manifest.json is not valid JSON"
-    if not isinstance(manifest, dict):
-        return None, f"manifest.json holds a {type(manifest).__name__}, not a mapping of files"
-    if "files" in manifest or "format" in manifest:
-        files, required = manifest.get("files"), manifest.get("required", [])
-    else:  # the first form: the files alone; the files every checkpoint needs are required
-        files, required = manifest, list(ALWAYS_REQUIRED)
-    if not isinstance(files, dict):
-        return None, "manifest.json 'files' is not a mapping of file names to sizes and checksums"
-    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
-        return None, "manifest.json 'required' is not a list of file names"
-    for name, meta in files.items():
-        if (not isinstance(meta, dict) or not isinstance(meta.get("bytes"), int) or isinstance(meta.get("bytes"), bool)
-                or not isinstance(meta.get("sha256"), str)):
-            return None, f"manifest.json entry {name!r} is not {{'bytes': int, 'sha256': str}} (got {meta!r})"
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            return None, f"manifest.json names a file outside the folder: {name!r}"
-    return {"files": files, "required": sorted(set(required))}, None
-
-
-# (folder, stat signature) -> verify's verdict: retention re-verifies every checkpoint at each save, and hashing
-# gigabytes each time would cost more than the save; a file changed since (size or mtime) is hashed again.
-_VERIFIED: dict[str, tuple[Any, str | None]] = {}
-
-
-def _signature(folder: Path) -> Any:
-    try:
-        return tuple(sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
-                            for p in folder.rglob("*") if p.is_file()))
-    except OSError:
-        return None
-
-
-def verify(folder: Path, required: tuple[str, ...] = (), base: tuple[str, ...] = ALWAYS_REQUIRED) -> str | None:
-    """``None`` if the checkpoint is complete and unmodified, else what is wrong with it.
-
-    Complete: every file the manifest requires, ``required`` and ``base`` (what every checkpoint holds) is listed
-    and present, and every listed file has its recorded size and sha256. ``base=()`` verifies any folder with a
-    manifest (``final/``).
-    """
-    folder = Path(folder)
-    needed = tuple(sorted(set(required) | set(base)))
-    key = f"{folder}|{','.join(needed)}"
-    signature = _signature(folder)
-    cached = _VERIFIED.get(key)
-    if signature is not None and cached is not None and cached[0] == signature:
-        return cached[1]
-    manifest, problem = read_manifest(folder)
-    reason = problem if manifest is None else _check_files(folder, manifest, needed)
-    if signature is not None:
-        _VERIFIED[key] = (signature, reason)
-    return reason
-
-
-def _check_files(folder: Path, manifest: dict[str, Any], needed: tuple[str, ...]) -> str | None:
-    files = manifest["files"]
-    for name in sorted(set(manifest["required"]) | set(needed)):
-        if name not in files:
-            present = "present but " if (folder / name).exists() else ""
-            return f"{name} is {present}missing from the manifest (a checkpoint requires it)"
-    for name, meta in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != meta["bytes"]:
-            return f"{name} has {path.stat().st_size} bytes, the manifest says {meta['bytes']}"
-        if _sha256(path) != meta["sha256"]:
-            return f"{name} does not match its checksum (corrupted)"
-    return None
+def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
+    """``None`` if the checkpoint is complete (every file it requires, ``required`` and the weights, RNG and state
+    every checkpoint holds) and unmodified, else what is wrong with it."""
+    return integrity.verify(folder, required, ALWAYS_REQUIRED)
 
 
 def _global_step(folder: Path) -> int:

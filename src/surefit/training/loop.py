@@ -331,70 +331,13 @@ class _Fit:
 
     def nonfinite_problem(self, step_indices: list[int], loss_sum: float, grad_norm: float | None,
                           weights_only: bool = False) -> Problem:
-        """What went non-finite at this step, the rows of the step whose own loss is not finite, the likely causes,
-        and the last good checkpoint (nothing non-finite is applied or saved).
+        """See :func:`~surefit.training.nonfinite.nonfinite_problem`."""
+        from surefit.training.nonfinite import nonfinite_problem
 
-        ``weights_only``: the step's update itself made the weights non-finite (found before saving a checkpoint).
-        """
-        from surefit.training.checkpoint import latest_checkpoint
-
-        p, s = self.progress, self.settings
-        largest = max((float(q.detach().abs().max()) for q in self.params if q.numel()), default=0.0)
-        step = p.global_step + (0 if weights_only else 1)
-        where = (f"step {step} (epoch {p.epoch})" if weights_only else
-                 f"step {step} (epoch {p.epoch}, step {p.step_in_epoch + 1} of {self.steps_per_epoch})")
-        lr_cause = (f"the learning rate is far too high (--lr {s.lr:g}); lower it (e.g. 10x) and keep --max_grad_norm "
-                    f"on (now {s.max_grad_norm:g})")
-        if weights_only:
-            what = f"the update of step {step} made the weights non-finite"
-            causes, rows = [lr_cause], ""
-            fix = "train again with a lower --lr (a resumed run keeps the run's --lr)"
-        else:
-            items = max(sum(self.counts[i] for i in step_indices), 1)
-            what = (f"the loss is {loss_sum / items:.4g}"
-                    + (f", the gradient norm is {grad_norm:.4g}" if grad_norm is not None else ""))
-            bad = self._nonfinite_examples(self.accelerator.unwrap_model(self.model), step_indices)
-            if not math.isfinite(largest):
-                causes = [f"the weights were already non-finite before this step: {lr_cause}"]
-            elif bad and len(bad) == len(step_indices) and largest > 1e4:
-                causes = [f"every row of the step gives a non-finite loss alone and the weights reach {largest:.3g}: "
-                          f"earlier updates were far too large: {lr_cause}"]
-            elif bad:
-                causes = ["these rows give a non-finite loss on their own: values that overflow in the model (extreme "
-                          "inputs, labels out of range for the loss, a division by zero or log of a non-positive "
-                          "value in a custom forward)"]
-            else:
-                causes = [f"each row's loss is finite alone: the gradient overflowed; lower --lr (now {s.lr:g}) or "
-                          f"set --max_grad_norm (now {s.max_grad_norm:g})"]
-            shown = bad or step_indices
-            rows = ", ".join(self.describe(i) for i in shown[:8]) + (f" and {len(shown) - 8} more"
-                                                                      if len(shown) > 8 else "")
-            rows = f"; {'rows with a non-finite loss' if bad else 'the step held rows'}: {rows}"
-            fix = ("fix the cause above, then train again or resume; or pass --on_nonfinite skip_step to skip such "
-                   "steps (each skip is counted and reported)")
-        if str(getattr(self.accelerator, "mixed_precision", "no")) == "fp16":
-            causes.append("fp16 overflows above 65504: train with --precision bf16 or fp32")
-        last = latest_checkpoint(self.checkpointing.folder, say=lambda *_: None) if self.main else None
-        kept = (f"the last good checkpoint {last} is kept (resume with: {self.checkpointing.resume_command})"
-                if last else "no checkpoint had been written yet")
-        applied = "nothing was saved" if weights_only else "this step was not applied"
-        return Problem(f"{what}{rows}. Likely cause: {'; '.join(causes)}. {applied.capitalize()}; {kept}", where, fix)
+        return nonfinite_problem(self, step_indices, loss_sum, grad_norm, weights_only)
 
     def describe(self, index: int) -> str:
         return self.where(index) if self.where is not None else f"training example #{index}"
-
-    def _nonfinite_examples(self, model: Any, step_indices: list[int]) -> list[int]:
-        """The step's examples whose loss alone is not finite (forward only; the random generators are put back)."""
-        device = torch.device(self.accelerator.device)
-        bad = []
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []), torch.no_grad():
-            for i in step_indices:
-                batch = _to_device(self.collate([self.features[i]]), device)
-                with self.accelerator.autocast():
-                    loss, _ = self.loss_fn(model, batch)
-                if not bool(torch.isfinite(loss).all()):
-                    bad.append(i)
-        return bad
 
     def log_step(self, step: StepResult) -> None:
         """Every ``log_every`` steps, a ``step`` record of the loss since the previous one."""
