@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -43,9 +44,10 @@ def _config(config: Any, settings: dict[str, Any]) -> Any:
         cls = TASK_CONFIGS.get(task)
         if cls is None:
             raise ConfigError(Problem(f"unknown task {task!r}", "task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
-        return build_config(cls, None, values, yaml_name="arguments")
+        return build_config(cls, None, values, yaml_name="arguments", names="keywords")
     if settings:
-        return build_config(type(config), None, {**config.__dict__, **settings}, yaml_name="arguments")
+        current = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return build_config(type(config), None, {**current, **settings}, yaml_name="arguments", names="keywords")
     return config
 
 

@@ -109,6 +109,7 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
 
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
+    say_alias_notes(cfg, say)
     set_seed(cfg.seed)
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
     early: list[Problem] = []
@@ -155,9 +156,16 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
 
 
+def say_alias_notes(cfg: Any, say: Say) -> None:
+    """Print once which other tools' setting names were read as which surefit settings (``config.ALIASES``)."""
+    for note in dict.fromkeys(getattr(cfg, "alias_notes", None) or []):
+        say(note)
+
+
 def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
     """The doctor's report on the setup ``prepare`` builds, exactly as training would use it; nothing is written."""
     quiet_libraries()
+    say_alias_notes(cfg, say)
     p = prepare(cfg, say)
     report = p.check()
     say(str(report))
