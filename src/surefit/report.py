@@ -24,6 +24,7 @@ import yaml
 from surefit.units import human_bytes
 
 CURVES = "curves.png"
+SCHEDULE = "schedule.json"  # written by tasks/common.train: the learning-rate schedule, drawn in the curves
 REPORT = "report.html"
 # Task metrics drawn per epoch, in this order, when the records hold them: sft (eval_f1, eval_em), classification
 # single-label (accuracy, macro-F1), multi-label (micro/macro-F1, subset accuracy), regression (Pearson). The
@@ -100,7 +101,8 @@ def write_curves(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     steps, epochs = read_metrics(run_dir)
     metrics = task_metrics(epochs)
-    panels = 3 if metrics else 2
+    schedule = _read_json(run_dir / SCHEDULE)
+    panels = (3 if metrics else 2) + (1 if isinstance(schedule, dict) else 0)
     fig = Figure(figsize=(5.2 * panels, 4.0), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, panels, squeeze=False)[0]
@@ -141,6 +143,8 @@ def write_curves(run_dir: str | Path) -> Path:
             ax.set_ylim(min(0.0, min(values)) - 0.03, 1.03)
         ax.set(title="evaluation metrics", xlabel="epoch", ylabel="score")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if isinstance(schedule, dict):
+        _draw_schedule(axes[-1], schedule, steps)
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -152,6 +156,24 @@ def write_curves(run_dir: str | Path) -> Path:
     fig.savefig(tmp, format="png")
     os.replace(tmp, target)
     return target
+
+
+def _draw_schedule(ax: Any, schedule: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+    """The planned learning rate of every optimizer step (schedule.json) and the rates the logged steps ran at."""
+    from surefit.training.schedule import Schedule
+
+    try:
+        plan = Schedule(**schedule)
+        # As metrics.jsonl's "lr": the rate set after step n, which step n + 1 runs at.
+        xs = list(range(0, plan.total_steps + 1))
+        ax.plot(xs, [plan.lr_at(x) for x in xs], color="#2ca02c", linewidth=1.4,
+                label=f"{plan.kind}, warmup {plan.warmup_steps}")
+    except (TypeError, ValueError):
+        ax.text(0.5, 0.5, "schedule.json unreadable", ha="center", va="center", transform=ax.transAxes)
+    logged = [(r["step"], r["lr"]) for r in steps if _num(r.get("lr")) is not None]
+    if logged:
+        ax.plot(*zip(*logged, strict=True), ".", color="#d62728", label="logged steps")
+    ax.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
 
 
 # ------------------------------------------------------------------------------------------------------ the page

@@ -130,6 +130,9 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
                     collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
                     out=out, **plan_args)
+    settings = LoopSettings.from_config(cfg, plan)
+    # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
+    write_json(out, "schedule.json", settings.schedule(len(p.features)).to_dict())
     log = open_metrics_log(cfg, out, acc)
 
     def evaluate(model: Any, epoch: int) -> dict[str, Any]:
@@ -145,7 +148,7 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
     try:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
-                      settings=LoopSettings.from_config(cfg, plan), accelerator=acc, evaluate=evaluate,
+                      settings=settings, accelerator=acc, evaluate=evaluate,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
                       epoch_batches=p.epoch_batches)
     finally:

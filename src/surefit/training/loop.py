@@ -31,6 +31,7 @@ from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
+from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -51,13 +52,33 @@ class LoopSettings:
     # "bf16": activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights; see
     # training/speedups/lora_fast.SavedActivationsIn). None: as autograd saves them.
     saved_activations: str | None = None
+    # Training control (training/schedule.py): stop after max_steps (overrides epochs), the scheduler's shape,
+    # warmup as steps (>= 1) or a ratio (replaces warmup_ratio), the decay's floor; evaluate every N steps too.
+    max_steps: int | None = None
+    lr_scheduler: str = "cosine"
+    warmup: float | None = None
+    min_lr: float = 0.0
+    eval_every: int = 0
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
         """A task config's settings, with the micro-batch and activation storage the memory plan chose."""
         return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
-                   seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations)
+                   seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations,
+                   **control_settings(cfg))
+
+    def schedule(self, n_examples: int) -> Schedule:
+        """The learning-rate schedule and run length for ``n_examples`` training examples."""
+        return plan_schedule(n_examples=n_examples, batch_size=self.batch_size, epochs=self.epochs, lr=self.lr,
+                             kind=self.lr_scheduler, warmup=self.warmup, warmup_ratio=self.warmup_ratio,
+                             min_lr=self.min_lr, max_steps=self.max_steps)
+
+
+def control_settings(cfg: Any) -> dict[str, Any]:
+    """The training-control settings of a task config, as :class:`LoopSettings` keywords."""
+    return {"max_steps": cfg.max_steps, "lr_scheduler": cfg.lr_scheduler, "warmup": cfg.warmup, "min_lr": cfg.min_lr,
+            "eval_every": cfg.eval_every}
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -204,8 +225,6 @@ class _Fit:
                  loss_fn: LossFn, collate: Callable[[list[Any]], dict[str, torch.Tensor]], settings: LoopSettings,
                  accelerator: Any, evaluate: Callable[[Any, int], dict[str, Any]], checkpointing: Checkpointing,
                  log: Any, say: Callable[[str], None], counters: Any) -> None:
-        from transformers import get_cosine_schedule_with_warmup
-
         self.features, self.lengths, self.counts = features, lengths, counts
         self.loss_fn, self.collate, self.settings = loss_fn, collate, settings
         self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
@@ -213,9 +232,10 @@ class _Fit:
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_adamw(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.steps_per_epoch = math.ceil(len(features) / settings.batch_size)
-        total_steps = self.steps_per_epoch * settings.epochs
-        self.scheduler = get_cosine_schedule_with_warmup(optimizer, int(settings.warmup_ratio * total_steps),
-                                                         total_steps)
+        # The schedule is built for the steps the run takes (--max_steps, else the epochs'); cosine with min_lr 0 is
+        # transformers' get_cosine_schedule_with_warmup, step for step.
+        self.schedule = settings.schedule(len(features))
+        self.scheduler = make_scheduler(optimizer, self.schedule)
         _refuse_sharded(accelerator)
         if world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
             unused = unused_parameters(model, features, collate, loss_fn, accelerator)
@@ -422,13 +442,16 @@ def fit(
                counters=counters)
     run.start()
     p = run.progress
+    if settings.max_steps is not None or settings.lr_scheduler != "cosine" or settings.min_lr:
+        say(run.schedule.describe())
+    epochs = run.schedule.epochs  # --max_steps may end the last one early, or run more than --epochs
     with _StopSignal(announce=run.main) as stop:
-        while p.epoch <= settings.epochs:
+        while p.epoch <= epochs:
             run.model.train()
             batches = (epoch_batches(p.epoch) if epoch_batches is not None
                        else step_batches(lengths, settings.batch_size, settings.seed, p.epoch))
             # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
-            bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{settings.epochs}",
+            bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{epochs}",
                        unit="step", dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0,
                        disable=not run.main)
             for step_indices in batches[p.step_in_epoch :]:
@@ -438,8 +461,8 @@ def fit(
                                 tok_s=f"{step.tokens / max(step.seconds, 1e-9):.0f}", refresh=False)
                 bar.update(1)
                 run.log_step(step)
-                if p.step_in_epoch == len(batches):
-                    break  # the epoch's end saves a checkpoint and handles a stop request
+                if p.step_in_epoch == len(batches) or p.global_step >= run.schedule.total_steps:
+                    break  # the epoch's end (or --max_steps) saves a checkpoint and handles a stop request
                 if step.stop:
                     bar.close()
                     folder = run.checkpoint(f"step-{p.global_step:07d}", export=False)
@@ -452,7 +475,9 @@ def fit(
             folder = run.end_epoch(on_epoch)
             # A signal may have come during the evaluation: agree again, so no process goes on alone.
             stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
-            if stop_now and epoch < settings.epochs:
+            if p.global_step >= run.schedule.total_steps:
+                break
+            if stop_now and epoch < epochs:
                 raise run.interrupted(stop, f"at the end of epoch {epoch}", folder)
     return run.history
 
