@@ -157,14 +157,6 @@ class TrainConfig:
         p += _report_to_problems(self.report_to)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
-        if self.val_data is None and self.val_fraction == 0:
-            p.append(
-                Problem(
-                    "no validation data: --val_fraction is 0 and --val_data is not given",
-                    "--val_fraction",
-                    "pass --val_data FILE or a --val_fraction above 0 (evaluation runs every epoch)",
-                )
-            )
         p += training_control_problems(self)
         return p
 
@@ -403,6 +395,12 @@ def training_control_problems(cfg: Any) -> list[Problem]:
     if cfg.keep_best is not None:
         best, found = parse_metric_goal(cfg.keep_best, "--keep_best", with_patience=False)
         p += found
+    if cfg.val_data is None and cfg.val_fraction == 0:
+        # Training without validation data is allowed; what needs an evaluation is not.
+        for name in ("eval_every", "early_stopping", "keep_best"):
+            if getattr(cfg, name):
+                p.append(Problem(f"--{name} needs an evaluation, and there is no validation data (--val_fraction 0, "
+                                 "no --val_data)", f"--{name}", "pass --val_data FILE or a --val_fraction above 0"))
     if stop is not None and best is not None and stop.metric != best.metric:
         p.append(Problem(f"--early_stopping watches {stop.metric} and --keep_best {best.metric}", "--keep_best",
                          "use the same metric for both, or drop --keep_best (--early_stopping keeps its best)"))

@@ -59,6 +59,22 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[s
     return steps, epochs
 
 
+def read_evaluations(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``eval`` records of ``metrics.jsonl``: evaluations inside an epoch (``--eval_every``), at their step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out: list[dict[str, Any]] = []
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("type") == "eval" and _num(rec.get("epoch_progress")) is not None:
+            out.append(rec)
+    return out
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -124,8 +140,11 @@ def write_curves(run_dir: str | Path) -> Path:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     ax = axes[1]
+    evals = read_evaluations(run_dir)
     for key, label, style in (("train_loss", "train", "o-"), ("eval_loss", "evaluation", "s-")):
         pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
+        if key == "eval_loss":  # --eval_every: the evaluations between epoch ends, at their fraction of an epoch
+            pts = sorted(pts + [(r["epoch_progress"], r[key]) for r in evals if _num(r.get(key)) is not None])
         if pts:
             ax.plot(*zip(*pts, strict=True), style, label=label)
     if not epochs:
@@ -137,6 +156,7 @@ def write_curves(run_dir: str | Path) -> Path:
         ax = axes[2]
         for key in metrics:
             pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
+            pts = sorted(pts + [(r["epoch_progress"], r[key]) for r in evals if _num(r.get(key)) is not None])
             ax.plot(*zip(*pts, strict=True), "o-", label=key.removeprefix("eval_"))
         values = [r[k] for r in epochs for k in metrics if _num(r.get(k)) is not None and not math.isnan(r[k])]
         if values and -1.0 <= min(values) and max(values) <= 1.0:  # scores: show them on their whole scale
@@ -317,6 +337,24 @@ def _metrics_section(epochs: list[dict[str, Any]], steps: list[dict[str, Any]]) 
     return out
 
 
+def _evaluations_section(run_dir: Path, epochs: list[dict[str, Any]]) -> str:
+    """Evaluations between epoch ends (``--eval_every``) and which evaluation final/ holds (``--keep_best``)."""
+    evals = read_evaluations(run_dir)
+    out = ""
+    if evals:
+        first = ["epoch_progress", "step", "eval_loss", *task_metrics(epochs or evals)]
+        scalar = [k for r in evals for k, v in r.items() if _num(v) is not None and k not in ("time", "epoch")]
+        cols = [c for c in first if c in scalar] + [c for c in dict.fromkeys(scalar) if c not in first]
+        out += "<h3>evaluations between epoch ends (--eval_every)</h3>"
+        out += _table(cols, [[r.get(c) for c in cols] for r in evals], "metrics")
+    chosen = [r for r in [*epochs, *evals] if r.get("best_checkpoint")]
+    if chosen:
+        best = max(chosen, key=lambda r: r.get("step") or 0)
+        out += _note(f"final/ holds the best evaluation by {best.get('best_metric')}: {_fmt(best.get('best_value'))} "
+                     f"at step {best.get('best_step')} (checkpoints/{best.get('best_checkpoint')})")
+    return out
+
+
 def _predictions_section(run_dir: Path) -> str:
     files = []
     for p in (run_dir / "predictions").glob("epoch_*.jsonl"):
@@ -393,7 +431,7 @@ def render_report(run_dir: str | Path) -> str:
     parts.append(_section("config", "Configuration", body))
     parts.append(_section("memory-plan", "Memory plan", _plan_section(run_dir, config)))
     parts.append(_section("doctor", "Doctor findings", _doctor_section(run_dir)))
-    parts.append(_section("metrics", "Metrics", _metrics_section(epochs, steps)))
+    parts.append(_section("metrics", "Metrics", _metrics_section(epochs, steps) + _evaluations_section(run_dir, epochs)))
     png = run_dir / CURVES
     if png.is_file():
         data = base64.b64encode(png.read_bytes()).decode("ascii")

@@ -11,6 +11,7 @@ Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,11 +136,18 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     write_json(out, "schedule.json", settings.schedule(len(p.features)).to_dict())
     log = open_metrics_log(cfg, out, acc)
 
-    def evaluate(model: Any, epoch: int) -> dict[str, Any]:
+    def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
+        # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
         result = p.evaluate(model, epoch, plan.eval_batch_size)
         if result.records is not None:
-            write_jsonl(predictions_path(out, epoch), result.records)
+            path = predictions_path(out, int(epoch))
+            write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), result.records)
         return result.metrics
+
+    evaluates = has_validation(cfg)
+    if not evaluates:
+        say("no validation data (--val_fraction 0 and no --val_data): training without evaluation; metrics.jsonl "
+            "holds the training figures and final/ the last state")
 
     def export(model: Any, folder: Path) -> None:
         p.save(acc.unwrap_model(model), folder)
@@ -148,15 +156,36 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
     try:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
-                      settings=settings, accelerator=acc, evaluate=evaluate,
+                      settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
                       epoch_batches=p.epoch_batches)
     finally:
         log.close()
-    final = save_final(out, lambda d: export(p.model, d))
+    best = best_evaluation(history)
+    if best is None:
+        final = save_final(out, lambda d: export(p.model, d))
+    else:
+        # --keep_best / --early_stopping: final/ is the best evaluation's model, as its checkpoint exported it.
+        source = out / "checkpoints" / best["best_checkpoint"] / "model"
+        final = save_final(out, lambda d: shutil.copytree(source, d))
+        say(f"final/ is the best evaluation: {best['best_metric']} {best['best_value']:.4f} at step "
+            f"{best['best_step']} (checkpoints/{best['best_checkpoint']})")
     say(f"saved {p.saved} to {final}")
     write_run_report(out, acc, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
+
+
+def has_validation(cfg: Any) -> bool:
+    """Whether the run has validation data to evaluate on (``--val_data``, or a ``--val_fraction`` above 0)."""
+    return cfg.val_data is not None or cfg.val_fraction > 0
+
+
+def best_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last evaluation record's best-so-far (``best_*`` keys, written with a best-model goal), or ``None``."""
+    for record in reversed(history):
+        if record.get("best_checkpoint"):
+            return record
+    return None
 
 
 def say_alias_notes(cfg: Any, say: Say) -> None:

@@ -139,7 +139,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     raise_if([Problem(f"no {r.split} rows left after encoding: all {r.rows} targets are longer than "
                       "--max_seq_length allows", "--max_seq_length",
                       f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the targets")
-              for r in (train_rep, val_rep) if r.encoded == 0], DataError)
+              for r in (train_rep, val_rep) if r.encoded == 0 and r.rows > 0], DataError)
     data_report["encoding"] = {
         r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"} | {"excluded": len(r.excluded)}
         for r in (train_rep, val_rep)
@@ -198,7 +198,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         cfg=cfg, model=model, accelerator=accelerator, features=features,
         lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex], collate=collate,
         loss_fn=train_loss, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: check(model, tokenizer, features, [e.features() for e in val_ex], collate, args=doctor_args,
+        check=lambda: check(model, tokenizer, features, [e.features() for e in val_ex] or None, collate, args=doctor_args,
                             task="sft"),
         data_report=data_report, jsonl={EXCLUDED: excluded},
         plan={"eval_lengths": [len(e.input_ids) for e in val_ex],

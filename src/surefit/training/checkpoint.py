@@ -245,11 +245,14 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = No
     return state
 
 
-def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print) -> None:
-    """Remove all but the newest ``keep`` checkpoints (0 keeps all)."""
+def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print, protect: set[str] | None = None) -> None:
+    """Remove all but the newest ``keep`` checkpoints (0 keeps all), never those named in ``protect`` (the best
+    evaluation's, with ``--keep_best``)."""
     if keep <= 0 or not checkpoints.is_dir():
         return
     done = sorted((p for p in checkpoints.iterdir() if p.is_dir() and not p.name.endswith(".tmp")), key=_global_step)
     for p in done[:-keep]:
+        if p.name in (protect or set()):
+            continue
         shutil.rmtree(p)
         say(f"removed {p} (--keep_checkpoints {keep})")

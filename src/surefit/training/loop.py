@@ -59,6 +59,9 @@ class LoopSettings:
     warmup: float | None = None
     min_lr: float = 0.0
     eval_every: int = 0
+    # Best-model selection and early stopping: "METRIC" and "METRIC:PATIENCE" (config.parse_metric_goal).
+    keep_best: str | None = None
+    early_stopping: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
@@ -78,7 +81,80 @@ class LoopSettings:
 def control_settings(cfg: Any) -> dict[str, Any]:
     """The training-control settings of a task config, as :class:`LoopSettings` keywords."""
     return {"max_steps": cfg.max_steps, "lr_scheduler": cfg.lr_scheduler, "warmup": cfg.warmup, "min_lr": cfg.min_lr,
-            "eval_every": cfg.eval_every}
+            "eval_every": cfg.eval_every, "keep_best": cfg.keep_best, "early_stopping": cfg.early_stopping}
+
+
+class Selection:
+    """The best evaluation so far by one metric, and how many evaluations in a row have not beaten it (the
+    early-stopping count). Checkpoints carry its state, so a resumed run continues the count.
+
+    The evaluation before training (epoch 0) only checks that the metric exists: no checkpoint holds that state.
+    """
+
+    def __init__(self, keep_best: str | None, early_stopping: str | None) -> None:
+        from surefit.config import parse_metric_goal
+
+        self.goal = None
+        if early_stopping:
+            self.goal = parse_metric_goal(early_stopping, "--early_stopping", with_patience=True)[0]
+        elif keep_best:
+            self.goal = parse_metric_goal(keep_best, "--keep_best", with_patience=False)[0]
+        self.best: dict[str, Any] | None = None
+        self.bad = 0
+
+    @property
+    def patience(self) -> int:
+        return self.goal.patience if self.goal is not None else 0
+
+    def describe(self) -> str:
+        """What final/ will hold, said once before training."""
+        if self.goal is None:
+            return ("final/: the last state (training runs every epoch; --keep_best METRIC or --early_stopping "
+                    "METRIC:PATIENCE select the best evaluation instead)")
+        better = "lower" if self.goal.mode == "min" else "higher"
+        text = f"final/: the best evaluation by {self.goal.metric} ({better} is better), its checkpoint kept"
+        if self.patience:
+            text += f"; training stops after {self.patience} evaluations in a row without improvement"
+        return text
+
+    def value(self, record: dict[str, Any]) -> float:
+        """The goal's metric in an evaluation record; a metric the task does not report is a configuration error."""
+        from surefit.errors import ConfigError
+
+        assert self.goal is not None
+        value = record.get(self.goal.metric)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            found = sorted(k for k, v in record.items() if k.startswith("eval_") and isinstance(v, int | float)
+                           and k != "eval_seconds")
+            flag = "--early_stopping" if self.patience else "--keep_best"
+            raise ConfigError(Problem(f"the evaluation reports no number named {self.goal.metric!r}", flag,
+                                      f"use one of: {', '.join(found) or 'none (no evaluation metric)'}"))
+        return float(value)
+
+    def judge(self, record: dict[str, Any], checkpoint: str) -> None:
+        """Count an evaluation (saved as ``checkpoint``) and write the best so far into its record."""
+        assert self.goal is not None
+        value = self.value(record)
+        best = self.best
+        if best is None or (value < best["value"] if self.goal.mode == "min" else value > best["value"]):
+            self.best = {"metric": self.goal.metric, "value": value, "step": record.get("step", 0),
+                         "epoch": record.get("epoch"), "checkpoint": checkpoint}
+            self.bad = 0
+        else:
+            self.bad += 1
+        record.update(best_metric=self.goal.metric, best_value=self.best["value"], best_step=self.best["step"],
+                      best_checkpoint=self.best["checkpoint"])
+
+    @property
+    def should_stop(self) -> bool:
+        return bool(self.patience) and self.bad >= self.patience
+
+    def state(self) -> dict[str, Any]:
+        return {"best": self.best, "bad": self.bad}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        state = state or {}
+        self.best, self.bad = state.get("best"), int(state.get("bad", 0))
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -258,32 +334,67 @@ class _Fit:
         self.progress = Progress()
         self.guard = OOMGuard()
         self.history: list[dict[str, Any]] = []
+        self.selection = Selection(settings.keep_best, settings.early_stopping)
+        self.stopped_early = False
 
     # -- evaluation and resume
 
-    def evaluate(self, epoch: int) -> dict[str, Any]:
+    def evaluate(self, epoch: int | float, **step: int) -> dict[str, Any]:
         """The task's evaluation, on the main process only (the DDP wrapper's forward is a collective: called on one
-        process it would wait for the others forever); the others receive its result."""
+        process it would wait for the others forever); the others receive its result. ``step=N`` (evaluations
+        between epoch ends) is passed on to the task's hook. A run without an evaluation hook returns ``{}``."""
+        if self.evaluate_fn is None:
+            return {}
         t0 = time.perf_counter()
         if self.world == 1:
-            metrics = self.evaluate_fn(self.model, epoch)
+            metrics = self.evaluate_fn(self.model, epoch, **step)
         else:
             unwrapped = self.accelerator.unwrap_model(self.model)
-            metrics = share_from_main(self.evaluate_fn(unwrapped, epoch) if self.main else None)
+            metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
         return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
+
+    def evaluate_mid_epoch(self) -> Path | None:
+        """``--eval_every``: an ``eval`` record at this step, with the epoch-end metrics. The RNG states are put back
+        afterwards, so the evaluation changes nothing the training draws (dropout masks, shuffles): a run resumes
+        exactly whatever was evaluated. With a best-model goal, a checkpoint carrying the model follows."""
+        from surefit.training.checkpoint import capture_rng, restore_rng
+
+        p = self.progress
+        rng = capture_rng()
+        try:
+            record = {"type": "eval", "epoch": p.epoch, "step": p.global_step,
+                      "epoch_progress": round((p.epoch - 1) + p.step_in_epoch / max(self.steps_per_epoch, 1), 4)}
+            record.update(self.evaluate(record["epoch_progress"], step=p.global_step))
+        finally:
+            restore_rng(rng)
+            self.model.train()
+        name = f"step-{p.global_step:07d}"
+        if self.selection.goal is not None:
+            self.selection.judge(record, name)
+        self.record(record)
+        if self.selection.goal is None:
+            return None
+        return self.checkpoint(name, export=True)
 
     def start(self) -> None:
         """Resume from the checkpoint named, or evaluate the model before the first step (epoch 0)."""
         from surefit.training.checkpoint import load_checkpoint
 
         folder = self.checkpointing.resume_from
+        self.say(self.selection.describe())
         if folder is None:
-            self.record({"type": "epoch", "epoch": 0, **self.evaluate(0)})
+            if self.evaluate_fn is None:
+                return  # no validation data: no evaluation before training (said once by the task runner)
+            record = {"type": "epoch", "epoch": 0, **self.evaluate(0)}
+            if self.selection.goal is not None:
+                self.selection.value(record)  # a metric the task does not report is refused before step 1
+            self.record(record)
             return
         state = load_checkpoint(folder, model=self.accelerator.unwrap_model(self.model), optimizer=self.optimizer,
                                 scheduler=self.scheduler, scaler=getattr(self.accelerator, "scaler", None))
         self.history, self.progress = state["history"], Progress(**state["position"])
         self.guard.load(state.get("oom", {}))
+        self.selection.load(state.get("selection"))  # the best so far and the early-stopping count go on
         if self.counters is not None:  # saved summed over processes: the main process carries them on
             self.counters.load((state.get("counters") or {}) if self.main else {})
         if self.main:
@@ -342,8 +453,10 @@ class _Fit:
         record.update(self.evaluate(p.epoch))
         if on_epoch is not None:
             on_epoch(record)
-        self.record(record)
         name = f"epoch-{p.epoch}"
+        if self.selection.goal is not None:
+            self.selection.judge(record, name)
+        self.record(record)
         p.next_epoch()
         return self.checkpoint(name, export=True)
 
@@ -368,6 +481,7 @@ class _Fit:
             # saving), so the micro-step of the position is always 0.
             state={"global_step": self.progress.global_step, "position": asdict(self.progress), "micro_step": 0,
                    "history": self.history, "oom": self.guard.state(), "counters": counts,
+                   "selection": self.selection.state(),
                    "metrics_bytes": self.log.bytes_written(),
                    "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
                             "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
@@ -375,7 +489,9 @@ class _Fit:
             export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
-        prune(ck.folder, ck.keep, self.say)
+        best = self.selection.best
+        # The best evaluation's checkpoint becomes final/: --keep_checkpoints never removes it.
+        prune(ck.folder, ck.keep, self.say, protect={best["checkpoint"]} if best else set())
         barrier()
         return folder
 
@@ -463,22 +579,38 @@ def fit(
                 run.log_step(step)
                 if p.step_in_epoch == len(batches) or p.global_step >= run.schedule.total_steps:
                     break  # the epoch's end (or --max_steps) saves a checkpoint and handles a stop request
+                saved = None
+                if settings.eval_every and p.global_step % settings.eval_every == 0 and evaluate is not None:
+                    saved = run.evaluate_mid_epoch()
+                    if run.selection.should_stop:
+                        run.stopped_early = True
+                        break
                 if step.stop:
                     bar.close()
                     folder = run.checkpoint(f"step-{p.global_step:07d}", export=False)
                     raise run.interrupted(stop, f"after epoch {p.epoch}, step {p.step_in_epoch} of {len(batches)}",
                                           folder)
-                if checkpointing.save_every and p.global_step % checkpointing.save_every == 0:
+                if checkpointing.save_every and p.global_step % checkpointing.save_every == 0 and saved is None:
                     run.checkpoint(f"step-{p.global_step:07d}", export=False)
             bar.close()
+            if run.stopped_early:
+                break
             epoch = p.epoch
             folder = run.end_epoch(on_epoch)
+            if run.selection.should_stop:
+                run.stopped_early = True
+                break
             # A signal may have come during the evaluation: agree again, so no process goes on alone.
             stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
             if p.global_step >= run.schedule.total_steps:
                 break
             if stop_now and epoch < epochs:
                 raise run.interrupted(stop, f"at the end of epoch {epoch}", folder)
+    if run.stopped_early:
+        best = run.selection.best or {}
+        say(f"early stopping at step {p.global_step}: {best.get('metric')} has not improved for "
+            f"{run.selection.bad} evaluations in a row (best {best.get('value', float('nan')):.4f} at step "
+            f"{best.get('step')})")
     return run.history
 
 
