@@ -116,6 +116,10 @@ class TrainConfig:
         None, "METRIC (e.g. eval_f1): keep the checkpoint of the best evaluation whatever --keep_checkpoints says, "
         "and save that model as final/ (default: final/ is the last state). --early_stopping implies it."
     )
+    log_samples: int = opt(
+        0, "At each evaluation, log the first N validation rows' prompt, reference and prediction "
+        "(predictions/samples/, TensorBoard text, the HTML report); sft and classify."
+    )
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
@@ -382,6 +386,10 @@ def training_control_problems(cfg: Any) -> list[Problem]:
     p: list[Problem] = []
     _at_least(p, cfg, "max_steps", 1)
     _at_least(p, cfg, "eval_every", 0)
+    _at_least(p, cfg, "log_samples", 0)
+    if cfg.log_samples and cfg.task == "custom":
+        p.append(Problem("--log_samples needs predictions, and custom models make none (their evaluation is the loss)",
+                         "--log_samples", "drop --log_samples"))
     if cfg.warmup is not None:
         if cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer()):
             p.append(Problem(f"must be a whole number of steps (>= 1) or a ratio in [0, 1) (got {cfg.warmup})",

@@ -355,6 +355,30 @@ def _evaluations_section(run_dir: Path, epochs: list[dict[str, Any]]) -> str:
     return out
 
 
+def _samples_section(run_dir: Path) -> str:
+    """``--log_samples``: each logged validation row's prediction at every evaluation, so progress reads as text."""
+    by_sample: dict[Any, list[dict[str, Any]]] = {}
+    for path in (run_dir / "predictions" / "samples").glob("step_*.jsonl"):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                by_sample.setdefault(rec.get("sample"), []).append(rec)
+    if not by_sample:
+        return ""
+    out = "<h3>logged samples at each evaluation (--log_samples)</h3>"
+    for key in sorted(by_sample, key=str):
+        recs = sorted(by_sample[key], key=lambda r: (_num(r.get("step")) or 0, _num(r.get("epoch")) or 0))
+        first = recs[0]
+        out += (f"<p><b>sample {_e(key)}</b> ({_e(first.get('where'))}): prompt <code>{_e(_clip(str(first.get('prompt'))))}"
+                f"</code>; reference <code>{_e(_clip(str(first.get('reference'))))}</code></p>")
+        out += _table(["step", "epoch", "prediction"],
+                      [[r.get("step"), r.get("epoch"), _clip(str(r.get("prediction")))] for r in recs], "predictions")
+    return out
+
+
 def _predictions_section(run_dir: Path) -> str:
     files = []
     for p in (run_dir / "predictions").glob("epoch_*.jsonl"):
@@ -440,7 +464,7 @@ def render_report(run_dir: str | Path) -> str:
     else:
         body = _note("no curves.png (run `surefit report --run` on this folder to draw it)")
     parts.append(_section("curves", "Curves", body))
-    parts.append(_section("predictions", "Sample predictions", _predictions_section(run_dir)))
+    parts.append(_section("predictions", "Sample predictions", _samples_section(run_dir) + _predictions_section(run_dir)))
     parts.append("</body></html>\n")
     return "\n".join(parts)
 

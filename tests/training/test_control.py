@@ -194,3 +194,38 @@ def test_classify_keeps_the_best_macro_f1_and_trains_without_validation(tiny_ber
                           batch_size=8, output_dir=str(tmp_path / "noval"))
     assert [r["epoch"] for r in plain.history] == [1] and "eval_accuracy" not in plain.history[0]
     assert (tmp_path / "noval" / "final").is_dir()
+
+
+def test_log_samples_writes_the_same_rows_at_every_evaluation_to_files_tensorboard_and_report(tiny_lm_dir, lm_data,
+                                                                                             tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, data = lm_data
+    out = tmp_path / "r"
+    # 32 training rows / batch 8 = 4 steps an epoch: evaluations at steps 0 (before training), 2, 4 (epoch end).
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1", "--batch_size", "8",
+                 "--lora_r", "4", "--val_fraction", "0.2", "--max_seq_length", "128", "--eval_every", "2",
+                 "--log_samples", "2", "--report_to", "tensorboard", "--output_dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    folder = out / "predictions" / "samples"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_0.jsonl", "step_2.jsonl", "step_4.jsonl"]
+    logged = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in folder.iterdir()}
+    val = [json.loads(x) for x in (out / "predictions" / "epoch_1.jsonl").read_text().splitlines()]
+    for name, rows in logged.items():
+        assert [r["sample"] for r in rows] == [0, 1]
+        assert [r["prompt"] for r in rows] == [v["input"] for v in val[:2]]  # the same rows every time
+        assert [r["reference"] for r in rows] == [v["gold"] for v in val[:2]]
+    assert [r["prediction"] for r in logged["step_4.jsonl"]] == [v["prediction"] for v in val[:2]]
+    assert said.count("  sample 0 at step ") == 3
+    acc = EventAccumulator(str(out / "tensorboard" / "surefit"))
+    acc.Reload()
+    tags = acc.Tags()["tensors"]
+    assert {"samples/0/text_summary", "samples/1/text_summary"} <= set(tags), tags
+    assert [e.step for e in acc.Tensors("samples/0/text_summary")] == [0, 2, 4]
+    html = (out / "report.html").read_text()
+    assert "logged samples at each evaluation (--log_samples)" in html and val[0]["input"][:20] in html
+
+
+def test_log_samples_is_refused_for_custom_models():
+    with pytest.raises(ConfigError, match="--log_samples needs predictions"):
+        parse_train_config(["--task", "custom", "--model", "m.py:build", "--data", "d", "--log_samples", "2"])

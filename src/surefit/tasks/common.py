@@ -35,6 +35,7 @@ from surefit.run_folder import (
     write_rejected,
     write_run_report,
 )
+from surefit.training.distributed import is_main_process as on_main_process
 from surefit.training.distributed import on_main
 from surefit.training.loop import Checkpointing, LoopSettings, LossFn, fit
 from surefit.training.plan import plan_run
@@ -133,7 +134,8 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
                     out=out, **plan_args)
     settings = LoopSettings.from_config(cfg, plan)
     # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
-    write_json(out, "schedule.json", settings.schedule(len(p.features)).to_dict())
+    schedule = settings.schedule(len(p.features))
+    write_json(out, "schedule.json", schedule.to_dict())
     log = open_metrics_log(cfg, out, acc)
 
     def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
@@ -142,6 +144,9 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
         if result.records is not None:
             path = predictions_path(out, int(epoch))
             write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), result.records)
+            if cfg.log_samples:
+                at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
+                log_samples(out, log, result.records[: cfg.log_samples], epoch, at, say)
         return result.metrics
 
     evaluates = has_validation(cfg)
@@ -173,6 +178,25 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     say(f"saved {p.saved} to {final}")
     write_run_report(out, acc, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
+
+
+SAMPLES = "samples"  # under predictions/: one file per evaluation of the --log_samples rows
+
+
+def log_samples(out: Path, log: Any, records: list[dict[str, Any]], epoch: int | float, step: int, say: Say) -> None:
+    """``--log_samples``: the same first validation rows at every evaluation, as prompt / reference / prediction, to
+    ``predictions/samples/step_N.jsonl`` (one file per evaluation, so a resumed run rewrites rather than repeats),
+    the trackers' text (TensorBoard) and the printout."""
+    samples = [{"step": step, "epoch": epoch, "sample": i, "where": r.get("where"),
+                "prompt": r.get("input", r.get("text")), "reference": r.get("gold"), "prediction": r.get("prediction")}
+               for i, r in enumerate(records)]
+    write_jsonl(predictions_path(out, 0).parent / SAMPLES / f"step_{step}.jsonl", samples)
+    if on_main_process() and getattr(log, "trackers", None) is not None:
+        log.trackers.log_text({f"samples/{s['sample']}": f"**prompt**: {s['prompt']}\n\n**reference**: "
+                               f"{s['reference']}\n\n**prediction**: {s['prediction']}" for s in samples}, step)
+    for s in samples:
+        say(f"  sample {s['sample']} at step {step}: {str(s['prompt'])[:60]!r} -> {str(s['prediction'])[:80]!r} "
+            f"(reference {str(s['reference'])[:60]!r})")
 
 
 def has_validation(cfg: Any) -> bool:
