@@ -704,8 +704,11 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     given_in = "arguments" if names == "keywords" else "command line"
     layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}), (given_in, overrides or {}))
     notes: list[str] = []
-    for source_name, source in layers:
+    given_later: set[str] = set()
+    for index, (source_name, source) in enumerate(layers):
         source = _resolve_aliases(source, known, source_name, problems, notes)
+        if index > 0:  # the YAML file and the flags: what the user gave, over the preset
+            given_later |= {str(k).replace("-", "_") for k in source}
         for key, raw in source.items():
             key = key.replace("-", "_")
             if key not in known:
@@ -726,6 +729,8 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     if problems:
         raise ConfigError(problems)
     cfg.alias_notes = notes  # not a field: printed once by the run (tasks/common.py), never saved
+    # Not a field either: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).
+    cfg.preset_only = {str(k).replace("-", "_") for k in preset_values} - given_later
     return cfg
 
 

@@ -229,3 +229,39 @@ def test_log_samples_writes_the_same_rows_at_every_evaluation_to_files_tensorboa
 def test_log_samples_is_refused_for_custom_models():
     with pytest.raises(ConfigError, match="--log_samples needs predictions"):
         parse_train_config(["--task", "custom", "--model", "m.py:build", "--data", "d", "--log_samples", "2"])
+
+
+def test_a_gpu_preset_without_a_gpu_says_so_and_leaves_checkpointing_off_unless_asked(monkeypatch):
+    from surefit.config import ClassifyConfig, build_config
+    from surefit.tasks.common import gpu_preset_without_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    said = []
+    cfg = gpu_preset_without_gpu(build_config(ClassifyConfig, None, {"data": "d", "preset": "gtx1650-4gb"}), said.append)
+    assert cfg.gradient_checkpointing is False and (cfg.batch_size, cfg.grad_accum, cfg.gpu_memory_gb) == (16, 4, "3.8")
+    assert said == ["preset gtx1650-4gb plans for a GPU with 3.8 GB, and this machine has no CUDA GPU: the memory plan "
+                    "is for that GPU's budget, and training runs on the CPU; the preset's gradient checkpointing is "
+                    "left off (on a CPU it only slows training; pass --gradient_checkpointing to keep it)"]
+    said.clear()
+    asked = build_config(ClassifyConfig, None, {"data": "d", "preset": "gtx1650-4gb", "gradient_checkpointing": True})
+    assert gpu_preset_without_gpu(asked, said.append).gradient_checkpointing is True
+    assert "gradient checkpointing" not in said[0] and "no CUDA GPU" in said[0]
+    plain = build_config(ClassifyConfig, None, {"data": "d", "preset": "cpu"})
+    said.clear()
+    assert gpu_preset_without_gpu(plain, said.append) is plain and said == []
+
+
+def test_a_small_validation_split_is_warned_about_with_its_size():
+    from surefit.config import SFTConfig, build_config
+    from surefit.tasks.common import warn_small_validation
+
+    said = []
+    cfg = build_config(SFTConfig, None, {"data": "d", "keep_best": "eval_f1"})
+    warn_small_validation({"val_rows": 12, "encoding": {"validation": {"encoded": 11}}}, cfg, said.append)
+    assert said == ["warning: the validation split has only 11 examples (fewer than 20): each metric moves in steps "
+                    "of 1/11 and --keep_best/--early_stopping would choose on noise; give more with --val_fraction or "
+                    "--val_data"]
+    said.clear()
+    warn_small_validation({"val_rows": 20}, cfg, said.append)
+    warn_small_validation({"val_rows": 0}, cfg, said.append)
+    assert said == []

@@ -112,6 +112,7 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     quiet_libraries()
     say_alias_notes(cfg, say)
+    cfg = gpu_preset_without_gpu(cfg, say)
     set_seed(cfg.seed)
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
     early: list[Problem] = []
@@ -120,6 +121,7 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
     out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
     write_json(out, "data_report.json", p.data_report)
+    warn_small_validation(p.data_report, cfg, say)
     for name, value in p.files.items():
         write_json(out, name, value)
     for name, records in p.jsonl.items():
@@ -199,6 +201,46 @@ def log_samples(out: Path, log: Any, records: list[dict[str, Any]], epoch: int |
             f"(reference {str(s['reference'])[:60]!r})")
 
 
+# Below this many validation examples, an evaluation's metrics move in coarse steps (1/N): say so.
+SMALL_VALIDATION = 20
+
+
+def warn_small_validation(data_report: dict[str, Any], cfg: Any, say: Say) -> None:
+    """A validation split of fewer than :data:`SMALL_VALIDATION` examples gets a warning that gives the number."""
+    encoded = (data_report.get("encoding") or {}).get("validation", {}).get("encoded")
+    n = encoded if isinstance(encoded, int) else data_report.get("val_rows")
+    if isinstance(n, int) and 0 < n < SMALL_VALIDATION:
+        selects = " and --keep_best/--early_stopping would choose on noise" if (cfg.keep_best or cfg.early_stopping) \
+            else ""
+        say(f"warning: the validation split has only {n} example{'s' if n != 1 else ''} (fewer than "
+            f"{SMALL_VALIDATION}): each metric moves in steps of 1/{n}{selects}; give more with --val_fraction or "
+            "--val_data")
+
+
+def gpu_preset_without_gpu(cfg: Any, say: Say) -> Any:
+    """A preset made for a GPU (it sets --gpu_memory_gb) on a machine without a CUDA GPU: say that the plan is for a
+    GPU this machine does not have, and leave off the preset's gradient checkpointing (on a CPU it only slows
+    training down) unless the user asked for it themselves."""
+    import dataclasses
+
+    import torch
+
+    preset_only = getattr(cfg, "preset_only", None) or set()
+    if not cfg.preset or "gpu_memory_gb" not in preset_only or torch.cuda.is_available():
+        return cfg
+    text = (f"preset {cfg.preset} plans for a GPU with {cfg.gpu_memory_gb} GB, and this machine has no CUDA GPU: "
+            "the memory plan is for that GPU's budget, and training runs on the CPU")
+    if cfg.gradient_checkpointing and "gradient_checkpointing" in preset_only:
+        text += ("; the preset's gradient checkpointing is left off (on a CPU it only slows training; pass "
+                 "--gradient_checkpointing to keep it)")
+        notes = {k: getattr(cfg, k) for k in ("alias_notes", "preset_only") if hasattr(cfg, k)}
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=False)
+        for k, v in notes.items():
+            setattr(cfg, k, v)
+    say(text)
+    return cfg
+
+
 def has_validation(cfg: Any) -> bool:
     """Whether the run has validation data to evaluate on (``--val_data``, or a ``--val_fraction`` above 0)."""
     return cfg.val_data is not None or cfg.val_fraction > 0
@@ -222,6 +264,7 @@ def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
     """The doctor's report on the setup ``prepare`` builds, exactly as training would use it; nothing is written."""
     quiet_libraries()
     say_alias_notes(cfg, say)
+    cfg = gpu_preset_without_gpu(cfg, say)
     p = prepare(cfg, say)
     report = p.check()
     say(str(report))
