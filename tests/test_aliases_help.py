@@ -6,8 +6,9 @@ import pytest
 
 import surefit
 from surefit.cli import build_parser, main, parse_train_config
-from surefit.config import ALIASES, SFTConfig, build_config, load_yaml
+from surefit.config import SFTConfig, load_yaml
 from surefit.errors import ConfigError
+from surefit.names import ALIASES, build_with_aliases
 
 
 def test_trainer_names_are_read_as_surefit_settings_and_noted_once():
@@ -30,7 +31,7 @@ def test_aliases_work_in_yaml_and_as_api_keywords(tmp_path):
                                      "[q_proj, v_proj]\nmax_seq_len: 64\n")
     cfg = parse_train_config(["--config", str(tmp_path / "c.yaml")])
     assert (cfg.lr, cfg.epochs, cfg.lora_targets, cfg.max_seq_length) == (3e-4, 4, "q_proj,v_proj", 64)
-    cfg = build_config(SFTConfig, None, {"data": "d", "learning_rate": 1e-3, "save_total_limit": 2}, names="keywords")
+    cfg = build_with_aliases(SFTConfig, None, {"data": "d", "learning_rate": 1e-3, "save_total_limit": 2}, keywords=True)
     assert (cfg.lr, cfg.keep_checkpoints) == (1e-3, 2)
     assert cfg.alias_notes[0] == "learning_rate is surefit's lr: read as lr=0.001"
     assert all(v in {f.name for f in __import__("dataclasses").fields(SFTConfig)} for v in ALIASES.values())

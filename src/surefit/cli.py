@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from surefit.config import TASK_CONFIGS, build_config, field_kind, load_yaml
+from surefit.config import TASK_CONFIGS, field_kind, load_yaml
 from surefit.errors import SurefitError
 
 
@@ -196,7 +196,9 @@ def parse_train_config(argv: list[str]) -> Any:
 
         raise ConfigError(Problem(f"unknown task {task!r}", "--task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     yaml_values = {k: v for k, v in yaml_values.items() if k != "task"}
-    return build_config(cls, yaml_values, {**given, **extra}, yaml_name=str(config_path))
+    from surefit.names import build_with_aliases
+
+    return build_with_aliases(cls, yaml_values, {**given, **extra}, yaml_name=str(config_path))
 
 
 def _unknown_flags(unknown: list[str]) -> dict[str, Any]:

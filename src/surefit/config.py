@@ -94,32 +94,23 @@ class TrainConfig:
     overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
     force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
     # -- training control (schedule length, scheduler, evaluation, best model)
-    max_steps: int | None = opt(
-        None, "Stop after N optimizer steps, overriding --epochs (the schedule is built for these N steps; the plan "
-        "prints how many epochs that is)."
-    )
+    max_steps: int | None = opt(None, "Stop after N optimizer steps, overriding --epochs (the schedule is built for "
+                                "these N steps; the plan prints how many epochs that is).")
     lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = opt(
         "cosine", "Learning-rate shape after warmup: cosine or linear decay to --min_lr, constant, or wsd "
-        "(warmup-stable-decay: constant, then a linear decay over the last 10 percent of the steps)."
-    )
-    warmup: float | None = opt(
-        None, "Warmup as optimizer steps (a whole number >= 1) or a ratio of the steps (below 1); replaces "
-        "--warmup_ratio when given."
-    )
+        "(warmup-stable-decay: constant, then a linear decay over the last 10 percent of the steps).")
+    warmup: float | None = opt(None, "Warmup as optimizer steps (a whole number >= 1) or a ratio of the steps "
+                               "(below 1); replaces --warmup_ratio when given.")
     min_lr: float = opt(0.0, "Learning rate the cosine, linear and wsd schedules end at (below --lr).")
     eval_every: int = opt(0, "Also evaluate every N optimizer steps, besides each epoch end (0: epoch ends only).")
     early_stopping: str | None = opt(
         None, "METRIC:PATIENCE, e.g. eval_loss:3 or eval_f1:2: stop when METRIC has not improved for PATIENCE "
-        "evaluations in a row (lower is better for losses, higher for f1, accuracy, exact match)."
-    )
+        "evaluations in a row (lower is better for losses, higher for f1, accuracy, exact match).")
     keep_best: str | None = opt(
         None, "METRIC (e.g. eval_f1): keep the checkpoint of the best evaluation whatever --keep_checkpoints says, "
-        "and save that model as final/ (default: final/ is the last state). --early_stopping implies it."
-    )
-    log_samples: int = opt(
-        0, "At each evaluation, log the first N validation rows' prompt, reference and prediction "
-        "(predictions/samples/, TensorBoard text, the HTML report); sft and classify."
-    )
+        "and save that model as final/ (default: final/ is the last state). --early_stopping implies it.")
+    log_samples: int = opt(0, "At each evaluation, log the first N validation rows' prompt, reference and "
+                           "prediction (predictions/samples/, TensorBoard text, the HTML report); sft and classify.")
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
@@ -330,191 +321,66 @@ TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "
 
 # ---------------------------------------------------------------------------------------------------- training control
 
-# Metric names whose lower values are better; any other known metric (f1, accuracy, exact match, ...) is higher-better.
-_LOWER_BETTER = ("loss", "mse", "mae", "rmse", "perplexity", "error")
-_HIGHER_BETTER = ("f1", "accuracy", "acc", "em", "exact_match", "precision", "recall", "rouge", "auc", "pearson",
-                  "spearman", "r2", "mcc", "bleu")
+# Words in a metric's name saying lower is better; for scores (f1, accuracy, exact match ...) higher is.
+_LOWER_BETTER = {"loss", "mse", "mae", "rmse", "perplexity", "error"}
+_HIGHER_BETTER = {"f1", "accuracy", "acc", "em", "exact", "precision", "recall", "rouge", "rougel", "auc", "pearson",
+                  "spearman", "r2", "mcc", "bleu"}
 
 
-def metric_direction(metric: str) -> Literal["min", "max"] | None:
-    """'min' for losses and errors, 'max' for scores (f1, accuracy, exact match ...), None when the name says neither."""
-    words = metric.lower().removeprefix("eval_").replace("-", "_").split("_")
-    if any(w in _LOWER_BETTER for w in words):
-        return "min"
-    if any(w in _HIGHER_BETTER for w in words) or any(w.startswith("rouge") for w in words):
-        return "max"
-    return None
-
-
-@dataclass(frozen=True)
-class MetricGoal:
-    """A metric to select or stop on: its name, which way is better, and (for early stopping) the patience."""
+class MetricGoal(typing.NamedTuple):
+    """A metric to select or stop on: its name, which way is better ('min' or 'max'), the patience (early stopping)."""
 
     metric: str
-    mode: Literal["min", "max"]
+    mode: str
     patience: int = 0
 
 
 def parse_metric_goal(value: str, flag: str, with_patience: bool) -> tuple[MetricGoal | None, list[Problem]]:
-    """``METRIC[:PATIENCE][:min|max]`` -> a goal, or the problems with the value (named as ``flag``)."""
+    """``METRIC[:PATIENCE][:min|max]`` -> a goal (the direction from the name unless given), or the problems."""
     parts = [t.strip() for t in str(value).split(":")]
+    mode = parts.pop() if parts[-1] in ("min", "max") else None
     example = "e.g. eval_loss:3 or eval_f1:2" if with_patience else "e.g. eval_loss or eval_f1"
-    mode: str | None = None
-    if parts and parts[-1] in ("min", "max"):
-        mode = parts.pop()
-    if not parts or not parts[0] or len(parts) != (2 if with_patience else 1):
-        shape = "METRIC:PATIENCE" if with_patience else "METRIC"
-        return None, [Problem(f"expected {shape} (got {value!r})", flag, example)]
+    if not parts or not parts[0] or len(parts) != 1 + with_patience:
+        return None, [Problem(f"expected {'METRIC:PATIENCE' if with_patience else 'METRIC'} (got {value!r})", flag,
+                              example)]
     metric = parts[0] if parts[0].startswith("eval_") else f"eval_{parts[0]}"
-    patience = 0
-    if with_patience:
-        try:
-            patience = int(parts[1])
-        except ValueError:
-            patience = -1
-        if patience < 1:
-            return None, [Problem(f"PATIENCE must be a whole number >= 1 (got {parts[1]!r} in {value!r})", flag, example)]
-    mode = mode or metric_direction(metric)
+    patience = int(parts[1]) if with_patience and parts[1].isdigit() else 0
+    if with_patience and patience < 1:
+        return None, [Problem(f"PATIENCE must be a whole number >= 1 (got {parts[1]!r} in {value!r})", flag, example)]
+    words = set(metric.lower().removeprefix("eval_").replace("-", "_").split("_"))
+    mode = mode or ("min" if words & _LOWER_BETTER else "max" if words & _HIGHER_BETTER else None)
     if mode is None:
         return None, [Problem(f"cannot tell whether higher or lower {metric} is better", flag,
                               f"add the direction: {value}:max or {value}:min")]
-    return MetricGoal(metric, mode, patience), []  # type: ignore[arg-type]
+    return MetricGoal(metric, mode, patience), []
 
 
 def training_control_problems(cfg: Any) -> list[Problem]:
     """Problems of the training-control settings (max_steps, scheduler, warmup, evaluation, best model)."""
     p: list[Problem] = []
     _at_least(p, cfg, "max_steps", 1)
-    _at_least(p, cfg, "eval_every", 0)
-    _at_least(p, cfg, "log_samples", 0)
+    for name in ("eval_every", "log_samples"):
+        _at_least(p, cfg, name, 0)
     if cfg.log_samples and cfg.task == "custom":
         p.append(Problem("--log_samples needs predictions, and custom models make none (their evaluation is the loss)",
                          "--log_samples", "drop --log_samples"))
-    if cfg.warmup is not None:
-        if cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer()):
-            p.append(Problem(f"must be a whole number of steps (>= 1) or a ratio in [0, 1) (got {cfg.warmup})",
-                             "--warmup", "e.g. --warmup 100 (steps) or --warmup 0.05 (of the steps)"))
+    if cfg.warmup is not None and (cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer())):
+        p.append(Problem(f"must be a whole number of steps (>= 1) or a ratio in [0, 1) (got {cfg.warmup})",
+                         "--warmup", "e.g. --warmup 100 (steps) or --warmup 0.05 (of the steps)"))
     if cfg.min_lr < 0 or (cfg.lr > 0 and cfg.min_lr >= cfg.lr):
         p.append(Problem(f"must be >= 0 and below --lr {cfg.lr} (got {cfg.min_lr})", "--min_lr", "e.g. --min_lr 0"))
-    stop = best = None
-    if cfg.early_stopping is not None:
-        stop, found = parse_metric_goal(cfg.early_stopping, "--early_stopping", with_patience=True)
-        p += found
-    if cfg.keep_best is not None:
-        best, found = parse_metric_goal(cfg.keep_best, "--keep_best", with_patience=False)
-        p += found
-    if cfg.val_data is None and cfg.val_fraction == 0:
-        # Training without validation data is allowed; what needs an evaluation is not.
-        for name in ("eval_every", "early_stopping", "keep_best"):
-            if getattr(cfg, name):
-                p.append(Problem(f"--{name} needs an evaluation, and there is no validation data (--val_fraction 0, "
-                                 "no --val_data)", f"--{name}", "pass --val_data FILE or a --val_fraction above 0"))
+    goals = {name: parse_metric_goal(getattr(cfg, name), f"--{name}", name == "early_stopping")
+             for name in ("early_stopping", "keep_best") if getattr(cfg, name) is not None}
+    p += [q for _, found in goals.values() for q in found]
+    if cfg.val_data is None and cfg.val_fraction == 0:  # training without validation data is allowed, these are not
+        p += [Problem(f"--{name} needs an evaluation, and there is no validation data (--val_fraction 0, no "
+                      "--val_data)", f"--{name}", "pass --val_data FILE or a --val_fraction above 0")
+              for name in ("eval_every", "early_stopping", "keep_best") if getattr(cfg, name)]
+    stop, best = (goals.get(name, (None,))[0] for name in ("early_stopping", "keep_best"))
     if stop is not None and best is not None and stop.metric != best.metric:
         p.append(Problem(f"--early_stopping watches {stop.metric} and --keep_best {best.metric}", "--keep_best",
                          "use the same metric for both, or drop --keep_best (--early_stopping keeps its best)"))
     return p
-
-
-# ---------------------------------------------------------------------------------------------------- other tools' names
-
-# Settings of the Hugging Face Trainer, TRL, Axolotl and LLaMA-Factory that mean what a surefit setting means:
-# accepted, and the surefit name printed once.
-ALIASES: dict[str, str] = {
-    "learning_rate": "lr",
-    "num_train_epochs": "epochs",
-    "num_epochs": "epochs",
-    "gradient_accumulation_steps": "grad_accum",
-    "model_name_or_path": "model",
-    "base_model": "model",
-    "warmup_steps": "warmup",
-    "lr_scheduler_type": "lr_scheduler",
-    "eval_steps": "eval_every",
-    "save_steps": "save_every",
-    "logging_steps": "log_every",
-    "max_length": "max_seq_length",
-    "max_seq_len": "max_seq_length",
-    "sequence_len": "max_seq_length",
-    "cutoff_len": "max_seq_length",
-    "save_total_limit": "keep_checkpoints",
-    "per_device_eval_batch_size": "eval_batch_size",
-    "resume_from_checkpoint": "resume",
-    "metric_for_best_model": "keep_best",
-    "lora_rank": "lora_r",
-    "lora_target_modules": "lora_targets",
-    "target_modules": "lora_targets",
-    "lora_target": "lora_targets",
-    "bf16": "precision",
-    "fp16": "precision",
-}
-
-# The Trainer's scheduler names -> surefit's.
-_SCHEDULER_NAMES = {"constant_with_warmup": "constant", "warmup_stable_decay": "wsd", "cosine_with_min_lr": "cosine"}
-
-
-def _alias_value(alias: str, raw: Any) -> tuple[Any, bool]:
-    """The value an alias gives its surefit setting, and whether it sets anything (``--bf16 false`` does not)."""
-    if alias in ("bf16", "fp16"):
-        on = True if raw in ("", None) else convert(raw, bool)
-        return alias, on
-    if alias == "resume_from_checkpoint" and str(raw).lower() in ("true", ""):
-        return "latest", True
-    if alias == "lr_scheduler_type":
-        return _SCHEDULER_NAMES.get(str(raw), raw), True
-    if alias in ("lora_target_modules", "target_modules", "lora_target") and isinstance(raw, list):
-        return ",".join(map(str, raw)), True
-    return raw, True
-
-
-def _different(key: str, raw: Any, values: dict[str, Any]) -> Problem | None:
-    """A setting of another tool whose surefit counterpart means something else: what differs, and the surefit flags."""
-    if key in ("per_device_train_batch_size", "train_batch_size", "micro_batch_size"):
-        try:
-            micro = int(raw)
-        except (TypeError, ValueError):
-            micro = 0
-        accum = values.get("gradient_accumulation_steps", values.get("grad_accum", 1))
-        try:
-            accum = int(accum)
-        except (TypeError, ValueError):
-            accum = 1
-        same = (f"for the same run on one process: --batch_size {micro * accum} --grad_accum {accum} "
-                f"(on N processes: --batch_size {micro * accum} x N)") if micro > 0 else "e.g. --batch_size 16 --grad_accum 4"
-        return Problem(
-            f"--{key} {raw} is a micro-batch on one process; surefit's --batch_size is the effective batch (examples "
-            "per optimizer step, over every micro-batch and process) and --grad_accum splits it into micro-batches",
-            f"--{key}", same)
-    if key in ("eval_strategy", "evaluation_strategy"):
-        return Problem(f"--{key} {raw!r}: surefit evaluates at every epoch end", f"--{key}",
-                       "add --eval_every N to also evaluate every N steps; --val_fraction 0 (and no --val_data) for "
-                       "no evaluation")
-    if key in ("save_strategy", "logging_strategy"):
-        flag = "--save_every" if key == "save_strategy" else "--log_every"
-        return Problem(f"--{key} {raw!r}: surefit saves a checkpoint at every epoch end and logs every --log_every "
-                       "steps", f"--{key}", f"use {flag} N (optimizer steps)")
-    if key == "load_best_model_at_end":
-        return Problem(f"--{key} {raw!r}: surefit names the metric to select on", f"--{key}",
-                       "use --keep_best METRIC (e.g. --keep_best eval_loss): final/ then holds the best evaluation's model")
-    if key == "early_stopping_patience":
-        return Problem(f"--{key} {raw!r}: surefit names the metric with the patience", f"--{key}",
-                       f"use --early_stopping METRIC:PATIENCE, e.g. --early_stopping eval_loss:{raw}")
-    if key in ("optim", "optimizer"):
-        return Problem(f"--{key} {raw!r}: surefit trains with AdamW (torch's fused kernel where it runs)", f"--{key}",
-                       "drop it; --weight_decay, --lr and --lr_scheduler set the update")
-    if key == "auto_find_batch_size":
-        return Problem(f"--{key} {raw!r}: surefit never changes the effective batch to fit memory", f"--{key}",
-                       "use --gpu_memory_gb auto: the planner picks the micro-batch and accumulation, --batch_size stays")
-    return None
-
-
-_KEYWORD_VALUE = r"(?=[ =](?:[-\d'\"{]|[A-Z]|true\b|false\b|auto\b|none\b|\S*[./]))"
-
-
-def as_keywords(text: str) -> str:
-    """``--lr 2e-4`` -> ``lr=2e-4`` and other ``--name`` -> ``name``: a message in the terms of the Python API."""
-    import re
-
-    text = re.sub(r"--([a-z][a-z0-9_]*)" + _KEYWORD_VALUE + r"[ =]", r"\1=", text)
-    return re.sub(r"--([a-z][a-z0-9_]*)", r"\1", text)
 
 
 def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
@@ -685,15 +551,16 @@ def load_preset(name: str) -> tuple[dict[str, Any], list[Problem]]:
 
 
 def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
-                 yaml_name: str = "config file", names: Literal["flags", "keywords"] = "flags") -> Any:
+                 yaml_name: str = "config file", earlier: list[Problem] | None = None,
+                 overrides_name: str = "command line") -> Any:
     """Make a validated config: dataclass defaults < preset < ``yaml_values`` < ``overrides``.
 
     The preset is named by ``preset`` in the overrides or the YAML. Every problem (unknown keys, wrong types, bad
-    ranges, cross-field conflicts) is collected and raised once. Other tools' names for the same setting
-    (:data:`ALIASES`, e.g. ``learning_rate``) are accepted in every layer; the config's ``alias_notes`` say which.
-    ``names="keywords"`` words the problems as Python keyword arguments (``lr=``) instead of flags (``--lr``).
+    ranges, cross-field conflicts) is collected and raised once, with the ``earlier`` problems the caller found
+    (other tools' setting names, ``surefit/names.py``). The config's ``preset_only`` (not a field) names the settings
+    only the preset gave.
     """
-    problems: list[Problem] = []
+    problems: list[Problem] = list(earlier or [])
     known = {f.name: f for f in fields(cls)}
     values: dict[str, Any] = {}
     preset_name = (overrides or {}).get("preset") or (yaml_values or {}).get("preset")
@@ -701,12 +568,10 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     if preset_name:
         preset_values, preset_problems = load_preset(str(preset_name))
         problems += preset_problems
-    given_in = "arguments" if names == "keywords" else "command line"
-    layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}), (given_in, overrides or {}))
-    notes: list[str] = []
+    layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}),
+              (overrides_name, overrides or {}))
     given_later: set[str] = set()
     for index, (source_name, source) in enumerate(layers):
-        source = _resolve_aliases(source, known, source_name, problems, notes)
         if index > 0:  # the YAML file and the flags: what the user gave, over the preset
             given_later |= {str(k).replace("-", "_") for k in source}
         for key, raw in source.items():
@@ -723,50 +588,11 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     # Range and cross-field checks run on the values that did convert, so one report holds every problem.
     cfg = cls(**values)
     problems += cfg.problems()
-    if names == "keywords":
-        problems = [Problem(as_keywords(q.what), as_keywords(q.where).rstrip("="), as_keywords(q.fix)) for q in problems]
-        notes = [as_keywords(n) for n in notes]
     if problems:
         raise ConfigError(problems)
-    cfg.alias_notes = notes  # not a field: printed once by the run (tasks/common.py), never saved
-    # Not a field either: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).
+    # Not a field: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).
     cfg.preset_only = {str(k).replace("-", "_") for k in preset_values} - given_later
     return cfg
-
-
-def _resolve_aliases(source: dict[str, Any], known: dict[str, Any], source_name: str, problems: list[Problem],
-                     notes: list[str]) -> dict[str, Any]:
-    """One layer's settings with other tools' names replaced by surefit's (a note for each), and the settings whose
-    meaning differs reported as problems that say the surefit flags to use."""
-    values = {str(k).replace("-", "_"): v for k, v in source.items()}
-    out: dict[str, Any] = {}
-    for key, raw in values.items():
-        if key in known:
-            out[key] = raw
-            continue
-        if key in ALIASES:
-            target = ALIASES[key]
-            try:
-                value, sets = _alias_value(key, raw)
-            except ValueError as e:
-                problems.append(Problem(f"{e} (in the {source_name})", f"--{key}"))
-                continue
-            if not sets:
-                notes.append(f"--{key} {raw} (in the {source_name}) sets nothing: surefit's --{target} stays as set")
-                continue
-            if target in values and str(values[target]) != str(value):
-                problems.append(Problem(f"--{key} {raw} and --{target} {values[target]} both given (in the "
-                                        f"{source_name})", f"--{key}", f"keep one: --{target} is surefit's name"))
-                continue
-            notes.append(f"--{key} is surefit's --{target}: read as --{target} {value}")
-            out[target] = value
-            continue
-        different = _different(key, raw, values)
-        if different is not None:
-            problems.append(Problem(f"{different.what} (in the {source_name})", different.where, different.fix))
-            continue
-        out[key] = raw
-    return out
 
 
 def config_to_dict(cfg: Any) -> dict[str, Any]:

@@ -211,7 +211,7 @@ def test_log_samples_writes_the_same_rows_at_every_evaluation_to_files_tensorboa
     assert sorted(p.name for p in folder.iterdir()) == ["step_0.jsonl", "step_2.jsonl", "step_4.jsonl"]
     logged = {p.name: [json.loads(x) for x in p.read_text().splitlines()] for p in folder.iterdir()}
     val = [json.loads(x) for x in (out / "predictions" / "epoch_1.jsonl").read_text().splitlines()]
-    for name, rows in logged.items():
+    for rows in logged.values():
         assert [r["sample"] for r in rows] == [0, 1]
         assert [r["prompt"] for r in rows] == [v["input"] for v in val[:2]]  # the same rows every time
         assert [r["reference"] for r in rows] == [v["gold"] for v in val[:2]]

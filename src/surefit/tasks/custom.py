@@ -332,8 +332,8 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
 
     def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
         avg = mean_loss(m, caller, val_source, val_idx, batch_size, accelerator)
-        if epoch == 0:
-            say(f"epoch 0/{cfg.epochs}  avg_valid_loss={avg:.4f}")
+        if epoch == 0 or not float(epoch).is_integer():  # before training, and --eval_every's mid-epoch ones
+            say(f"epoch {epoch}/{cfg.epochs}  avg_valid_loss={avg:.4f}")
         return Evaluation({"eval_loss": avg, "avg_valid_loss": avg})
 
     def on_epoch(record: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from surefit.training.distributed import barrier, share_from_main, sum_over_proc
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
 from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
+from surefit.training.selection import Selection
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -69,7 +70,7 @@ class LoopSettings:
         return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
                    seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations,
-                   **control_settings(cfg))
+                   **{name: getattr(cfg, name) for name in CONTROL})
 
     def schedule(self, n_examples: int) -> Schedule:
         """The learning-rate schedule and run length for ``n_examples`` training examples."""
@@ -77,84 +78,8 @@ class LoopSettings:
                              kind=self.lr_scheduler, warmup=self.warmup, warmup_ratio=self.warmup_ratio,
                              min_lr=self.min_lr, max_steps=self.max_steps)
 
-
-def control_settings(cfg: Any) -> dict[str, Any]:
-    """The training-control settings of a task config, as :class:`LoopSettings` keywords."""
-    return {"max_steps": cfg.max_steps, "lr_scheduler": cfg.lr_scheduler, "warmup": cfg.warmup, "min_lr": cfg.min_lr,
-            "eval_every": cfg.eval_every, "keep_best": cfg.keep_best, "early_stopping": cfg.early_stopping}
-
-
-class Selection:
-    """The best evaluation so far by one metric, and how many evaluations in a row have not beaten it (the
-    early-stopping count). Checkpoints carry its state, so a resumed run continues the count.
-
-    The evaluation before training (epoch 0) only checks that the metric exists: no checkpoint holds that state.
-    """
-
-    def __init__(self, keep_best: str | None, early_stopping: str | None) -> None:
-        from surefit.config import parse_metric_goal
-
-        self.goal = None
-        if early_stopping:
-            self.goal = parse_metric_goal(early_stopping, "--early_stopping", with_patience=True)[0]
-        elif keep_best:
-            self.goal = parse_metric_goal(keep_best, "--keep_best", with_patience=False)[0]
-        self.best: dict[str, Any] | None = None
-        self.bad = 0
-
-    @property
-    def patience(self) -> int:
-        return self.goal.patience if self.goal is not None else 0
-
-    def describe(self) -> str:
-        """What final/ will hold, said once before training."""
-        if self.goal is None:
-            return ("final/: the last state (training runs every epoch; --keep_best METRIC or --early_stopping "
-                    "METRIC:PATIENCE select the best evaluation instead)")
-        better = "lower" if self.goal.mode == "min" else "higher"
-        text = f"final/: the best evaluation by {self.goal.metric} ({better} is better), its checkpoint kept"
-        if self.patience:
-            text += f"; training stops after {self.patience} evaluations in a row without improvement"
-        return text
-
-    def value(self, record: dict[str, Any]) -> float:
-        """The goal's metric in an evaluation record; a metric the task does not report is a configuration error."""
-        from surefit.errors import ConfigError
-
-        assert self.goal is not None
-        value = record.get(self.goal.metric)
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            found = sorted(k for k, v in record.items() if k.startswith("eval_") and isinstance(v, int | float)
-                           and k != "eval_seconds")
-            flag = "--early_stopping" if self.patience else "--keep_best"
-            raise ConfigError(Problem(f"the evaluation reports no number named {self.goal.metric!r}", flag,
-                                      f"use one of: {', '.join(found) or 'none (no evaluation metric)'}"))
-        return float(value)
-
-    def judge(self, record: dict[str, Any], checkpoint: str) -> None:
-        """Count an evaluation (saved as ``checkpoint``) and write the best so far into its record."""
-        assert self.goal is not None
-        value = self.value(record)
-        best = self.best
-        if best is None or (value < best["value"] if self.goal.mode == "min" else value > best["value"]):
-            self.best = {"metric": self.goal.metric, "value": value, "step": record.get("step", 0),
-                         "epoch": record.get("epoch"), "checkpoint": checkpoint}
-            self.bad = 0
-        else:
-            self.bad += 1
-        record.update(best_metric=self.goal.metric, best_value=self.best["value"], best_step=self.best["step"],
-                      best_checkpoint=self.best["checkpoint"])
-
-    @property
-    def should_stop(self) -> bool:
-        return bool(self.patience) and self.bad >= self.patience
-
-    def state(self) -> dict[str, Any]:
-        return {"best": self.best, "bad": self.bad}
-
-    def load(self, state: dict[str, Any] | None) -> None:
-        state = state or {}
-        self.best, self.bad = state.get("best"), int(state.get("bad", 0))
+# The task configs' training-control settings, passed to the loop under the same names.
+CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -556,10 +481,10 @@ def fit(
     run = _Fit(model, features, lengths, counts, loss_fn=loss_fn, collate=collate, settings=settings,
                accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say,
                counters=counters)
-    run.start()
-    p = run.progress
     if settings.max_steps is not None or settings.lr_scheduler != "cosine" or settings.min_lr:
         say(run.schedule.describe())
+    run.start()
+    p = run.progress
     epochs = run.schedule.epochs  # --max_steps may end the last one early, or run more than --epochs
     with _StopSignal(announce=run.main) as stop:
         while p.epoch <= epochs:
@@ -582,8 +507,8 @@ def fit(
                 saved = None
                 if settings.eval_every and p.global_step % settings.eval_every == 0 and evaluate is not None:
                     saved = run.evaluate_mid_epoch()
-                    if run.selection.should_stop:
-                        run.stopped_early = True
+                    run.stopped_early = run.selection.should_stop
+                    if run.stopped_early:
                         break
                 if step.stop:
                     bar.close()
@@ -597,8 +522,8 @@ def fit(
                 break
             epoch = p.epoch
             folder = run.end_epoch(on_epoch)
-            if run.selection.should_stop:
-                run.stopped_early = True
+            run.stopped_early = run.selection.should_stop
+            if run.stopped_early:
                 break
             # A signal may have come during the evaluation: agree again, so no process goes on alone.
             stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
@@ -607,10 +532,7 @@ def fit(
             if stop_now and epoch < epochs:
                 raise run.interrupted(stop, f"at the end of epoch {epoch}", folder)
     if run.stopped_early:
-        best = run.selection.best or {}
-        say(f"early stopping at step {p.global_step}: {best.get('metric')} has not improved for "
-            f"{run.selection.bad} evaluations in a row (best {best.get('value', float('nan')):.4f} at step "
-            f"{best.get('step')})")
+        say(run.selection.stopped_at(p.global_step))
     return run.history
 
 
