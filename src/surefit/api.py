@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from surefit.config import TASK_CONFIGS, build_config
+from surefit.config import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem, raise_if
+from surefit.names import build_with_aliases
 
 
 @dataclass
@@ -43,9 +45,10 @@ def _config(config: Any, settings: dict[str, Any]) -> Any:
         cls = TASK_CONFIGS.get(task)
         if cls is None:
             raise ConfigError(Problem(f"unknown task {task!r}", "task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
-        return build_config(cls, None, values, yaml_name="arguments")
+        return build_with_aliases(cls, None, values, yaml_name="arguments", keywords=True)
     if settings:
-        return build_config(type(config), None, {**config.__dict__, **settings}, yaml_name="arguments")
+        current = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return build_with_aliases(type(config), None, {**current, **settings}, yaml_name="arguments", keywords=True)
     return config
 
 

@@ -13,7 +13,7 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from surefit.config import TASK_CONFIGS, build_config, field_kind, load_yaml
+from surefit.config import TASK_CONFIGS, field_kind, load_yaml
 from surefit.errors import SurefitError
 
 
@@ -45,7 +45,8 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: list[type]) -> N
             help_text += f" [{', '.join(defaults)} only]"
         if choices:
             help_text += f" [choices: {', '.join(map(str, choices))}]"
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        # argparse %-formats help strings: a literal % (e.g. "~30% slower") must be doubled.
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text.replace("%", "%%")}
         if base is bool:
             # `--chat_template` alone means true; `--chat_template false` is accepted too (and YAML-style values).
             kwargs.update(nargs="?", const="true", metavar="BOOL")
@@ -72,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--task", default=argparse.SUPPRESS, choices=sorted(TASK_CONFIGS),
-        help="training path: sft (instruction tuning of a causal LM) or classify (sequence classification); default sft",
+        help="training path: sft (instruction tuning of a causal LM), classify (sequence classification) or custom "
+        "(any nn.Module on tensor data); default sft",
     )
     train.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML file of settings; flags override it")
     train.add_argument("--num_processes", "--num-processes", dest="num_processes", default=argparse.SUPPRESS, metavar="N",
@@ -227,7 +229,9 @@ def parse_train_config(argv: list[str]) -> Any:
 
         raise ConfigError(Problem(f"unknown task {task!r}", "--task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     yaml_values = {k: v for k, v in yaml_values.items() if k != "task"}
-    return build_config(cls, yaml_values, {**given, **extra}, yaml_name=str(config_path))
+    from surefit.names import build_with_aliases
+
+    return build_with_aliases(cls, yaml_values, {**given, **extra}, yaml_name=str(config_path))
 
 
 def _unknown_flags(unknown: list[str]) -> dict[str, Any]:

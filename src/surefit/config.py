@@ -102,6 +102,24 @@ class TrainConfig:
         "stop", "A non-finite loss or gradient norm: 'stop' the run there (nothing non-finite is applied or saved; "
         "the last good checkpoint stays), or 'skip_step': skip that optimizer step (each skip is counted and reported)."
     )
+    # -- training control (schedule length, scheduler, evaluation, best model)
+    max_steps: int | None = opt(None, "Stop after N optimizer steps, overriding --epochs (the schedule is built for "
+                                "these N steps; the plan prints how many epochs that is).")
+    lr_scheduler: Literal["cosine", "linear", "constant", "wsd"] = opt(
+        "cosine", "Learning-rate shape after warmup: cosine or linear decay to --min_lr, constant, or wsd "
+        "(warmup-stable-decay: constant, then a linear decay over the last 10 percent of the steps).")
+    warmup: float | None = opt(None, "Warmup as optimizer steps (a whole number >= 1) or a ratio of the steps "
+                               "(below 1); replaces --warmup_ratio when given.")
+    min_lr: float = opt(0.0, "Learning rate the cosine, linear and wsd schedules end at (below --lr).")
+    eval_every: int = opt(0, "Also evaluate every N optimizer steps, besides each epoch end (0: epoch ends only).")
+    early_stopping: str | None = opt(
+        None, "METRIC:PATIENCE, e.g. eval_loss:3 or eval_f1:2: stop when METRIC has not improved for PATIENCE "
+        "evaluations in a row (lower is better for losses, higher for f1, accuracy, exact match).")
+    keep_best: str | None = opt(
+        None, "METRIC (e.g. eval_f1): keep the checkpoint of the best evaluation whatever --keep_checkpoints says, "
+        "and save that model as final/ (default: final/ is the last state). --early_stopping implies it.")
+    log_samples: int = opt(0, "At each evaluation, log the first N validation rows' prompt, reference and "
+                           "prediction (predictions/samples/, TensorBoard text, the HTML report); sft and classify.")
 
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
@@ -150,14 +168,7 @@ class TrainConfig:
         p += _output_dir_problems(self.output_dir)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
-        if self.val_data is None and self.val_fraction == 0:
-            p.append(
-                Problem(
-                    "no validation data: --val_fraction is 0 and --val_data is not given",
-                    "--val_fraction",
-                    "pass --val_data FILE or a --val_fraction above 0 (evaluation runs every epoch)",
-                )
-            )
+        p += training_control_problems(self)
         return p
 
     @property
@@ -355,6 +366,70 @@ TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "
 
 _EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns clipping off)", "warmup_ratio": "0.05",
              "lora_dropout": "0.05", "val_fraction": "0.1"}
+
+
+# ---------------------------------------------------------------------------------------------------- training control
+
+# Words in a metric's name saying lower is better; for scores (f1, accuracy, exact match ...) higher is.
+_LOWER_BETTER = {"loss", "mse", "mae", "rmse", "perplexity", "error"}
+_HIGHER_BETTER = {"f1", "accuracy", "acc", "em", "exact", "precision", "recall", "rouge", "rougel", "auc", "pearson",
+                  "spearman", "r2", "mcc", "bleu"}
+
+
+class MetricGoal(typing.NamedTuple):
+    """A metric to select or stop on: its name, which way is better ('min' or 'max'), the patience (early stopping)."""
+
+    metric: str
+    mode: str
+    patience: int = 0
+
+
+def parse_metric_goal(value: str, flag: str, with_patience: bool) -> tuple[MetricGoal | None, list[Problem]]:
+    """``METRIC[:PATIENCE][:min|max]`` -> a goal (the direction from the name unless given), or the problems."""
+    parts = [t.strip() for t in str(value).split(":")]
+    mode = parts.pop() if parts[-1] in ("min", "max") else None
+    example = "e.g. eval_loss:3 or eval_f1:2" if with_patience else "e.g. eval_loss or eval_f1"
+    if not parts or not parts[0] or len(parts) != 1 + with_patience:
+        return None, [Problem(f"expected {'METRIC:PATIENCE' if with_patience else 'METRIC'} (got {value!r})", flag,
+                              example)]
+    metric = parts[0] if parts[0].startswith("eval_") else f"eval_{parts[0]}"
+    patience = int(parts[1]) if with_patience and parts[1].isdigit() else 0
+    if with_patience and patience < 1:
+        return None, [Problem(f"PATIENCE must be a whole number >= 1 (got {parts[1]!r} in {value!r})", flag, example)]
+    words = set(metric.lower().removeprefix("eval_").replace("-", "_").split("_"))
+    mode = mode or ("min" if words & _LOWER_BETTER else "max" if words & _HIGHER_BETTER else None)
+    if mode is None:
+        return None, [Problem(f"cannot tell whether higher or lower {metric} is better", flag,
+                              f"add the direction: {value}:max or {value}:min")]
+    return MetricGoal(metric, mode, patience), []
+
+
+def training_control_problems(cfg: Any) -> list[Problem]:
+    """Problems of the training-control settings (max_steps, scheduler, warmup, evaluation, best model)."""
+    p: list[Problem] = []
+    _at_least(p, cfg, "max_steps", 1)
+    for name in ("eval_every", "log_samples"):
+        _at_least(p, cfg, name, 0)
+    if cfg.log_samples and cfg.task == "custom":
+        p.append(Problem("--log_samples needs predictions, and custom models make none (their evaluation is the loss)",
+                         "--log_samples", "drop --log_samples"))
+    if cfg.warmup is not None and (cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer())):
+        p.append(Problem(f"must be a whole number of steps (>= 1) or a ratio in [0, 1) (got {cfg.warmup})",
+                         "--warmup", "e.g. --warmup 100 (steps) or --warmup 0.05 (of the steps)"))
+    if cfg.min_lr < 0 or (cfg.lr > 0 and cfg.min_lr >= cfg.lr):
+        p.append(Problem(f"must be >= 0 and below --lr {cfg.lr} (got {cfg.min_lr})", "--min_lr", "e.g. --min_lr 0"))
+    goals = {name: parse_metric_goal(getattr(cfg, name), f"--{name}", name == "early_stopping")
+             for name in ("early_stopping", "keep_best") if getattr(cfg, name) is not None}
+    p += [q for _, found in goals.values() for q in found]
+    if cfg.val_data is None and cfg.val_fraction == 0:  # training without validation data is allowed, these are not
+        p += [Problem(f"--{name} needs an evaluation, and there is no validation data (--val_fraction 0, no "
+                      "--val_data)", f"--{name}", "pass --val_data FILE or a --val_fraction above 0")
+              for name in ("eval_every", "early_stopping", "keep_best") if getattr(cfg, name)]
+    stop, best = (goals.get(name, (None,))[0] for name in ("early_stopping", "keep_best"))
+    if stop is not None and best is not None and stop.metric != best.metric:
+        p.append(Problem(f"--early_stopping watches {stop.metric} and --keep_best {best.metric}", "--keep_best",
+                         "use the same metric for both, or drop --keep_best (--early_stopping keeps its best)"))
+    return p
 
 
 def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
@@ -608,13 +683,16 @@ def load_preset(name: str) -> tuple[dict[str, Any], list[Problem]]:
 
 
 def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
-                 yaml_name: str = "config file") -> Any:
+                 yaml_name: str = "config file", earlier: list[Problem] | None = None,
+                 overrides_name: str = "command line") -> Any:
     """Make a validated config: dataclass defaults < preset < ``yaml_values`` < ``overrides``.
 
     The preset is named by ``preset`` in the overrides or the YAML. Every problem (unknown keys, wrong types, bad
-    ranges, cross-field conflicts) is collected and raised once.
+    ranges, cross-field conflicts) is collected and raised once, with the ``earlier`` problems the caller found
+    (other tools' setting names, ``surefit/names.py``). The config's ``preset_only`` (not a field) names the settings
+    only the preset gave.
     """
-    problems: list[Problem] = []
+    problems: list[Problem] = list(earlier or [])
     known = {f.name: f for f in fields(cls)}
     values: dict[str, Any] = {}
     preset_name = (overrides or {}).get("preset") or (yaml_values or {}).get("preset")
@@ -622,8 +700,12 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     if preset_name:
         preset_values, preset_problems = load_preset(str(preset_name))
         problems += preset_problems
-    layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}), ("command line", overrides or {}))
-    for source_name, source in layers:
+    layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}),
+              (overrides_name, overrides or {}))
+    given_later: set[str] = set()
+    for index, (source_name, source) in enumerate(layers):
+        if index > 0:  # the YAML file and the flags: what the user gave, over the preset
+            given_later |= {str(k).replace("-", "_") for k in source}
         for key, raw in source.items():
             key = key.replace("-", "_")
             if key not in known:
@@ -640,6 +722,8 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     problems += cfg.problems()
     if problems:
         raise ConfigError(problems)
+    # Not a field: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).
+    cfg.preset_only = {str(k).replace("-", "_") for k in preset_values} - given_later
     return cfg
 
 

@@ -24,6 +24,7 @@ import yaml
 from surefit.units import human_bytes
 
 CURVES = "curves.png"
+SCHEDULE = "schedule.json"  # written by tasks/common.train: the learning-rate schedule, drawn in the curves
 REPORT = "report.html"
 # Task metrics drawn per epoch, in this order, when the records hold them: sft (eval_f1, eval_em), classification
 # single-label (accuracy, macro-F1), multi-label (micro/macro-F1, subset accuracy), regression (Pearson). The
@@ -56,6 +57,22 @@ def read_metrics(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[s
         elif rec.get("type") == "epoch" and _num(rec.get("epoch")) is not None:
             epochs.append(rec)
     return steps, epochs
+
+
+def read_evaluations(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The ``eval`` records of ``metrics.jsonl``: evaluations inside an epoch (``--eval_every``), at their step."""
+    path = Path(run_dir) / "metrics.jsonl"
+    out: list[dict[str, Any]] = []
+    if not path.is_file():
+        return out
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("type") == "eval" and _num(rec.get("epoch_progress")) is not None:
+            out.append(rec)
+    return out
 
 
 def _read_json(path: Path) -> Any:
@@ -100,7 +117,8 @@ def write_curves(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     steps, epochs = read_metrics(run_dir)
     metrics = task_metrics(epochs)
-    panels = 3 if metrics else 2
+    schedule = _read_json(run_dir / SCHEDULE)
+    panels = (3 if metrics else 2) + (1 if isinstance(schedule, dict) else 0)
     fig = Figure(figsize=(5.2 * panels, 4.0), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, panels, squeeze=False)[0]
@@ -122,8 +140,11 @@ def write_curves(run_dir: str | Path) -> Path:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
     ax = axes[1]
+    evals = read_evaluations(run_dir)
     for key, label, style in (("train_loss", "train", "o-"), ("eval_loss", "evaluation", "s-")):
         pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
+        if key == "eval_loss":  # --eval_every: the evaluations between epoch ends, at their fraction of an epoch
+            pts = sorted(pts + [(r["epoch_progress"], r[key]) for r in evals if _num(r.get(key)) is not None])
         if pts:
             ax.plot(*zip(*pts, strict=True), style, label=label)
     if not epochs:
@@ -135,12 +156,15 @@ def write_curves(run_dir: str | Path) -> Path:
         ax = axes[2]
         for key in metrics:
             pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
+            pts = sorted(pts + [(r["epoch_progress"], r[key]) for r in evals if _num(r.get(key)) is not None])
             ax.plot(*zip(*pts, strict=True), "o-", label=key.removeprefix("eval_"))
         values = [r[k] for r in epochs for k in metrics if _num(r.get(k)) is not None and not math.isnan(r[k])]
         if values and -1.0 <= min(values) and max(values) <= 1.0:  # scores: show them on their whole scale
             ax.set_ylim(min(0.0, min(values)) - 0.03, 1.03)
         ax.set(title="evaluation metrics", xlabel="epoch", ylabel="score")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if isinstance(schedule, dict):
+        _draw_schedule(axes[-1], schedule, steps)
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -152,6 +176,24 @@ def write_curves(run_dir: str | Path) -> Path:
     fig.savefig(tmp, format="png")
     os.replace(tmp, target)
     return target
+
+
+def _draw_schedule(ax: Any, schedule: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+    """The planned learning rate of every optimizer step (schedule.json) and the rates the logged steps ran at."""
+    from surefit.training.schedule import Schedule
+
+    try:
+        plan = Schedule(**schedule)
+        # As metrics.jsonl's "lr": the rate set after step n, which step n + 1 runs at.
+        xs = list(range(0, plan.total_steps + 1))
+        ax.plot(xs, [plan.lr_at(x) for x in xs], color="#2ca02c", linewidth=1.4,
+                label=f"{plan.kind}, warmup {plan.warmup_steps}")
+    except (TypeError, ValueError):
+        ax.text(0.5, 0.5, "schedule.json unreadable", ha="center", va="center", transform=ax.transAxes)
+    logged = [(r["step"], r["lr"]) for r in steps if _num(r.get("lr")) is not None]
+    if logged:
+        ax.plot(*zip(*logged, strict=True), ".", color="#d62728", label="logged steps")
+    ax.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
 
 
 # ------------------------------------------------------------------------------------------------------ the page
@@ -295,6 +337,48 @@ def _metrics_section(epochs: list[dict[str, Any]], steps: list[dict[str, Any]]) 
     return out
 
 
+def _evaluations_section(run_dir: Path, epochs: list[dict[str, Any]]) -> str:
+    """Evaluations between epoch ends (``--eval_every``) and which evaluation final/ holds (``--keep_best``)."""
+    evals = read_evaluations(run_dir)
+    out = ""
+    if evals:
+        first = ["epoch_progress", "step", "eval_loss", *task_metrics(epochs or evals)]
+        scalar = [k for r in evals for k, v in r.items() if _num(v) is not None and k not in ("time", "epoch")]
+        cols = [c for c in first if c in scalar] + [c for c in dict.fromkeys(scalar) if c not in first]
+        out += "<h3>evaluations between epoch ends (--eval_every)</h3>"
+        out += _table(cols, [[r.get(c) for c in cols] for r in evals], "metrics")
+    chosen = [r for r in [*epochs, *evals] if r.get("best_checkpoint")]
+    if chosen:
+        best = max(chosen, key=lambda r: r.get("step") or 0)
+        out += _note(f"final/ holds the best evaluation by {best.get('best_metric')}: {_fmt(best.get('best_value'))} "
+                     f"at step {best.get('best_step')} (checkpoints/{best.get('best_checkpoint')})")
+    return out
+
+
+def _samples_section(run_dir: Path) -> str:
+    """``--log_samples``: each logged validation row's prediction at every evaluation, so progress reads as text."""
+    by_sample: dict[Any, list[dict[str, Any]]] = {}
+    for path in (run_dir / "predictions" / "samples").glob("step_*.jsonl"):
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                by_sample.setdefault(rec.get("sample"), []).append(rec)
+    if not by_sample:
+        return ""
+    out = "<h3>logged samples at each evaluation (--log_samples)</h3>"
+    for key in sorted(by_sample, key=str):
+        recs = sorted(by_sample[key], key=lambda r: (_num(r.get("step")) or 0, _num(r.get("epoch")) or 0))
+        first = recs[0]
+        out += (f"<p><b>sample {_e(key)}</b> ({_e(first.get('where'))}): prompt <code>{_e(_clip(str(first.get('prompt'))))}"
+                f"</code>; reference <code>{_e(_clip(str(first.get('reference'))))}</code></p>")
+        out += _table(["step", "epoch", "prediction"],
+                      [[r.get("step"), r.get("epoch"), _clip(str(r.get("prediction")))] for r in recs], "predictions")
+    return out
+
+
 def _predictions_section(run_dir: Path) -> str:
     files = []
     for p in (run_dir / "predictions").glob("epoch_*.jsonl"):
@@ -371,7 +455,7 @@ def render_report(run_dir: str | Path) -> str:
     parts.append(_section("config", "Configuration", body))
     parts.append(_section("memory-plan", "Memory plan", _plan_section(run_dir, config)))
     parts.append(_section("doctor", "Doctor findings", _doctor_section(run_dir)))
-    parts.append(_section("metrics", "Metrics", _metrics_section(epochs, steps)))
+    parts.append(_section("metrics", "Metrics", _metrics_section(epochs, steps) + _evaluations_section(run_dir, epochs)))
     png = run_dir / CURVES
     if png.is_file():
         data = base64.b64encode(png.read_bytes()).decode("ascii")
@@ -380,7 +464,7 @@ def render_report(run_dir: str | Path) -> str:
     else:
         body = _note("no curves.png (run `surefit report --run` on this folder to draw it)")
     parts.append(_section("curves", "Curves", body))
-    parts.append(_section("predictions", "Sample predictions", _predictions_section(run_dir)))
+    parts.append(_section("predictions", "Sample predictions", _samples_section(run_dir) + _predictions_section(run_dir)))
     parts.append("</body></html>\n")
     return "\n".join(parts)
 

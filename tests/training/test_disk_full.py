@@ -117,12 +117,12 @@ def test_a_final_save_that_fails_leaves_no_partial_final_and_names_the_cause(tmp
 
 @pytest.fixture()
 def small_disk(tmp_path):
-    """A 256 KB tmpfs: a real full disk (root only)."""
+    """A 340 KB tmpfs: a real full disk (root only); the run's files and one checkpoint (~160 KB) fit, two do not."""
     mount = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
     mount.mkdir()
     if shutil.which("mount") is None or os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)], capture_output=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=340k", "tmpfs", str(mount)], capture_output=True)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode()[:200]}")
     try:
@@ -141,7 +141,8 @@ def test_a_real_full_disk_stops_clearly_and_keeps_the_previous_checkpoint(args, 
     _no_traceback(proc)
     err = proc.stderr
     assert f"could not write checkpoint {out / 'checkpoints' / 'step-0000006'}: the disk is full" in err
-    assert "No space left on device" in err
+    # Which write meets the full disk first decides the raw text: ENOSPC from open/safetensors, or torch's zip writer.
+    assert "No space left on device" in err or "unexpected pos" in err
     assert f"the previous checkpoint {out / 'checkpoints' / 'step-0000003'} is intact" in err
     assert ck.verify(out / "checkpoints" / "step-0000003") is None
     assert not (out / "checkpoints" / "step-0000006.tmp").exists()

@@ -94,8 +94,10 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
     if not cfg.val_data:
         # label2id comes from the training rows, as with a validation file: built from --data before the split, it
         # would hold a class the split put wholly in validation, which the model never sees (it is an error instead).
-        spec = build_label_spec([(f"{cfg.data} (training split)", train_rows), (f"{cfg.data} (validation split)", val)],
-                                fields.label, cfg.problem_type, problems)
+        splits = [(f"{cfg.data} (training split)", train_rows)]
+        if val:  # --val_fraction 0: training without validation data
+            splits.append((f"{cfg.data} (validation split)", val))
+        spec = build_label_spec(splits, fields.label, cfg.problem_type, problems)
         raise_input_problems(problems)
         assert spec is not None
     report["notes"].append(spec.how)
@@ -142,8 +144,9 @@ def tokenize(rows: list[Row], tokenizer: Any, fields: Fields, max_len: int, keys
     texts = [str(r.fields[fields.text]) for r in rows]
     pairs = [str(r.fields[fields.pair]) for r in rows] if fields.pair else None
     # Measure untruncated lengths first, so that every truncation is counted rather than silently applied.
-    full = tokenizer(texts, pairs, truncation=False)["input_ids"]
-    enc = tokenizer(texts, pairs, truncation=True, max_length=max_len)
+    # No rows (training without validation data): the fast tokenizers fail on an empty batch.
+    full = tokenizer(texts, pairs, truncation=False)["input_ids"] if rows else []
+    enc = tokenizer(texts, pairs, truncation=True, max_length=max_len) if rows else {}
     truncated = [i for i, ids in enumerate(full) if len(ids) > max_len]
     feats = [{k: list(enc[k][i]) for k in keys if k in enc} for i in range(len(rows))]
     report = {
@@ -467,7 +470,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         cfg=cfg, model=model, accelerator=accelerator, features=train_feats,
         lengths=[len(f["input_ids"]) for f in train_feats], counts=[1] * len(train_feats), collate=collate,
         loss_fn=loss_fn, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),
-        check=lambda: check(model, tokenizer, train_feats, val_feats, collate,
+        check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
         data_report=report, files={COLUMNS: table},
         plan={"eval_lengths": [len(f["input_ids"]) for f in val_feats], "lora": cfg.lora_r > 0},

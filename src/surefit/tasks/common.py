@@ -35,6 +35,14 @@ from surefit.run_folder import (
     write_rejected,
     write_run_report,
 )
+from surefit.tasks.control import (
+    final_model,
+    gpu_preset_without_gpu,
+    has_validation,
+    log_samples,
+    say_alias_notes,
+    warn_small_validation,
+)
 from surefit.training.distributed import on_main
 from surefit.training.loop import Checkpointing, LoopSettings, LossFn, fit
 from surefit.training.plan import plan_run
@@ -117,6 +125,8 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     quiet_libraries()
+    say_alias_notes(cfg, say)
+    cfg = gpu_preset_without_gpu(cfg, say)
     set_seed(cfg.seed)
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
     early: list[Problem] = []
@@ -125,6 +135,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
     out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
     write_json(out, "data_report.json", p.data_report)
+    warn_small_validation(p.data_report, cfg, say)
     for name, value in p.files.items():
         write_json(out, name, value)
     for name, records in p.jsonl.items():
@@ -137,13 +148,27 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
                     collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
                     out=out, **plan_args)
+    settings = LoopSettings.from_config(cfg, plan)
+    # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
+    schedule = settings.schedule(len(p.features))
+    write_json(out, "schedule.json", schedule.to_dict())
     log = open_metrics_log(cfg, out, acc)
 
-    def evaluate(model: Any, epoch: int) -> dict[str, Any]:
+    def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
+        # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
         result = p.evaluate(model, epoch, plan.eval_batch_size)
         if result.records is not None:
-            write_jsonl(predictions_path(out, epoch), result.records)
+            path = predictions_path(out, int(epoch))
+            write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), result.records)
+            if cfg.log_samples:
+                at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
+                log_samples(out, log, result.records[: cfg.log_samples], epoch, at, say)
         return result.metrics
+
+    evaluates = has_validation(cfg)
+    if not evaluates:
+        say("no validation data (--val_fraction 0 and no --val_data): training without evaluation; metrics.jsonl "
+            "holds the training figures and final/ the last state")
 
     def export(model: Any, folder: Path) -> None:
         p.save(acc.unwrap_model(model), folder)
@@ -152,12 +177,12 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
     try:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
-                      settings=LoopSettings.from_config(cfg, plan), accelerator=acc, evaluate=evaluate,
+                      settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
                       epoch_batches=p.epoch_batches, where=p.where)
     finally:
         log.close()
-    final = save_final(out, lambda d: export(p.model, d))
+    final = save_final(out, final_model(out, history, lambda d: export(p.model, d), say))
     say(f"saved {p.saved} to {final}")
     write_run_report(out, acc, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
@@ -166,6 +191,8 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
 def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
     """The doctor's report on the setup ``prepare`` builds, exactly as training would use it; nothing is written."""
     quiet_libraries()
+    say_alias_notes(cfg, say)
+    cfg = gpu_preset_without_gpu(cfg, say)
     p = prepare(cfg, say)
     report = p.check()
     say(str(report))

@@ -103,7 +103,7 @@ class Caller:
 def split_indices(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
     """``(train_idx, val_idx)``: a seeded split by index (tensor rows are independent examples)."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = max(1, round(n * val_fraction))
+    n_val = max(1, round(n * val_fraction)) if val_fraction > 0 else 0  # 0: training without validation
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
@@ -335,14 +335,15 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
 
     def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
         avg = mean_loss(m, caller, val_source, val_idx, batch_size, accelerator)
-        if epoch == 0:
-            say(f"epoch 0/{cfg.epochs}  avg_valid_loss={avg:.4f}")
+        if epoch == 0 or not float(epoch).is_integer():  # before training, and --eval_every's mid-epoch ones
+            say(f"epoch {epoch}/{cfg.epochs}  avg_valid_loss={avg:.4f}")
         return Evaluation({"eval_loss": avg, "avg_valid_loss": avg})
 
     def on_epoch(record: dict[str, Any]) -> None:
         record["avg_train_loss"] = record["train_loss"]
+        valid = f"avg_valid_loss={record['avg_valid_loss']:.4f}  " if "avg_valid_loss" in record else ""
         say(f"epoch {record['epoch']}/{cfg.epochs}  avg_train_loss={record['avg_train_loss']:.4f}  "
-            f"avg_valid_loss={record['avg_valid_loss']:.4f}  time_per_epoch={record['time_per_epoch']:.1f}s")
+            f"{valid}time_per_epoch={record['time_per_epoch']:.1f}s")
 
     epoch_batches = None
     if data.loads_whole_shards:

@@ -438,7 +438,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         cfg=cfg, model=model, accelerator=accelerator, features=features,
         lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex], collate=collate,
         loss_fn=train_loss, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: check(model, tokenizer, features, [e.features() for e in val_ex], collate, args=doctor_args,
+        check=lambda: check(model, tokenizer, features, [e.features() for e in val_ex] or None, collate, args=doctor_args,
                             task="sft"),
         data_report=data_report, jsonl={EXCLUDED: excluded},
         plan={"eval_lengths": [len(e.input_ids) for e in val_ex],

@@ -267,11 +267,13 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = No
     return state
 
 
-def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print, protect: Path | None = None) -> None:
+def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print, protect: Path | None = None,
+          keep_names: set[str] | None = None) -> None:
     """Keep the newest ``keep`` checkpoints that verify (0 keeps all); remove the older ones and the unusable ones.
 
     Only checkpoints that verify count towards ``keep``, and nothing is removed while no checkpoint verifies.
-    ``protect`` (the checkpoint the run resumed from) stays until a newer checkpoint verifies.
+    ``protect`` (the checkpoint the run resumed from) stays until a newer checkpoint verifies; ``keep_names`` (the
+    best evaluation's checkpoint, with ``--keep_best``) are never removed.
     """
     if keep <= 0 or not Path(checkpoints).is_dir():
         return
@@ -284,7 +286,7 @@ def prune(checkpoints: Path, keep: int, say: Callable[[str], None] = print, prot
     kept = set(usable[:keep])
     newest_step = _global_step(usable[0])
     for p in folders:
-        if p in kept:
+        if p in kept or p.name in (keep_names or set()):
             continue
         if protect is not None and p.resolve() == Path(protect).resolve() and newest_step <= _global_step(p):
             continue  # the run resumed from it and nothing newer verifies yet

@@ -31,6 +31,8 @@ from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
+from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
+from surefit.training.selection import Selection
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 
@@ -53,6 +55,16 @@ class LoopSettings:
     saved_activations: str | None = None
     # A non-finite loss or gradient norm: "stop" the run (the last good checkpoint stays), or "skip_step" (counted).
     on_nonfinite: str = "stop"
+    # Training control (training/schedule.py): stop after max_steps (overrides epochs), the scheduler's shape,
+    # warmup as steps (>= 1) or a ratio (replaces warmup_ratio), the decay's floor; evaluate every N steps too.
+    max_steps: int | None = None
+    lr_scheduler: str = "cosine"
+    warmup: float | None = None
+    min_lr: float = 0.0
+    eval_every: int = 0
+    # Best-model selection and early stopping: "METRIC" and "METRIC:PATIENCE" (config.parse_metric_goal).
+    keep_best: str | None = None
+    early_stopping: str | None = None
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
@@ -60,7 +72,17 @@ class LoopSettings:
         return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
                    seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations,
-                   on_nonfinite=getattr(cfg, "on_nonfinite", "stop"))
+                   on_nonfinite=getattr(cfg, "on_nonfinite", "stop"),
+                   **{name: getattr(cfg, name) for name in CONTROL})
+
+    def schedule(self, n_examples: int) -> Schedule:
+        """The learning-rate schedule and run length for ``n_examples`` training examples."""
+        return plan_schedule(n_examples=n_examples, batch_size=self.batch_size, epochs=self.epochs, lr=self.lr,
+                             kind=self.lr_scheduler, warmup=self.warmup, warmup_ratio=self.warmup_ratio,
+                             min_lr=self.min_lr, max_steps=self.max_steps)
+
+# The task configs' training-control settings, passed to the loop under the same names.
+CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
 
 
 def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -218,8 +240,6 @@ class _Fit:
                  loss_fn: LossFn, collate: Callable[[list[Any]], dict[str, torch.Tensor]], settings: LoopSettings,
                  accelerator: Any, evaluate: Callable[[Any, int], dict[str, Any]], checkpointing: Checkpointing,
                  log: Any, say: Callable[[str], None], counters: Any) -> None:
-        from transformers import get_cosine_schedule_with_warmup
-
         self.features, self.lengths, self.counts = features, lengths, counts
         self.loss_fn, self.collate, self.settings = loss_fn, collate, settings
         self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
@@ -228,9 +248,10 @@ class _Fit:
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_adamw(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.steps_per_epoch = math.ceil(len(features) / settings.batch_size)
-        total_steps = self.steps_per_epoch * settings.epochs
-        self.scheduler = get_cosine_schedule_with_warmup(optimizer, int(settings.warmup_ratio * total_steps),
-                                                         total_steps)
+        # The schedule is built for the steps the run takes (--max_steps, else the epochs'); cosine with min_lr 0 is
+        # transformers' get_cosine_schedule_with_warmup, step for step.
+        self.schedule = settings.schedule(len(features))
+        self.scheduler = make_scheduler(optimizer, self.schedule)
         _refuse_sharded(accelerator)
         if world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
             unused = unused_parameters(model, features, collate, loss_fn, accelerator)
@@ -253,32 +274,67 @@ class _Fit:
         self.progress = Progress()
         self.guard = OOMGuard()
         self.history: list[dict[str, Any]] = []
+        self.selection = Selection(settings.keep_best, settings.early_stopping)
+        self.stopped_early = False
 
     # -- evaluation and resume
 
-    def evaluate(self, epoch: int) -> dict[str, Any]:
+    def evaluate(self, epoch: int | float, **step: int) -> dict[str, Any]:
         """The task's evaluation, on the main process only (the DDP wrapper's forward is a collective: called on one
-        process it would wait for the others forever); the others receive its result."""
+        process it would wait for the others forever); the others receive its result. ``step=N`` (evaluations
+        between epoch ends) is passed on to the task's hook. A run without an evaluation hook returns ``{}``."""
+        if self.evaluate_fn is None:
+            return {}
         t0 = time.perf_counter()
         if self.world == 1:
-            metrics = self.evaluate_fn(self.model, epoch)
+            metrics = self.evaluate_fn(self.model, epoch, **step)
         else:
             unwrapped = self.accelerator.unwrap_model(self.model)
-            metrics = share_from_main(self.evaluate_fn(unwrapped, epoch) if self.main else None)
+            metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
         return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
+
+    def evaluate_mid_epoch(self) -> Path | None:
+        """``--eval_every``: an ``eval`` record at this step, with the epoch-end metrics. The RNG states are put back
+        afterwards, so the evaluation changes nothing the training draws (dropout masks, shuffles): a run resumes
+        exactly whatever was evaluated. With a best-model goal, a checkpoint carrying the model follows."""
+        from surefit.training.checkpoint import capture_rng, restore_rng
+
+        p = self.progress
+        rng = capture_rng()
+        try:
+            record = {"type": "eval", "epoch": p.epoch, "step": p.global_step,
+                      "epoch_progress": round((p.epoch - 1) + p.step_in_epoch / max(self.steps_per_epoch, 1), 4)}
+            record.update(self.evaluate(record["epoch_progress"], step=p.global_step))
+        finally:
+            restore_rng(rng)
+            self.model.train()
+        name = f"step-{p.global_step:07d}"
+        if self.selection.goal is not None:
+            self.selection.judge(record, name)
+        self.record(record)
+        if self.selection.goal is None:
+            return None
+        return self.checkpoint(name, export=True)
 
     def start(self) -> None:
         """Resume from the checkpoint named, or evaluate the model before the first step (epoch 0)."""
         from surefit.training.checkpoint import load_checkpoint
 
         folder = self.checkpointing.resume_from
+        self.say(self.selection.describe())
         if folder is None:
-            self.record({"type": "epoch", "epoch": 0, **self.evaluate(0)})
+            if self.evaluate_fn is None:
+                return  # no validation data: no evaluation before training (said once by the task runner)
+            record = {"type": "epoch", "epoch": 0, **self.evaluate(0)}
+            if self.selection.goal is not None:
+                self.selection.value(record)  # a metric the task does not report is refused before step 1
+            self.record(record)
             return
         state = load_checkpoint(folder, model=self.accelerator.unwrap_model(self.model), optimizer=self.optimizer,
                                 scheduler=self.scheduler, scaler=getattr(self.accelerator, "scaler", None))
         self.history, self.progress = state["history"], Progress(**state["position"])
         self.guard.load(state.get("oom", {}))
+        self.selection.load(state.get("selection"))  # the best so far and the early-stopping count go on
         if self.counters is not None:  # saved summed over processes: the main process carries them on
             self.counters.load((state.get("counters") or {}) if self.main else {})
         if self.main:
@@ -366,8 +422,10 @@ class _Fit:
         record.update(self.evaluate(p.epoch))
         if on_epoch is not None:
             on_epoch(record)
-        self.record(record)
         name = f"epoch-{p.epoch}"
+        if self.selection.goal is not None:
+            self.selection.judge(record, name)
+        self.record(record)
         p.next_epoch()
         return self.checkpoint(name, export=True)
 
@@ -394,6 +452,7 @@ class _Fit:
             # saving), so the micro-step of the position is always 0.
             state={"global_step": self.progress.global_step, "position": asdict(self.progress), "micro_step": 0,
                    "history": self.history, "oom": self.guard.state(), "counters": counts,
+                   "selection": self.selection.state(),
                    "metrics_bytes": self.log.bytes_written(),
                    "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
                             "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
@@ -401,7 +460,9 @@ class _Fit:
             export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
-        prune(ck.folder, ck.keep, self.say, protect=ck.resume_from)
+        best = self.selection.best
+        # The best evaluation's checkpoint becomes final/: --keep_checkpoints never removes it.
+        prune(ck.folder, ck.keep, self.say, protect=ck.resume_from, keep_names={best["checkpoint"]} if best else set())
         barrier()
         return folder
 
@@ -469,15 +530,18 @@ def fit(
                accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say,
                counters=counters)
     run.where = where
+    if settings.max_steps is not None or settings.lr_scheduler != "cosine" or settings.min_lr:
+        say(run.schedule.describe())
     run.start()
     p = run.progress
+    epochs = run.schedule.epochs  # --max_steps may end the last one early, or run more than --epochs
     with _StopSignal(announce=run.main) as stop:
-        while p.epoch <= settings.epochs:
+        while p.epoch <= epochs:
             run.model.train()
             batches = (epoch_batches(p.epoch) if epoch_batches is not None
                        else step_batches(lengths, settings.batch_size, settings.seed, p.epoch))
             # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
-            bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{settings.epochs}",
+            bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{epochs}",
                        unit="step", dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0,
                        disable=not run.main)
             for step_indices in batches[p.step_in_epoch :]:
@@ -487,22 +551,37 @@ def fit(
                                 tok_s=f"{step.tokens / max(step.seconds, 1e-9):.0f}", refresh=False)
                 bar.update(1)
                 run.log_step(step)
-                if p.step_in_epoch == len(batches):
-                    break  # the epoch's end saves a checkpoint and handles a stop request
+                if p.step_in_epoch == len(batches) or p.global_step >= run.schedule.total_steps:
+                    break  # the epoch's end (or --max_steps) saves a checkpoint and handles a stop request
+                saved = None
+                if settings.eval_every and p.global_step % settings.eval_every == 0 and evaluate is not None:
+                    saved = run.evaluate_mid_epoch()
+                    run.stopped_early = run.selection.should_stop
+                    if run.stopped_early:
+                        break
                 if step.stop:
                     bar.close()
                     folder = run.checkpoint(f"step-{p.global_step:07d}", export=False)
                     raise run.interrupted(stop, f"after epoch {p.epoch}, step {p.step_in_epoch} of {len(batches)}",
                                           folder)
-                if checkpointing.save_every and p.global_step % checkpointing.save_every == 0:
+                if checkpointing.save_every and p.global_step % checkpointing.save_every == 0 and saved is None:
                     run.checkpoint(f"step-{p.global_step:07d}", export=False)
             bar.close()
+            if run.stopped_early:
+                break
             epoch = p.epoch
             folder = run.end_epoch(on_epoch)
+            run.stopped_early = run.selection.should_stop
+            if run.stopped_early:
+                break
             # A signal may have come during the evaluation: agree again, so no process goes on alone.
             stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
-            if stop_now and epoch < settings.epochs:
+            if p.global_step >= run.schedule.total_steps:
+                break
+            if stop_now and epoch < epochs:
                 raise run.interrupted(stop, f"at the end of epoch {epoch}", folder)
+    if run.stopped_early:
+        say(run.selection.stopped_at(p.global_step))
     return run.history
 
 

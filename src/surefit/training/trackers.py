@@ -100,6 +100,12 @@ class Trackers:
         if values:
             self.accelerator.log(values, step=step)
 
+    def log_text(self, texts: dict[str, str], step: int) -> None:
+        """Text entries (TensorBoard's Text tab, W&B strings), e.g. sample generations at an evaluation."""
+        self.start()
+        if texts:
+            self.accelerator.log(texts, step=step)
+
     def finish(self) -> None:
         """Close every tracker (flushes TensorBoard's files, ends the W&B run).
 
