@@ -222,6 +222,10 @@ def test_log_samples_writes_the_same_rows_at_every_evaluation_to_files_tensorboa
     tags = acc.Tags()["tensors"]
     assert {"samples/0/text_summary", "samples/1/text_summary"} <= set(tags), tags
     assert [e.step for e in acc.Tensors("samples/0/text_summary")] == [0, 2, 4]
+    # The step-2 evaluation is a TensorBoard point at its step, between the epoch ones, with the same metrics.
+    evals = {r["step"]: r for r in _records(out) if r["type"] == "eval"}
+    assert [e.step for e in acc.Scalars("eval/f1")] == [0, 2, 4]
+    assert acc.Scalars("eval/loss")[1].value == pytest.approx(evals[2]["eval_loss"], rel=1e-6)
     html = (out / "report.html").read_text()
     assert "logged samples at each evaluation (--log_samples)" in html and val[0]["input"][:20] in html
 

@@ -88,3 +88,16 @@ def test_max_steps_mid_epoch_runs_that_many_steps_with_the_schedule_built_for_th
     assert steps[1]["lr"] == pytest.approx(1e-2)  # warmup over: after step 2
     assert json.loads((out / "schedule.json").read_text())["total_steps"] == 11
     assert (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_schedule_settings_are_checked_with_their_flags():
+    from surefit.cli import parse_train_config
+    from surefit.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        parse_train_config("--data d --warmup 2.5 --min_lr 1 --lr 1e-3 --max_steps 0 --lr_scheduler step".split())
+    text = e.value.render()
+    assert "--warmup: must be a whole number of steps (>= 1) or a ratio in [0, 1) (got 2.5)" in text
+    assert "--min_lr: must be >= 0 and below --lr 0.001 (got 1.0)" in text
+    assert "--max_steps: must be >= 1 (got 0)" in text
+    assert "--lr_scheduler: expected one of cosine, linear, constant, wsd; got 'step'" in text
