@@ -138,6 +138,15 @@ def test_the_sft_path_listed_in_the_architecture_page_is_true_and_short():
     assert total <= 8000, f"the SFT path is {total} lines"
 
 
+def test_the_readme_stays_an_overview():
+    """The README says what surefit is, the two commands, an example per task and links; the manual is docs/."""
+    text = (REPO / "README.md").read_text()
+    assert len(text) <= 12_000, len(text)
+    assert "make demo" in text and "make test" in text
+    for link in re.findall(r"\]\((docs/[\w./-]+\.md)", text):
+        assert (REPO / link).is_file(), link
+
+
 def _shown(output: str) -> list[str]:
     """Output as a page shows it: progress bars and blank lines left out."""
     return [x.rstrip() for x in output.splitlines() if x.strip() and "%|" not in x]
