@@ -235,6 +235,12 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*is deprecated.*", category=FutureWarning)
 
 
+def inner_model(model: Any) -> Any:
+    """The transformers model inside DDP (``module``, outermost) and peft (``get_base_model``) wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+
+
 # ------------------------------------------------------------------------------------------------------------ LoRA
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from surefit.data.collate import PadCollator
+from surefit.models import inner_model
 
 
 @torch.no_grad()
@@ -110,10 +111,8 @@ def _forward_kwargs(model: Any) -> tuple[dict[str, int], str]:
     name of the KV cache argument and output (``cache`` in transformers 5.x, ``past_key_values`` before)."""
     import inspect
 
-    inner = getattr(model, "module", model)  # DDP outermost, then peft
-    inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     try:
-        params = inspect.signature(type(inner).forward).parameters
+        params = inspect.signature(type(inner_model(model)).forward).parameters
     except (TypeError, ValueError):
         params = {}
     extra = {"logits_to_keep": 1} if "logits_to_keep" in params else {}

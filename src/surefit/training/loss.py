@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
+from surefit.models import inner_model
 
 
 class BatchPacker(Protocol):
@@ -30,12 +31,6 @@ class BatchPacker(Protocol):
 def count_supervised_tokens(labels: torch.Tensor) -> int:
     """Tokens that carry loss in a causal-LM batch (labels are shifted by one, so the first position never does)."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
-
-
-def inner_model(model: Any) -> Any:
-    """The transformers model inside DDP (``module``, outermost) and peft (``get_base_model``) wrappers."""
-    inner = getattr(model, "module", model)
-    return inner.get_base_model() if hasattr(inner, "get_base_model") else inner
 
 
 def base_forward_params(model: Any) -> frozenset[str]:
