@@ -150,7 +150,7 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     are not logged by surefit, so its two evaluation functions are wrapped here with a timer (nothing else changes)."""
     import surefit
     import surefit.tasks.common as common
-    import surefit.tasks.sft as sft
+    import surefit.tasks.sft.recipe as sft
 
     marks: dict[str, Any] = {"fit_start": None, "evals": []}
     original_fit, original_loss, original_gen = common.fit, sft.evaluate_loss, sft.greedy_generate

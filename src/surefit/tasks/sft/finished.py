@@ -1,0 +1,316 @@
+"""A finished sft run: ``final/`` read back (``load``), scored as each epoch was (``evaluate``), asked (``predict``),
+exported; and ``inspect``, what a run would supervise. Training itself is ``recipe.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from surefit.config import SFTConfig
+from surefit.data.encode import (
+    Example,
+    encode_rows,
+)
+from surefit.data.formats import (
+    detect_format,
+    fill_template,
+    parse_role_map,
+    template_fields,
+    to_conversations,
+)
+from surefit.data.readers import check_text_fields, read_checked
+from surefit.data.rows import Row
+from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
+from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
+from surefit.run_folder import Run
+from surefit.tasks.common import Loaded, chunks, rows_from_texts
+from surefit.tasks.sft.recipe import (
+    FINAL_FILES,
+    Encoder,
+    Say,
+    _encode_settings,
+    _input_text,
+    choose_metric,
+    eos_token_ids,
+    evaluate_examples,
+    generate_texts,
+    load_data,
+    prediction_records,
+    prerendered,
+)
+from surefit.training.precision import make_accelerator, store_frozen_in
+from surefit.training.speedups.lora_fast import fuse_lora
+
+
+def _base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
+    """The base model the run was trained from (a LoRA adapter is applied to it), resolved as training did."""
+    try:
+        source = resolve_model(run.cfg.model)
+        return model_folder(source, log=say), source
+    except ModelError as e:
+        raise run.config_problem(e, ("model",)) from e
+
+
+def load(run: Run, say: Say = print, as_trained: bool = True) -> Loaded:
+    """The causal LM (base + LoRA adapter, or the full model), its tokenizer and the run's prompt format.
+
+    ``as_trained``: frozen weights in the dtype training computed with (``False``: fp32, e.g. to merge for export).
+    """
+    import torch
+
+    run.require(*FINAL_FILES)
+    cfg = run.cfg
+    final_source = ModelSource("folder", str(run.final), str(run.final))
+    tokenizer, _ = load_tokenizer(str(run.final), final_source, cfg.trust_remote_code)
+    if (run.final / "adapter_config.json").is_file():
+        from peft import PeftModel
+
+        path, source = _base_model(run, say)
+        # Adapters marked trainable as in training: what stays frozen is what training may have stored in 16 bits.
+        model = PeftModel.from_pretrained(load_causal_lm(path, source, cfg.trust_remote_code), str(run.final),
+                                          is_trainable=bool(run.frozen_dtype))
+        if as_trained:
+            fuse_lora(model)  # the forward training used (adapters summed in fp32)
+            if run.frozen_dtype:
+                store_frozen_in(model, {"bf16": torch.bfloat16, "fp16": torch.float16}[run.frozen_dtype])
+    else:
+        model = load_causal_lm(str(run.final), final_source, cfg.trust_remote_code)
+    accelerator = make_accelerator(run.precision)
+    model.to(accelerator.device).eval()
+    # The saved tokenizer carries the chat template training used (a --chat_format file need not exist any more).
+    used = replace(cfg, chat_format=None) if getattr(tokenizer, "chat_template", None) else cfg
+    encoder = Encoder.build(used, tokenizer, run.report.get("format", "input_target"),
+                            bool(run.report.get("format_conversational")))
+    eos = sorted(set(eos_token_ids(model, tokenizer)) | set(run.report.get("stop_ids") or []))
+    return Loaded(model, tokenizer, accelerator, {"fmt": encoder.prompt, "encoder": encoder, "eos": eos})
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | None, fields: dict[str, str],
+             say: Say = print) -> tuple[str, int, dict[str, Any], list[dict[str, Any]]]:
+    """``surefit eval`` of an sft run: its validation split re-derived as training did (or ``data``), scored by
+    :func:`evaluate_examples` as each epoch was.
+
+    Returns:
+        ``(what was evaluated, rows, metrics, prediction records)``.
+    """
+    cfg = run.cfg
+    input_field = fields.get("input_field") or cfg.input_field
+    target_field = fields.get("target_field") or cfg.target_field
+    train_rows = None
+    if data is None:
+        run.check_training_data()
+        train_rows, rows, _ = load_data(cfg, say=_quiet)
+        described = run.validation_described()
+    else:
+        rows = _read_run_file(run, data, [(input_field, "--input_field"), (target_field, "--target_field")])
+        described = str(data)
+    loaded = load(run, say)
+    enc = _encode_settings(cfg, input_field, target_field)
+    encoder: Encoder = loaded.extra["encoder"]
+    if encoder.chat is not None:
+        examples, rep = encoder.encode(rows, "evaluation")
+    else:
+        examples, rep = encode_rows(rows, loaded.tokenizer, loaded.extra["fmt"], split="evaluation", **enc)
+    for where, why in rep.excluded[:10]:
+        say(f"excluded {where}: {why}")
+    if not examples:
+        raise DataError(Problem(f"no rows of {described} fit: all {rep.rows} targets are longer than "
+                                f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
+                                "evaluate on rows with shorter targets"))
+    max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc)
+    metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, target_field=target_field,
+                                              eos_token_ids=loaded.extra["eos"], max_new_tokens=max_new,
+                                              batch_size=batch_size, accelerator=loaded.accelerator, say=say,
+                                              metric=choose_metric(cfg, bool(run.report.get("format_conversational"))))
+    records = prediction_records(examples, preds, golds, input_field)
+    if rep.excluded:
+        metrics["excluded_rows"] = len(rep.excluded)
+    return described, len(examples), metrics, records
+
+
+def _max_new_tokens(run: Run, given: int | None, loaded: Loaded, train_rows: list | None, enc: dict) -> int:
+    """Generation length as training chose it: --max_new_tokens, else the longest training target + 4."""
+    if given:
+        return given
+    if run.cfg.max_new_tokens:
+        return run.cfg.max_new_tokens
+    longest = ((run.report.get("encoding") or {}).get("train") or {}).get("longest_target")
+    if not longest and train_rows is not None:
+        longest = loaded.extra["encoder"].encode(train_rows, "train")[1].longest_target
+    if not longest:
+        raise ConfigError(Problem(f"cannot tell how many tokens to generate: {run.folder / 'data_report.json'} does not "
+                                  "give the longest training target", "--max_new_tokens", "pass --max_new_tokens N"))
+    return longest + 4
+
+
+def _read_run_file(run: Run, path: str, text_fields: list[tuple[str, str]], complete: bool = True) -> list[Row]:
+    """Rows of another file for ``eval`` / ``predict``, in the run's format: conversations when the run trained on
+    conversations (and the file holds them), else the flat fields checked. Every problem is raised at once."""
+    from surefit.data.readers import SKIP_HINT, read_rows
+
+    if not run.report.get("format_conversational"):
+        return read_checked(path, text_fields)
+    problems: list[Problem] = []
+    rows = read_rows(path, problems)
+    choice = detect_format(rows, str(path), "auto", text_fields[0][0], "target", parse_role_map(run.cfg.role_map)[0])
+    if isinstance(choice, Problem):
+        problems.append(choice)
+    elif choice.conversational:
+        rows = to_conversations(rows, choice, str(path), problems, complete=complete)
+    else:  # flat rows for a chat run: each input is one user turn
+        rows, _ = check_text_fields(rows, text_fields[:1], problems, str(path))
+        rows = [r.with_fields(messages=[{"role": "user", "content": str(r.fields[text_fields[0][0]])}]
+                              + ([{"role": "assistant", "content": str(r.fields[text_fields[1][0]]), "train": True}]
+                                 if len(text_fields) > 1 and text_fields[1][0] in r.fields else []), tools=None)
+                for r in rows]
+    raise_input_problems([replace(p, fix=p.fix.replace(f"; {SKIP_HINT}", "").replace(SKIP_HINT, ""))
+                          for p in problems])
+    return rows
+
+
+def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_size: int,
+            max_new_tokens: int | None, fields: dict[str, str], say: Say = print) -> Iterator[list[dict[str, Any]]]:
+    """Generated responses in the run's prompt format, one batch of records at a time, in input order.
+
+    A conversation (``messages`` / ``conversations`` row) is continued with the next assistant turn; generation
+    stops at every end-of-turn id of the template and the generation config."""
+    input_field = fields.get("input_field") or run.cfg.input_field
+    text_fields = [(input_field, "--input_field")]
+    conversational = bool(run.report.get("format_conversational"))
+    if file is not None:
+        rows = _read_run_file(run, str(file), text_fields, complete=False)
+    else:
+        rows = rows_from_texts(inputs, text_fields)
+        if conversational:
+            rows = [r.with_fields(messages=[{"role": "user", "content": r.fields[input_field]}], tools=None)
+                    for r in rows]
+    cfg = run.cfg
+    if prerendered(cfg) and not conversational:
+        names = template_fields(cfg.template)
+        rows = [r.with_fields(**{input_field: fill_template(cfg.template, {
+            n: r.fields.get(input_field if n == "input" else n) for n in names})}) for r in rows]
+    loaded = load(run, say)
+    encoder: Encoder = loaded.extra["encoder"]
+    max_new = _max_new_tokens(run, max_new_tokens, loaded, None, _encode_settings(cfg))
+    # Like training, prompt + answer fit in max_seq_length: the input is cut (and counted) so that they do.
+    room = max(cfg.max_seq_length - max_new, 1)
+    for part in chunks(rows, batch_size):
+        prompts, cut = [], []
+        for r in part:
+            ids, n_cut = encoder.prompt_ids(r, room)
+            prompts.append(ids)
+            cut.append(n_cut)
+        lengths: list[int] = []
+        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
+                               max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
+                               lengths=lengths)
+        batch = []
+        for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
+            rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
+                   "stopped": "end of turn" if n < max_new else f"max_new_tokens ({max_new})"}
+            if n_cut:
+                rec["input_tokens_cut"] = n_cut
+                what = "oldest turns" if conversational else f"input tokens cut from the {cfg.truncation_side}"
+                say(f"{row.where}: {n_cut} tokens of {what} dropped so that prompt + answer "
+                    f"fit max_seq_length {cfg.max_seq_length}")
+            batch.append(rec)
+        yield batch
+
+
+def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
+    """Write the run's model into ``folder`` (new); with ``merge``, a LoRA adapter folded into the base weights: a
+    plain causal LM that ``AutoModelForCausalLM`` loads without peft. Returns what was written, in words."""
+    import shutil
+
+    run.require(*FINAL_FILES)
+    lora = (run.final / "adapter_config.json").is_file()
+    if merge and lora:
+        folder.mkdir(parents=True)
+        loaded = load(run, say, as_trained=False)
+        loaded.model.merge_and_unload().save_pretrained(folder, safe_serialization=True)
+        loaded.tokenizer.save_pretrained(folder)
+        return "merged model (adapter folded into the base weights)"
+    shutil.copytree(run.final, folder)
+    if merge:
+        say(f"--merge: {run.folder} was trained in full (no LoRA adapter); copied the model as it is")
+    return "LoRA adapter (load with peft; its base model is named in adapter_config.json)" if lora else "model"
+
+
+# ------------------------------------------------------------------------------------------------------------ inspect
+
+
+def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool | None = None,
+            say: Say = print) -> dict[str, Any]:
+    """``surefit inspect --task sft``: what training would supervise, without loading the model's weights.
+
+    Every row is read, checked and encoded as training would (format, template, truncation); the first ``show``
+    examples are printed with the supervised spans marked (colour on a terminal, ``[[ ]]`` otherwise), then counts
+    per role. ``out``: one JSON object per encoded example (``where``, ``input_ids``, ``labels``, ``text``).
+
+    Returns:
+        The counts printed.
+    """
+    import json
+    import sys
+
+    rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
+    rows, _, report = load_data(rows_cfg, say)
+    source = resolve_model(cfg.model)
+    path = model_folder(source, log=say)
+    tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
+    encoder = Encoder.build(cfg, tokenizer, report["format"], report["format_conversational"])
+    say(encoder.why)
+    examples, rep = encoder.encode(rows, "all", cfg.on_bad_rows == "skip")
+    if color is None:
+        color = sys.stdout.isatty()
+    on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
+    for ex in examples[:show]:
+        say(f"--- {ex.row.where} (supervised spans marked {on}like this{off}) ---")
+        say(marked_text(tokenizer, ex, on, off))
+    roles = getattr(rep, "roles", {}) or {}
+    counts = {"rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens, "supervised_tokens": rep.supervised_tokens,
+              "turns": roles, "shortened": len(getattr(rep, "rows_shortened", [])), "excluded": len(rep.excluded)}
+    say(f"{rep.encoded}/{rep.rows} rows encoded; {rep.tokens} tokens, {rep.supervised_tokens} supervised "
+        f"({100.0 * rep.supervised_tokens / max(rep.tokens, 1):.1f}%)")
+    if roles:
+        trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
+        say("turns per role: " + ", ".join(f"{r} {n}" for r, n in roles.items()) + f"; supervised: {trained} "
+            "and its terminator; system, user and tool turns never")
+    if getattr(rep, "tools_rows", 0):
+        say(f"tools: {rep.tools_rows} rows give tool schemas ({rep.tools_how}); {rep.tool_call_turns} assistant turns "
+            "call a tool (trained like any assistant turn)")
+    say(f"shortened to fit: {counts['shortened']} of {rep.rows} rows (oldest turns dropped); excluded: "
+        f"{counts['excluded']} of {rep.rows} rows")
+    for where, why in rep.excluded[:10]:
+        say(f"  excluded {where}: {why}")
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            for ex in examples:
+                f.write(json.dumps({"where": ex.row.where, "input_ids": ex.input_ids, "labels": ex.labels,
+                                    "text": tokenizer.decode(ex.input_ids, skip_special_tokens=False)},
+                                   ensure_ascii=False) + "\n")
+        say(f"wrote {len(examples)} encoded examples to {out}")
+    return counts
+
+
+def marked_text(tokenizer: Any, ex: Example, on: str, off: str) -> str:
+    """The example's text with each supervised run of tokens between ``on`` and ``off``."""
+    parts: list[str] = []
+    run: list[int] = []
+    trained = False
+    for t, label in [*zip(ex.input_ids, ex.labels, strict=True), (None, None)]:
+        if t is None or (label != -100) != trained:
+            if run:
+                text = tokenizer.decode(run, skip_special_tokens=False)
+                parts.append(f"{on}{text}{off}" if trained else text)
+            run, trained = [], label is not None and label != -100
+        if t is not None:
+            run.append(t)
+    return "".join(parts)
