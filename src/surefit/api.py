@@ -10,11 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from surefit.config import TASK_CONFIGS
-from surefit.errors import ConfigError, Problem, raise_if
+from surefit.errors import ConfigError, Problem
+
+# Using a finished run lives in surefit/finished.py; its names stay importable from here.
+from surefit.finished import evaluate, export, predict, report
 from surefit.names import build_with_aliases
+from surefit.tasks import task_module
 
 
 @dataclass
@@ -52,12 +56,6 @@ def _config(config: Any, settings: dict[str, Any]) -> Any:
     return config
 
 
-def _task_module(task: str) -> Any:
-    import importlib
-
-    return importlib.import_module(f"surefit.tasks.{task}")
-
-
 def train(config: Any = None, /, **settings: Any) -> RunResult:
     """Train a model.
 
@@ -70,7 +68,7 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
     cfg = _config(config, settings)
-    out = _task_module(cfg.task).run(cfg)
+    out = task_module(cfg.task).run(cfg)
     return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])
 
 
@@ -80,27 +78,7 @@ def doctor(config: Any = None, /, **settings: Any) -> Any:
     from surefit.tasks.common import doctor as run_doctor
 
     cfg = _config(config, settings)
-    return run_doctor(cfg, _task_module(cfg.task).prepare)
-
-
-def report(run: str | Path, say=print) -> Path:
-    """(Re)build ``curves.png`` and ``report.html`` in a run folder (finished, interrupted or still training).
-
-    Returns:
-        The path of ``report.html``.
-
-    Raises:
-        ConfigError: the folder does not exist or holds no run (no ``config.yaml`` and no ``metrics.jsonl``).
-    """
-    from surefit.report import write_report
-
-    folder = Path(run)
-    if not folder.is_dir():
-        raise ConfigError(Problem(f"no such run folder: {folder}", "--run", "pass a run's --output_dir"))
-    if not (folder / "config.yaml").is_file() and not (folder / "metrics.jsonl").is_file():
-        raise ConfigError(Problem(f"{folder} holds no run (no config.yaml or metrics.jsonl)", "--run",
-                                  "pass the --output_dir a `surefit train` wrote"))
-    return write_report(folder, say=say)
+    return run_doctor(cfg, task_module(cfg.task).prepare)
 
 
 def inspect_sft(config: Any, out: str | None = None, show: int = 2, say=print) -> dict:
@@ -124,173 +102,4 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     return text
 
 
-def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = False, say=print) -> tuple[Any, Any]:
-    """The finished run and its task module; ``final/`` must hold what the task saves. The code the run's config
-    names (head, model or data factory, remote code) only runs with ``allow_code`` / ``trust_remote_code``."""
-    from surefit.models import quiet_libraries
-    from surefit.run_folder import open_run
-
-    quiet_libraries()
-    r = open_run(run, allow_code=allow_code, trust_remote_code=trust_remote_code, say=say)
-    task = _task_module(r.task)
-    r.require(*task.final_files(r.cfg))
-    return r, task
-
-
-def _check_counts(**values: int | None) -> None:
-    raise_if([Problem(f"must be >= 1 (got {v})", f"--{k}") for k, v in values.items() if v is not None and v < 1],
-             ConfigError)
-
-
-def _check_fields(run: Any, task: Any, fields: dict[str, str | None]) -> dict[str, str]:
-    """Column flags given for ``--data`` / ``--file``: only the run's task's apply."""
-    wrong = [k for k, v in fields.items() if v is not None and k not in task.FIELDS]
-    if wrong:
-        allowed = ", ".join(f"--{k}" for k in task.FIELDS) or "none"
-        raise ConfigError([Problem(f"--{k} does not apply to a {run.task} run ({run.folder})", f"--{k}",
-                                   f"drop it (field flags of {run.task} runs: {allowed})") for k in wrong])
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None = None,
-             show: str | None = None, say=print, batch_size: int | None = None, max_new_tokens: int | None = None,
-             predictions: str | Path | None = None, fields: dict[str, str | None] | None = None,
-             allow_code: bool = False, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Evaluate a finished run on its validation split, re-derived exactly as training did, or on ``data``.
-
-    sft: eval loss, SQuAD F1 and exact match of greedy generations; classify: accuracy, macro-F1, per-class F1 and
-    the confusion matrix (multi-label, regression: their metrics); custom: eval loss. On the run's own validation
-    split the numbers match the last epoch of ``metrics.jsonl`` (returned under ``"training"`` to compare).
-
-    Args:
-        run: the run folder (``--output_dir`` of ``surefit train``).
-        data: evaluate on this file (sft, classify) or tensor folder (custom) instead.
-        out: also write the result as JSON to this file.
-        show: ``"table"`` or ``"json"``: print the result that way (to stdout); ``None`` prints nothing.
-        say: where progress and notes go.
-        batch_size: evaluation batch (default: the run's, so that the numbers match its last epoch exactly).
-        max_new_tokens: sft generation length (default: the run's).
-        predictions: write one JSON line per example (input, gold, prediction) to this file.
-        fields: column overrides for ``data``: ``input_field``/``target_field`` (sft), ``text_field``,
-            ``text_pair_field``, ``label_field`` (classify).
-        allow_code: run the code the run's config.yaml names (a ``head``, a ``model`` or ``data`` factory, remote
-            code); without it such a run is refused (a run folder is data). trust_remote_code: allow only the
-            latter.
-
-    Returns:
-        ``{"run", "task", "data", "rows", "metrics", "training"}``; ``training`` holds the last epoch's values of the
-        same metrics from ``metrics.jsonl`` when the run's own validation split was evaluated (else ``None``).
-    """
-    import json as _json
-
-    from surefit.report import render_eval
-    from surefit.run_folder import write_jsonl
-
-    _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
-    r, task = _open(run, allow_code, trust_remote_code, say)
-    given = _check_fields(r, task, fields or {})
-    if data is None and given:
-        raise ConfigError([Problem(f"--{k} names a column of --data, and no --data was given (the run's own validation "
-                                   "data is read with the run's fields)", f"--{k}", "pass --data FILE, or drop it")
-                           for k in given])
-    described, n, metrics, records = task.evaluate(r, data, batch_size or r.eval_batch_size, max_new_tokens, given,
-                                                   say)
-    if predictions is not None:
-        write_jsonl(Path(predictions), records)
-    training = None
-    if data is None and r.last_epoch is not None:
-        training = {"epoch": r.last_epoch.get("epoch")}
-        training.update({k: r.last_epoch[k] for k in metrics if k in r.last_epoch})
-    result = {"run": str(r.folder), "task": r.task, "data": described, "rows": n, "metrics": metrics,
-              "training": training}
-    if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(_json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    if show == "json":
-        print(_json.dumps(result, indent=2))
-    elif show == "table":
-        print(render_eval(result))
-    return result
-
-
-def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None, *,
-            out: str | Path | None = None, stream: TextIO | None = None, collect: bool = True,
-            batch_size: int | None = None, max_new_tokens: int | None = None,
-            fields: dict[str, str | None] | None = None, say=print, allow_code: bool = False,
-            trust_remote_code: bool = False) -> list[dict[str, Any]]:
-    """Predict with a finished sft or classify run: one record per input, in input order.
-
-    sft records hold the generated ``prediction`` (the run's prompt format, greedy, stopped at EOS); classify records
-    the ``label`` (``labels`` for multi-label, ``value`` for regression) and ``probabilities`` per label.
-
-    Args:
-        run: the run folder. inputs: one text or a list of texts. file: rows (JSONL, JSON, CSV, TSV, Parquet) holding
-            the run's input field (sft) or text field(s) (classify); every bad row is reported, with its line, before
-            anything is predicted.
-        out: write the records as JSON lines to this file. stream: write each record to this text stream (e.g.
-            ``sys.stdout``) as soon as its batch is done. collect: also return the records (``False`` for files too
-            large to hold).
-        batch_size: rows per batch (default: the run's evaluation batch). max_new_tokens: sft generation length.
-        fields: ``input_field`` (sft) or ``text_field``/``text_pair_field`` (classify) to read from ``file``.
-        allow_code, trust_remote_code: as for :func:`evaluate`.
-    """
-    import json as _json
-
-    _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
-    r, task = _open(run, allow_code, trust_remote_code, say)
-    given = _check_fields(r, task, fields or {})
-    batches = task.predict(r, inputs, None if file is None else str(file), batch_size or r.eval_batch_size,
-                           max_new_tokens, given, say)  # a task without predictions refuses here
-    if (inputs is None) == (file is None):
-        raise ConfigError(Problem("give either --input TEXT or --file ROWS" if inputs is None else
-                                  "both --input and --file given", "--input", "use one of them"))
-    if out is not None:
-        if Path(out).is_dir():
-            raise ConfigError(Problem(f"{out} is a folder", "--out", "pass a file path, e.g. predictions.jsonl"))
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-    records: list[dict[str, Any]] = []
-    count = 0
-    fh = Path(out).open("w", encoding="utf-8") if out is not None else None
-    try:
-        for batch in batches:
-            sinks = [s for s in (fh, stream) if s is not None]
-            for rec in batch:
-                line = _json.dumps(rec, ensure_ascii=False) + "\n"
-                for sink in sinks:
-                    sink.write(line)
-            for sink in sinks:
-                sink.flush()
-            count += len(batch)
-            if collect:
-                records += batch
-    finally:
-        if fh is not None:
-            fh.close()
-    if out is not None:
-        say(f"wrote {count} prediction{'s' if count != 1 else ''} to {out}")
-    return records
-
-
-def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False, say=print,
-           allow_code: bool = False, trust_remote_code: bool = False) -> Path:
-    """Copy a run's final model to ``to``; with ``merge``, fold its LoRA adapter into the base weights first.
-
-    A merged sft run is a plain causal LM (loads with ``AutoModelForCausalLM``, no peft), a merged or fully trained
-    classifier a plain sequence classifier with ``label2id``/``id2label`` in its config; a backbone + custom head
-    keeps that layout (``backbone/``, ``head.safetensors``, ``surefit_head.json``), with the backbone merged.
-
-    Returns:
-        The folder written.
-
-    Raises:
-        SurefitError: ``to`` is not empty (without ``overwrite``), is a file, holds the run or is inside it.
-
-    ``allow_code``, ``trust_remote_code``: as for :func:`evaluate`.
-    """
-    from surefit.run_folder import export_folder
-
-    r, task = _open(run, allow_code, trust_remote_code, say)
-    what: list[str] = []
-    dest = export_folder(r, Path(to), overwrite, lambda tmp: what.append(task.export(r, tmp, merge, say)))
-    say(f"exported the {what[0]} of {r.folder} to {dest}")
-    return dest
+__all__ = ["RunResult", "doctor", "evaluate", "export", "inspect_data", "inspect_sft", "predict", "report", "train"]
