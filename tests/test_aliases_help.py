@@ -6,7 +6,8 @@ import pytest
 
 import surefit
 from surefit.cli import build_parser, main, parse_train_config
-from surefit.config import SFTConfig, load_yaml
+from surefit.config import SFTConfig
+from surefit.config_files import load_yaml
 from surefit.errors import ConfigError
 from surefit.names import ALIASES, build_with_aliases
 

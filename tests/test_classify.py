@@ -8,7 +8,8 @@ import torch
 
 from conftest import sentiment_rows, write_tsv
 from surefit.cli import main
-from surefit.config import ClassifyConfig, SFTConfig, build_config, list_presets, load_preset
+from surefit.config import ClassifyConfig, SFTConfig, build_config
+from surefit.config_files import list_presets, load_preset
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -13,7 +13,8 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from surefit.config import TASK_CONFIGS, field_kind, load_yaml
+from surefit.config import TASK_CONFIGS, field_kind
+from surefit.config_files import load_yaml
 from surefit.errors import SurefitError
 
 

@@ -19,6 +19,16 @@ from typing import Any, Literal
 
 import yaml
 
+from surefit.config_checks import (
+    EXAMPLES,
+    at_least,
+    divisors,
+    output_dir_problems,
+    report_to_problems,
+    split_names,
+    training_control_problems,
+)
+from surefit.config_files import load_preset
 from surefit.errors import ConfigError, Problem
 
 
@@ -125,11 +135,11 @@ class TrainConfig:
         """Every cross-field and range problem, naming the flag as the user types it."""
         p: list[Problem] = []
         for name in ("epochs", "batch_size", "grad_accum", "log_every", "limit", "eval_batch_size", "lora_alpha"):
-            _at_least(p, self, name, 1)
-        _at_least(p, self, "max_seq_length", 8)
-        _at_least(p, self, "lora_r", 0)
-        _at_least(p, self, "keep_checkpoints", 0)
-        _at_least(p, self, "save_every", 0)
+            at_least(p, self, name, 1)
+        at_least(p, self, "max_seq_length", 8)
+        at_least(p, self, "lora_r", 0)
+        at_least(p, self, "keep_checkpoints", 0)
+        at_least(p, self, "save_every", 0)
         if self.resume and self.overwrite:
             p.append(Problem("--resume and --overwrite both given", "--overwrite", "use one: continue the run, or replace it"))
         # NaN passes every comparison below (nan <= 0 is False), and AdamW raises on it only after the run started.
@@ -137,7 +147,7 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, float) and not math.isfinite(value):
                 p.append(Problem(f"must be a finite number (got {value})", f"--{name}",
-                                 f"e.g. --{name} {_EXAMPLES.get(name, '0.1')}"))
+                                 f"e.g. --{name} {EXAMPLES.get(name, '0.1')}"))
         if not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
         if self.lr <= 0 and math.isfinite(self.lr):
@@ -161,11 +171,11 @@ class TrainConfig:
                     f"--batch_size {self.batch_size} is not divisible by --grad_accum {self.grad_accum}; "
                     "the effective batch would change",
                     "--grad_accum",
-                    f"pick a divisor of {self.batch_size}: {', '.join(map(str, _divisors(self.batch_size)))}",
+                    f"pick a divisor of {self.batch_size}: {', '.join(map(str, divisors(self.batch_size)))}",
                 )
             )
-        p += _report_to_problems(self.report_to)
-        p += _output_dir_problems(self.output_dir)
+        p += report_to_problems(self.report_to)
+        p += output_dir_problems(self.output_dir)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
         p += training_control_problems(self)
@@ -174,7 +184,7 @@ class TrainConfig:
     @property
     def trackers(self) -> list[str]:
         """The experiment trackers ``--report_to`` names (empty for 'none')."""
-        return [t for t in _split_names(self.report_to) if t != "none"]
+        return [t for t in split_names(self.report_to) if t != "none"]
 
     @property
     def micro_batch_size(self) -> int:
@@ -243,11 +253,11 @@ class SFTConfig(TrainConfig):
 
     def problems(self) -> list[Problem]:
         p = super().problems()
-        _at_least(p, self, "augmentation_factor", 1)
+        at_least(p, self, "augmentation_factor", 1)
         if self.metric not in ("auto", "squad", "rouge_l") and ":" not in self.metric:
             p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
                              "use auto, squad, rouge_l or your own module:function"))
-        _at_least(p, self, "max_new_tokens", 1)
+        at_least(p, self, "max_new_tokens", 1)
         if self.chat_format and self.chat_template is False:
             p.append(Problem(f"--chat_format {self.chat_format} and --chat_template false both given",
                              "--chat_template", "drop one: --chat_format sets the chat template, false uses none"))
@@ -364,134 +374,6 @@ class CustomConfig(TrainConfig):
 TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}
 
 
-_EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns clipping off)", "warmup_ratio": "0.05",
-             "lora_dropout": "0.05", "val_fraction": "0.1"}
-
-
-# ---------------------------------------------------------------------------------------------------- training control
-
-# Words in a metric's name saying lower is better; for scores (f1, accuracy, exact match ...) higher is.
-_LOWER_BETTER = {"loss", "mse", "mae", "rmse", "perplexity", "error"}
-_HIGHER_BETTER = {"f1", "accuracy", "acc", "em", "exact", "precision", "recall", "rouge", "rougel", "auc", "pearson",
-                  "spearman", "r2", "mcc", "bleu"}
-
-
-class MetricGoal(typing.NamedTuple):
-    """A metric to select or stop on: its name, which way is better ('min' or 'max'), the patience (early stopping)."""
-
-    metric: str
-    mode: str
-    patience: int = 0
-
-
-def parse_metric_goal(value: str, flag: str, with_patience: bool) -> tuple[MetricGoal | None, list[Problem]]:
-    """``METRIC[:PATIENCE][:min|max]`` -> a goal (the direction from the name unless given), or the problems."""
-    parts = [t.strip() for t in str(value).split(":")]
-    mode = parts.pop() if parts[-1] in ("min", "max") else None
-    example = "e.g. eval_loss:3 or eval_f1:2" if with_patience else "e.g. eval_loss or eval_f1"
-    if not parts or not parts[0] or len(parts) != 1 + with_patience:
-        return None, [Problem(f"expected {'METRIC:PATIENCE' if with_patience else 'METRIC'} (got {value!r})", flag,
-                              example)]
-    metric = parts[0] if parts[0].startswith("eval_") else f"eval_{parts[0]}"
-    patience = int(parts[1]) if with_patience and parts[1].isdigit() else 0
-    if with_patience and patience < 1:
-        return None, [Problem(f"PATIENCE must be a whole number >= 1 (got {parts[1]!r} in {value!r})", flag, example)]
-    words = set(metric.lower().removeprefix("eval_").replace("-", "_").split("_"))
-    mode = mode or ("min" if words & _LOWER_BETTER else "max" if words & _HIGHER_BETTER else None)
-    if mode is None:
-        return None, [Problem(f"cannot tell whether higher or lower {metric} is better", flag,
-                              f"add the direction: {value}:max or {value}:min")]
-    return MetricGoal(metric, mode, patience), []
-
-
-def training_control_problems(cfg: Any) -> list[Problem]:
-    """Problems of the training-control settings (max_steps, scheduler, warmup, evaluation, best model)."""
-    p: list[Problem] = []
-    _at_least(p, cfg, "max_steps", 1)
-    for name in ("eval_every", "log_samples"):
-        _at_least(p, cfg, name, 0)
-    if cfg.log_samples and cfg.task == "custom":
-        p.append(Problem("--log_samples needs predictions, and custom models make none (their evaluation is the loss)",
-                         "--log_samples", "drop --log_samples"))
-    if cfg.warmup is not None and (cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer())):
-        p.append(Problem(f"must be a whole number of steps (>= 1) or a ratio in [0, 1) (got {cfg.warmup})",
-                         "--warmup", "e.g. --warmup 100 (steps) or --warmup 0.05 (of the steps)"))
-    if cfg.min_lr < 0 or (cfg.lr > 0 and cfg.min_lr >= cfg.lr):
-        p.append(Problem(f"must be >= 0 and below --lr {cfg.lr} (got {cfg.min_lr})", "--min_lr", "e.g. --min_lr 0"))
-    goals = {name: parse_metric_goal(getattr(cfg, name), f"--{name}", name == "early_stopping")
-             for name in ("early_stopping", "keep_best") if getattr(cfg, name) is not None}
-    p += [q for _, found in goals.values() for q in found]
-    if cfg.val_data is None and cfg.val_fraction == 0:  # training without validation data is allowed, these are not
-        p += [Problem(f"--{name} needs an evaluation, and there is no validation data (--val_fraction 0, no "
-                      "--val_data)", f"--{name}", "pass --val_data FILE or a --val_fraction above 0")
-              for name in ("eval_every", "early_stopping", "keep_best") if getattr(cfg, name)]
-    stop, best = (goals.get(name, (None,))[0] for name in ("early_stopping", "keep_best"))
-    if stop is not None and best is not None and stop.metric != best.metric:
-        p.append(Problem(f"--early_stopping watches {stop.metric} and --keep_best {best.metric}", "--keep_best",
-                         "use the same metric for both, or drop --keep_best (--early_stopping keeps its best)"))
-    return p
-
-
-def _at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
-    value = getattr(cfg, name)
-    if value is not None and value < low:
-        p.append(Problem(f"must be >= {low} (got {value})", f"--{name}"))
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-# --report_to names -> (the module the tracker imports, how to install it).
-REPORT_TO: dict[str, tuple[str, str] | None] = {
-    "none": None,
-    "tensorboard": ("tensorboard", "pip install tensorboard (or: pip install 'surefit[tensorboard]')"),
-    "wandb": ("wandb", "pip install wandb, then `wandb login` (or set WANDB_MODE=offline)"),
-}
-
-
-def _output_dir_problems(value: str) -> list[Problem]:
-    """``--output_dir`` (or a folder above it) that is an existing file: found with the other settings' problems,
-    before any data or model is loaded, instead of failing when the run folder is made."""
-    path = Path(value)
-    for at in [path, *path.parents]:
-        if at.exists():
-            if at.is_dir():
-                return []
-            where = "" if at == path else f" ({at} is a file)"
-            return [Problem(f"{value} is not a folder{where}", "--output_dir",
-                            "pass a folder path (new, or one holding a previous run with --resume or --overwrite)")]
-    return []
-
-
-def _split_names(value: str) -> list[str]:
-    return [t.strip().lower() for t in value.split(",") if t.strip()]
-
-
-def _report_to_problems(value: str) -> list[Problem]:
-    """Unknown tracker names, 'none' mixed with a tracker, and trackers whose package is not installed."""
-    import importlib.util
-
-    p: list[Problem] = []
-    names = _split_names(value)
-    if not names:
-        return [Problem("empty value", "--report_to", "use none, tensorboard, wandb, or e.g. tensorboard,wandb")]
-    for name in names:
-        if name not in REPORT_TO:
-            close = difflib.get_close_matches(name, list(REPORT_TO), n=1)
-            p.append(Problem(f"unknown tracker {name!r}", "--report_to",
-                             (f"did you mean '{close[0]}'? " if close else "") + f"use one of: {', '.join(REPORT_TO)}"))
-        elif REPORT_TO[name] is not None:
-            module, install = REPORT_TO[name]  # type: ignore[misc]
-            if importlib.util.find_spec(module) is None:
-                p.append(Problem(f"--report_to {name} needs the '{module}' package, which is not installed",
-                                 "--report_to", f"{install}; or drop {name} from --report_to"))
-    if "none" in names and len(names) > 1:
-        p.append(Problem(f"'none' given together with trackers ({value!r})", "--report_to",
-                         "use none alone, or list only trackers"))
-    return p
-
-
 # ---------------------------------------------------------------------------------------------------- type handling
 
 
@@ -572,114 +454,6 @@ def convert(value: Any, tp: Any) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------------- loading
-
-
-def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML config (``safe_load``) into a flat mapping with keys in underscore form."""
-    import stat
-
-    path = Path(path)
-    if path.exists() and not path.is_file() and not path.is_dir():
-        mode = path.stat().st_mode
-        kind = "a named pipe" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else \
-            "not a regular file"
-        raise ConfigError(Problem(f"{path} is {kind}: reading it could block forever or never end", "--config",
-                                  "pass a YAML file"))
-    if not path.is_file():
-        raise ConfigError(Problem(f"config file not found: {path}", "--config", "check the path"))
-    with path.open("rb") as fh:
-        raw = fh.read(MAX_CONFIG_BYTES + 1)
-    if len(raw) > MAX_CONFIG_BYTES:
-        raise ConfigError(Problem(f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config holds settings, "
-                                  "not data", "--config", "pass the settings file (data goes in --data)"))
-    try:
-        loader = _ConfigLoader(raw.decode("utf-8"))  # yaml.SafeLoader with caps: safe_load's construction
-        try:
-            data = loader.get_single_data()
-        finally:
-            loader.dispose()
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(Problem(f"cannot parse {path}: {e}", "--config", "fix the YAML syntax")) from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            Problem(f"{path} holds a {type(data).__name__}, not a mapping of settings", "--config", "write key: value lines")
-        )
-    return {str(k).replace("-", "_"): v for k, v in data.items()}
-
-
-# A config file is a page of settings. These caps stop a hostile one early: 20,000 nested brackets (a RecursionError
-# in the composer) and alias bombs (a few lines that expand to millions of nodes).
-MAX_CONFIG_BYTES = 1 << 20
-MAX_CONFIG_DEPTH = 32
-MAX_CONFIG_ALIASES = 100
-MAX_CONFIG_NODES = 100_000  # values once every alias is expanded
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with a cap on nesting depth and on the number of aliases (``*name``)."""
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__(stream)
-        self._depth = 0
-        self._aliases = 0
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            self._aliases += 1
-            if self._aliases > MAX_CONFIG_ALIASES:
-                raise yaml.composer.ComposerError(None, None, f"more than {MAX_CONFIG_ALIASES} aliases (*name): a "
-                                                  "config does not need them, and they can expand without end",
-                                                  self.peek_event().start_mark)
-        self._depth += 1
-        try:
-            if self._depth > MAX_CONFIG_DEPTH:
-                raise yaml.composer.ComposerError(None, None, f"nested more than {MAX_CONFIG_DEPTH} levels deep",
-                                                  self.peek_event().start_mark)
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def get_single_node(self) -> Any:
-        node = super().get_single_node()
-        if node is not None:
-            sizes: dict[int, int] = {}
-
-            def expanded(n: Any) -> int:  # shared (aliased) nodes are counted once per use, computed once
-                if id(n) not in sizes:
-                    sizes[id(n)] = 1
-                    if isinstance(n, yaml.SequenceNode):
-                        sizes[id(n)] += sum(expanded(c) for c in n.value)
-                    elif isinstance(n, yaml.MappingNode):
-                        sizes[id(n)] += sum(expanded(k) + expanded(v) for k, v in n.value)
-                return sizes[id(n)]
-
-            if expanded(node) > MAX_CONFIG_NODES:
-                raise yaml.composer.ComposerError(None, None, f"its aliases expand to more than {MAX_CONFIG_NODES:,} "
-                                                  "values (an alias bomb?)", node.start_mark)
-        return node
-
-
-PRESET_DIR = Path(__file__).parent / "presets"
-
-
-def list_presets() -> list[str]:
-    """Names of the presets shipped with surefit."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-
-
-def load_preset(name: str) -> tuple[dict[str, Any], list[Problem]]:
-    """A preset's settings by name (shipped) or path (a YAML file of the user's)."""
-    path = Path(name) if name.endswith((".yaml", ".yml")) else PRESET_DIR / f"{name}.yaml"
-    if not path.is_file():
-        close = difflib.get_close_matches(name, list_presets(), n=1)
-        fix = f"did you mean '{close[0]}'? " if close else ""
-        return {}, [Problem(f"unknown preset {name!r}", "--preset", f"{fix}shipped presets: {', '.join(list_presets())}")]
-    try:
-        return load_yaml(path), []
-    except ConfigError as e:
-        return {}, e.problems
 
 
 def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,

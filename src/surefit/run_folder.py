@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surefit.config import TASK_CONFIGS, build_config, config_to_dict, load_yaml, save_config
+from surefit.config import TASK_CONFIGS, build_config, config_to_dict, save_config
+from surefit.config_files import load_yaml
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
 from surefit.training import integrity, untrusted
 from surefit.training.checkpoint import latest_checkpoint

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from surefit.config import load_yaml
+from surefit.config_files import load_yaml
 from surefit.data.readers import read_rows
 from surefit.errors import ConfigError
 

@@ -146,7 +146,7 @@ def test_controls_that_need_an_evaluation_are_refused_without_validation_data():
 
 
 def test_metric_goals_take_their_direction_from_the_metric():
-    from surefit.config import parse_metric_goal
+    from surefit.config_checks import parse_metric_goal
 
     assert parse_metric_goal("eval_loss:3", "--early_stopping", True)[0].mode == "min"
     assert parse_metric_goal("f1:2", "--early_stopping", True)[0].metric == "eval_f1"
