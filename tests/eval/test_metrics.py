@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from surefit.eval.metrics import (
-    accuracy,
-    confusion_matrix,
-    exact_match,
-    macro_f1,
-    normalize_answer,
-    per_class_f1,
-    squad_scores,
-    token_f1,
-)
+from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
+from surefit.eval.metrics import exact_match, normalize_answer, squad_scores, token_f1
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
 from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_input_problems
-from surefit.eval.metrics import accuracy, confusion_matrix, macro_f1, per_class_f1
+from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.run_folder import COLUMNS, Run
 from surefit.tasks.common import Evaluation, Loaded, Prepared, chunks, render_columns, rows_from_texts, train
