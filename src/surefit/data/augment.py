@@ -199,3 +199,21 @@ def augment_rows(rows: list[Row], factor: int, seed: int, input_field: str) -> t
             variant = replace(row, variant_of=row.index, transforms=names, where=f"{row.where} (variant {k})")
             out.append(variant.with_fields(**{input_field: text}))
     return out, stats
+
+
+def augment_conversations(rows: list[Row], factor: int, seed: int) -> tuple[list[Row], AugmentStats]:
+    """Augment a conversation's last user turn only: assistant text (what is trained) is never changed."""
+    field_name = "\u2063user"
+
+    def last_user(r: Row) -> int:
+        return max(i for i, m in enumerate(r.fields["messages"]) if m["role"] == "user")
+
+    staged = [r.with_fields(**{field_name: r.fields["messages"][last_user(r)]["content"]}) for r in rows]
+    out, stats = augment_rows(staged, factor, seed, field_name)
+    rebuilt = []
+    for r in out:
+        messages = [dict(m) for m in r.fields["messages"]]
+        messages[last_user(r)]["content"] = r.fields[field_name]
+        fields = {k: v for k, v in r.fields.items() if k != field_name}
+        rebuilt.append(replace(r, fields={**fields, "messages": messages}))
+    return rebuilt, stats

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from surefit.config import SFTConfig
-from surefit.data.augment import augment_rows
+from surefit.data.augment import augment_conversations, augment_rows
 from surefit.data.collate import PadCollator
 from surefit.data.encode import (
     ChatEncodeSettings,
@@ -141,24 +141,6 @@ def conversation_key(row: Row, input_field: str) -> str:
     return normalize_key(str(row.fields[input_field]))
 
 
-def _augment_conversations(rows: list[Row], factor: int, seed: int) -> tuple[list[Row], Any]:
-    """Augment a conversation's last user turn only: assistant text (what is trained) is never changed."""
-    field_name = "\u2063user"
-
-    def last_user(r: Row) -> int:
-        return max(i for i, m in enumerate(r.fields["messages"]) if m["role"] == "user")
-
-    staged = [r.with_fields(**{field_name: r.fields["messages"][last_user(r)]["content"]}) for r in rows]
-    out, stats = augment_rows(staged, factor, seed, field_name)
-    rebuilt = []
-    for r in out:
-        messages = [dict(m) for m in r.fields["messages"]]
-        messages[last_user(r)]["content"] = r.fields[field_name]
-        fields = {k: v for k, v in r.fields.items() if k != field_name}
-        rebuilt.append(replace(r, fields={**fields, "messages": messages}))
-    return rebuilt, stats
-
-
 def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = None,
               on_rejected: Callable[[list[Rejected]], None] | None = None) -> tuple[list[Row], list[Row], dict[str, Any]]:
     """Read, detect the format, check, split (before augmentation) and augment. Every problem in every file is
@@ -211,7 +193,7 @@ def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None =
     report["notes"] += notes
     # Augment AFTER the split and only the training side: a variant of a validation row in training is a leak.
     if choice.conversational:
-        train_rows, stats = _augment_conversations(train_rows, cfg.augmentation_factor, cfg.seed)
+        train_rows, stats = augment_conversations(train_rows, cfg.augmentation_factor, cfg.seed)
     else:
         train_rows, stats = augment_rows(train_rows, cfg.augmentation_factor, cfg.seed, cfg.input_field)
     report["notes"].append(stats.summary())
