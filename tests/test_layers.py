@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("surefit.doctor",),
     ("surefit.training", "surefit.run_folder", "surefit.report"),
     ("surefit.data", "surefit.eval", "surefit.models"),
-    ("surefit.config", "surefit.errors", "surefit.units"),
+    ("surefit.config", "surefit.errors", "surefit.units", "surefit.startup"),
 ]
 
 

@@ -11,13 +11,15 @@ Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import surefit.startup as startup
 from surefit.data.rows import Row
-from surefit.doctor.core import Report
+from surefit.doctor.core import Finding, Report
 from surefit.doctor.gate import gate, run_doctor
 from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
@@ -28,6 +30,7 @@ from surefit.run_folder import (
     predictions_path,
     resume_command,
     resume_point,
+    STARTUP,
     save_final,
     start_output_dir,
     write_json,
@@ -105,6 +108,9 @@ class Prepared:
     epoch_batches: Callable[[int], list[list[int]]] | None = None
     rejected: int = 0
     where: Callable[[int], str] | None = None
+    # What the doctor and the planner read besides the settings (the model's files, the tokenizer, the encoded
+    # examples), as JSON-able content identities; None: not cacheable (e.g. user code, a model not on disk).
+    cache_key: dict[str, Any] | None = None
 
 
 PrepareFn = Callable[..., Prepared]
@@ -117,11 +123,66 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
         ``{"output_dir", "final_dir", "history", "data_report"}``.
     """
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
-    with lock_run(cfg, say):  # one run at a time in --output_dir, for the whole run (run_folder.RunLock)
-        return _train(cfg, prepare, say)
+    clock = startup.Clock()
+    with startup.timing(clock), lock_run(cfg, say):  # one run at a time in --output_dir (run_folder.RunLock)
+        return _train(cfg, prepare, say, clock)
 
 
-def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
+# Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
+# one still finds the cached work. Every other setting is part of the key.
+NOT_IN_CACHE_KEY = {"output_dir", "overwrite", "resume", "force", "no_cache", "log_every", "save_every",
+                    "keep_checkpoints", "report_to", "log_samples", "epochs", "max_steps", "lr", "weight_decay",
+                    "warmup_ratio", "warmup", "min_lr", "lr_scheduler", "max_grad_norm", "eval_every",
+                    "early_stopping", "keep_best", "on_nonfinite"}
+
+
+def startup_key(cfg: Any, p: Prepared) -> dict[str, Any] | None:
+    """The content key of the doctor's and the planner's work on ``p``: None when some input has no identity."""
+    if p.cache_key is None:
+        return None
+    from dataclasses import asdict
+
+    settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_CACHE_KEY}
+    return {"task": type(cfg).__name__, "inputs": p.cache_key, "settings": settings,
+            "processes": getattr(p.accelerator, "num_processes", 1), "code": startup.code_identity()}
+
+
+def cached_doctor(p: Prepared, key: dict[str, Any] | None, cache: startup.StartupCache,
+                  clock: startup.Clock) -> Report:
+    """The doctor's report on ``p``: reused when an identical setup (same ``key``) was checked before."""
+    stored = cache.get("doctor", key)
+    if stored is not None:
+        try:
+            findings = [Finding(**f) for f in stored["findings"]]
+            if all(f.severity in ("error", "warning", "info") for f in findings):
+                clock.cache["doctor"] = "reused"
+                return Report(findings=findings, checks_run=int(stored["checks_run"]))
+        except (TypeError, KeyError, ValueError):
+            pass
+        cache.say("note: ignored a start-up cache entry for the doctor that is not a report; recomputing it")
+    report = p.check()
+    clock.cache["doctor"] = "computed" if cache.folder is not None and key is not None else (
+        "off" if cache.folder is None else "not cacheable")
+    cache.put("doctor", key, {"findings": [f.__dict__ for f in report.findings], "checks_run": report.checks_run})
+    return report
+
+
+def _planner_memo(stored: Any, cache: startup.StartupCache) -> dict[str, Any] | None:
+    """A stored planner entry, if it has the shape ``training/plan.make_plan`` takes as ``memo`` (else a note)."""
+    if stored is None:
+        return None
+    acts = stored.get("saved_activations") if isinstance(stored, dict) else 0
+    probes = stored.get("probes", {}) if isinstance(stored, dict) else 0
+    ok = (acts is None or (isinstance(acts, list) and len(acts) == 2 and all(type(v) is int for v in acts))) \
+        and isinstance(probes, dict) and all(v is None or type(v) is int for v in probes.values())
+    if not ok:
+        cache.say("note: ignored a start-up cache entry for the memory planner that is not a measurement; "
+                  "recomputing it")
+        return None
+    return stored
+
+
+def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     quiet_libraries()
@@ -132,7 +193,11 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     early: list[Problem] = []
     previous = check_output_dir(cfg, early)
     resume_from = resume_point(cfg, early, say)
-    p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
+    with clock.phase("prepare (other)"):  # the task names its own phases inside (data, model, ...)
+        p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
+    for name, seconds in clock.phases.items():  # a phase inside prepare is not also prepare's
+        if name != "prepare (other)":
+            clock.phases["prepare (other)"] -= seconds
     out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
     write_json(out, "data_report.json", p.data_report)
     warn_small_validation(p.data_report, cfg, say)
@@ -142,19 +207,45 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
         if records:
             write_jsonl(out / name, records)
 
-    gate(run_doctor(p.check), cfg, say, out)
+    cache = startup.StartupCache(None if getattr(cfg, "no_cache", False) else startup.cache_dir(), say)
+    with clock.phase("cache key"):
+        key = startup_key(cfg, p) if cache.folder is not None else None
+    with clock.phase("doctor"):
+        gate(run_doctor(lambda: cached_doctor(p, key, cache, clock)), cfg, say, out)
     acc = p.accelerator
     plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
-    plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
-                    collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
-                    out=out, **plan_args)
+    with clock.phase("memory plan"):
+        # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
+        stored = _planner_memo(cache.get("planner", key), cache)
+        measured = dict(stored) if stored is not None else {}
+        before = json.dumps(measured, sort_keys=True)
+        plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
+                        collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
+                        out=out, memo=measured, **plan_args)
+        reused = stored is not None and json.dumps(measured, sort_keys=True) == before
+        clock.cache["planner"] = "reused" if reused else clock.cache.get("doctor", "computed")
+        if not reused:
+            cache.put("planner", key, measured)
     settings = LoopSettings.from_config(cfg, plan)
     # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
     schedule = settings.schedule(len(p.features))
     write_json(out, "schedule.json", schedule.to_dict())
-    log = open_metrics_log(cfg, out, acc)
+    with clock.phase("metrics log and trackers"):
+        log = open_metrics_log(cfg, out, acc)
+
+    def started(model: Any, batch: dict[str, Any]) -> Any:
+        # Step 1 begins at the first training forward: the start-up ends here, once.
+        if clock.total is None:
+            end_startup(clock, out, say)
+        return p.loss_fn(model, batch)
 
     def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
+        if clock.total is None:
+            with clock.phase("evaluation before training"):
+                return _evaluate(model, epoch, step)
+        return _evaluate(model, epoch, step)
+
+    def _evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
         # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
         result = p.evaluate(model, epoch, plan.eval_batch_size)
         if result.records is not None:
@@ -176,7 +267,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
     try:
-        history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
+        history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=started, collate=p.collate,
                       settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
                       epoch_batches=p.epoch_batches, where=p.where)
@@ -186,6 +277,13 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     say(f"saved {p.saved} to {final}")
     write_run_report(out, acc, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
+
+
+def end_startup(clock: startup.Clock, out: Path, say: Say) -> None:
+    """Stop the start-up clock, write ``OUTPUT/startup.json``, and say where the time went when it was long."""
+    if clock.stop() > startup.REPORT_AFTER_S:
+        say(clock.line())
+    write_json(out, STARTUP, clock.record())  # main process only
 
 
 def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
