@@ -475,7 +475,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
         # A custom head is user code, and remote code is the model's: neither has a content identity to key on.
-        cache_key=None if cfg.head or cfg.trust_remote_code or startup.files_identity(path) is None else {
+        cache_key=None if cfg.head or cfg.trust_remote_code or startup.files_identity(path) is None else lambda: {
             "model": startup.files_identity(path), "tokenizer": startup.tokenizer_identity(tokenizer),
             "labels": repr(spec), "train": startup.features_digest(train_feats),
             "validation": startup.features_digest(val_feats)},

@@ -12,6 +12,7 @@ Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,8 +110,9 @@ class Prepared:
     rejected: int = 0
     where: Callable[[int], str] | None = None
     # What the doctor and the planner read besides the settings (the model's files, the tokenizer, the encoded
-    # examples), as JSON-able content identities; None: not cacheable (e.g. user code, a model not on disk).
-    cache_key: dict[str, Any] | None = None
+    # examples), as JSON-able content identities, computed only when the cache is on; None: not cacheable (user
+    # code, a model not on disk).
+    cache_key: Callable[[], dict[str, Any]] | None = None
 
 
 PrepareFn = Callable[..., Prepared]
@@ -143,7 +145,7 @@ def startup_key(cfg: Any, p: Prepared) -> dict[str, Any] | None:
     from dataclasses import asdict
 
     settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_CACHE_KEY}
-    return {"task": type(cfg).__name__, "inputs": p.cache_key, "settings": settings,
+    return {"task": type(cfg).__name__, "inputs": p.cache_key(), "settings": settings,
             "processes": getattr(p.accelerator, "num_processes", 1), "code": startup.code_identity()}
 
 
@@ -236,6 +238,9 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
     def started(model: Any, batch: dict[str, Any]) -> Any:
         # Step 1 begins at the first training forward: the start-up ends here, once.
         if clock.total is None:
+            # fit's own set-up: the optimizer, accelerate's prepare, the sampler (its evaluation is timed apart)
+            clock.phases["loop setup"] = time.perf_counter() - fit_called - clock.phases.get(
+                "evaluation before training", 0.0)
             end_startup(clock, out, say)
         return p.loss_fn(model, batch)
 
@@ -266,6 +271,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
 
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
+    fit_called = time.perf_counter()
     try:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=started, collate=p.collate,
                       settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,

@@ -445,7 +445,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     val_features = [e.features() for e in val_ex]
     model_files = startup.files_identity(path)
     # The doctor and the planner read the model (its files + the settings), the tokenizer and these examples.
-    cache_key = None if model_files is None or cfg.trust_remote_code else {
+    cache_key = None if model_files is None or cfg.trust_remote_code else lambda: {
         "model": model_files, "tokenizer": startup.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
         "train": startup.features_digest(features), "validation": startup.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
