@@ -42,8 +42,14 @@ def trainer_worker(workdir: Path, model: str, data: Path, max_len: int) -> None:
     """The anchor: tokenise, load, LoRA, Trainer; on_step_begin of step 1 writes the time and ends the process."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     tok = AutoTokenizer.from_pretrained(model)
     if tok.pad_token is None:
@@ -52,7 +58,7 @@ def trainer_worker(workdir: Path, model: str, data: Path, max_len: int) -> None:
     prompts = tok([r["input"] + "\n\n" for r in rows], add_special_tokens=False)["input_ids"]
     answers = tok([r["target"] + tok.eos_token for r in rows], add_special_tokens=False)["input_ids"]
     features = []
-    for p, a in zip(prompts, answers):
+    for p, a in zip(prompts, answers, strict=True):
         ids = (p + a)[-max_len:]
         n_answer = min(len(a), len(ids))
         features.append({"input_ids": ids, "attention_mask": [1] * len(ids),

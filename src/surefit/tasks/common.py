@@ -25,13 +25,13 @@ from surefit.doctor.gate import gate, run_doctor
 from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
+    STARTUP,
     check_output_dir,
     lock_run,
     open_metrics_log,
     predictions_path,
     resume_command,
     resume_point,
-    STARTUP,
     save_final,
     start_output_dir,
     write_json,
@@ -225,7 +225,8 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
                         collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
                         out=out, memo=measured, **plan_args)
         reused = stored is not None and json.dumps(measured, sort_keys=True) == before
-        clock.cache["planner"] = "reused" if reused else clock.cache.get("doctor", "computed")
+        clock.cache["planner"] = "reused" if reused else "off" if cache.folder is None else \
+            "not cacheable" if key is None else "computed"
         if not reused:
             cache.put("planner", key, measured)
     settings = LoopSettings.from_config(cfg, plan)
