@@ -51,18 +51,37 @@ class Clock:
         self.cache: dict[str, str] = {}  # what the cache did per kind: "reused", "computed", "off", "not cacheable"
         self.total: float | None = None
         self.step1_at: float | None = None
+        self._open: list[list[Any]] = []
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
+        """Time a block as ``name``; a phase inside another counts in the inner one only."""
+        entry = self.begin(name)
         try:
             yield
         finally:
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+            self._close(entry)
+
+    def begin(self, name: str) -> list[Any]:
+        """Open phase ``name`` until :meth:`stop` (or until the entry returned is closed)."""
+        entry = [name, time.perf_counter(), 0.0]  # name, start, seconds of the phases nested in it
+        self._open.append(entry)
+        return entry
+
+    def _close(self, entry: list[Any]) -> None:
+        if entry not in self._open:
+            return
+        self._open.remove(entry)
+        spent = time.perf_counter() - entry[1]
+        self.phases[entry[0]] = self.phases.get(entry[0], 0.0) + spent - entry[2]
+        if self._open:
+            self._open[-1][2] += spent
 
     def stop(self) -> float:
-        """End the start-up (step 1 begins now); returns its total seconds. Later calls change nothing."""
+        """End the start-up (step 1 begins now), closing open phases; returns its total seconds (once fixed)."""
         if self.total is None:
+            for entry in reversed(self._open):
+                self._close(entry)
             self.step1_at = time.time()
             self.total = self.step1_at - self.started
         return self.total
@@ -100,8 +119,9 @@ def timing(clock: Clock) -> Iterator[Clock]:
 
 
 def phase(name: str) -> Any:
-    """Time a block as start-up phase ``name`` of the running clock (nothing when no run is timing its start)."""
-    return _current[-1].phase(name) if _current else nullcontext()
+    """Time a block as start-up phase ``name`` of the running clock (nothing when no run is timing its start, or
+    after its step 1)."""
+    return _current[-1].phase(name) if _current and _current[-1].total is None else nullcontext()
 
 
 # ------------------------------------------------------------------------------------------------------------ content keys
@@ -214,6 +234,12 @@ class StartupCache:
         self.folder = folder
         self.say = say
 
+    def status(self, key: Any, reused: bool) -> str:
+        """What the cache did for one kind of work, in words (``startup.json``'s ``cache``)."""
+        if self.folder is None:
+            return "off"
+        return "not cacheable" if key is None else "reused" if reused else "computed"
+
     def _path(self, kind: str, key_digest: str) -> Path:
         assert self.folder is not None
         return self.folder / kind / f"{key_digest}.json"
@@ -253,3 +279,40 @@ class StartupCache:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             self.say(f"note: could not write the start-up cache ({path}: {e}); the next run recomputes it")
+
+
+# Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
+# one still finds the cached work. Every other setting is part of the key.
+NOT_IN_KEY = {"output_dir", "overwrite", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
+              "report_to", "log_samples", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "warmup",
+              "min_lr", "lr_scheduler", "max_grad_norm", "eval_every", "early_stopping", "keep_best", "on_nonfinite"}
+
+
+def run_key(cfg: Any, inputs: Callable[[], dict[str, Any]] | None, accelerator: Any) -> dict[str, Any] | None:
+    """The key of the doctor's and the planner's work: the task's ``inputs()`` (model files, tokenizer, encoded
+    examples), the settings they read, the processes and the code; ``None`` when the inputs have no identity."""
+    if inputs is None:
+        return None
+    from dataclasses import asdict
+
+    settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_KEY}
+    return {"task": type(cfg).__name__, "inputs": inputs(), "settings": settings,
+            "processes": getattr(accelerator, "num_processes", 1), "code": code_identity()}
+
+
+def planner_memo(cache: StartupCache, key: Any) -> dict[str, Any]:
+    """The planner's stored measurements for ``key`` (``training/plan.make_plan``'s ``memo``), or ``{}``.
+
+    An entry of another shape (edited by hand, checksum and all) is ignored with a note."""
+    stored = cache.get("planner", key)
+    if stored is None:
+        return {}
+    acts = stored.get("saved_activations") if isinstance(stored, dict) else 0
+    probes = stored.get("probes", {}) if isinstance(stored, dict) else 0
+    ok = (acts is None or (isinstance(acts, list) and len(acts) == 2 and all(type(v) is int for v in acts))) \
+        and isinstance(probes, dict) and all(v is None or type(v) is int for v in probes.values())
+    if not ok:
+        cache.say("note: ignored a start-up cache entry for the memory planner that is not a measurement; "
+                  "recomputing it")
+        return {}
+    return dict(stored)

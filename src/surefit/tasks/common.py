@@ -12,7 +12,6 @@ Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,8 +19,8 @@ from typing import Any
 
 import surefit.startup as startup
 from surefit.data.rows import Row
-from surefit.doctor.core import Finding, Report
-from surefit.doctor.gate import gate, run_doctor
+from surefit.doctor.core import Report
+from surefit.doctor.gate import cached_doctor, gate, run_doctor
 from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
@@ -130,60 +129,6 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
         return _train(cfg, prepare, say, clock)
 
 
-# Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
-# one still finds the cached work. Every other setting is part of the key.
-NOT_IN_CACHE_KEY = {"output_dir", "overwrite", "resume", "force", "no_cache", "log_every", "save_every",
-                    "keep_checkpoints", "report_to", "log_samples", "epochs", "max_steps", "lr", "weight_decay",
-                    "warmup_ratio", "warmup", "min_lr", "lr_scheduler", "max_grad_norm", "eval_every",
-                    "early_stopping", "keep_best", "on_nonfinite"}
-
-
-def startup_key(cfg: Any, p: Prepared) -> dict[str, Any] | None:
-    """The content key of the doctor's and the planner's work on ``p``: None when some input has no identity."""
-    if p.cache_key is None:
-        return None
-    from dataclasses import asdict
-
-    settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_CACHE_KEY}
-    return {"task": type(cfg).__name__, "inputs": p.cache_key(), "settings": settings,
-            "processes": getattr(p.accelerator, "num_processes", 1), "code": startup.code_identity()}
-
-
-def cached_doctor(p: Prepared, key: dict[str, Any] | None, cache: startup.StartupCache,
-                  clock: startup.Clock) -> Report:
-    """The doctor's report on ``p``: reused when an identical setup (same ``key``) was checked before."""
-    stored = cache.get("doctor", key)
-    if stored is not None:
-        try:
-            findings = [Finding(**f) for f in stored["findings"]]
-            if all(f.severity in ("error", "warning", "info") for f in findings):
-                clock.cache["doctor"] = "reused"
-                return Report(findings=findings, checks_run=int(stored["checks_run"]))
-        except (TypeError, KeyError, ValueError):
-            pass
-        cache.say("note: ignored a start-up cache entry for the doctor that is not a report; recomputing it")
-    report = p.check()
-    clock.cache["doctor"] = "computed" if cache.folder is not None and key is not None else (
-        "off" if cache.folder is None else "not cacheable")
-    cache.put("doctor", key, {"findings": [f.__dict__ for f in report.findings], "checks_run": report.checks_run})
-    return report
-
-
-def _planner_memo(stored: Any, cache: startup.StartupCache) -> dict[str, Any] | None:
-    """A stored planner entry, if it has the shape ``training/plan.make_plan`` takes as ``memo`` (else a note)."""
-    if stored is None:
-        return None
-    acts = stored.get("saved_activations") if isinstance(stored, dict) else 0
-    probes = stored.get("probes", {}) if isinstance(stored, dict) else 0
-    ok = (acts is None or (isinstance(acts, list) and len(acts) == 2 and all(type(v) is int for v in acts))) \
-        and isinstance(probes, dict) and all(v is None or type(v) is int for v in probes.values())
-    if not ok:
-        cache.say("note: ignored a start-up cache entry for the memory planner that is not a measurement; "
-                  "recomputing it")
-        return None
-    return stored
-
-
 def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
@@ -197,9 +142,6 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
     resume_from = resume_point(cfg, early, say)
     with clock.phase("prepare (other)"):  # the task names its own phases inside (data, model, ...)
         p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
-    for name, seconds in clock.phases.items():  # a phase inside prepare is not also prepare's
-        if name != "prepare (other)":
-            clock.phases["prepare (other)"] -= seconds
     out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
     write_json(out, "data_report.json", p.data_report)
     warn_small_validation(p.data_report, cfg, say)
@@ -211,24 +153,22 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
 
     cache = startup.StartupCache(None if getattr(cfg, "no_cache", False) else startup.cache_dir(), say)
     with clock.phase("cache key"):
-        key = startup_key(cfg, p) if cache.folder is not None else None
+        key = startup.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
     with clock.phase("doctor"):
-        gate(run_doctor(lambda: cached_doctor(p, key, cache, clock)), cfg, say, out)
+        gate(run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache)), cfg, say, out)
     acc = p.accelerator
     plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
     with clock.phase("memory plan"):
         # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
-        stored = _planner_memo(cache.get("planner", key), cache)
-        measured = dict(stored) if stored is not None else {}
-        before = json.dumps(measured, sort_keys=True)
+        memo = startup.planner_memo(cache, key)
+        before = json.dumps(memo, sort_keys=True)
         plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
                         collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
-                        out=out, memo=measured, **plan_args)
-        reused = stored is not None and json.dumps(measured, sort_keys=True) == before
-        clock.cache["planner"] = "reused" if reused else "off" if cache.folder is None else \
-            "not cacheable" if key is None else "computed"
+                        out=out, memo=memo, **plan_args)
+        reused = bool(before != "{}" and json.dumps(memo, sort_keys=True) == before)
+        clock.cache["planner"] = cache.status(key, reused)
         if not reused:
-            cache.put("planner", key, measured)
+            cache.put("planner", key, memo)
     settings = LoopSettings.from_config(cfg, plan)
     # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
     schedule = settings.schedule(len(p.features))
@@ -237,23 +177,14 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
         log = open_metrics_log(cfg, out, acc)
 
     def started(model: Any, batch: dict[str, Any]) -> Any:
-        # Step 1 begins at the first training forward: the start-up ends here, once.
-        if clock.total is None:
-            # fit's own set-up: the optimizer, accelerate's prepare, the sampler (its evaluation is timed apart)
-            clock.phases["loop setup"] = time.perf_counter() - fit_called - clock.phases.get(
-                "evaluation before training", 0.0)
+        if clock.total is None:  # step 1 begins at the first training forward: the start-up ends here, once
             end_startup(clock, out, say)
         return p.loss_fn(model, batch)
 
     def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
-        if clock.total is None:
-            with clock.phase("evaluation before training"):
-                return _evaluate(model, epoch, step)
-        return _evaluate(model, epoch, step)
-
-    def _evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
         # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
-        result = p.evaluate(model, epoch, plan.eval_batch_size)
+        with startup.phase("evaluation before training"):  # epoch 0 (nothing after step 1)
+            result = p.evaluate(model, epoch, plan.eval_batch_size)
         if result.records is not None:
             path = predictions_path(out, int(epoch))
             write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), result.records)
@@ -272,7 +203,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
 
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
-    fit_called = time.perf_counter()
+    clock.begin("loop setup")  # until step 1: the optimizer, accelerate's prepare, the sampler
     try:
         history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=started, collate=p.collate,
                       settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,
