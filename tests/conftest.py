@@ -198,3 +198,10 @@ class OneProcess:
 
     def backward(self, loss):
         loss.backward()
+
+
+@pytest.fixture(autouse=True)
+def _own_startup_cache(tmp_path_factory, monkeypatch):
+    """Each test gets an empty start-up cache (docs/startup.md): a doctor's report stored by one test (perhaps with a
+    check patched) must never answer for another; subprocesses inherit the variable."""
+    monkeypatch.setenv("SUREFIT_STARTUP_CACHE", str(tmp_path_factory.mktemp("startup_cache")))

@@ -19,7 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("surefit.doctor",),
     ("surefit.training", "surefit.run_folder", "surefit.report"),
     ("surefit.data", "surefit.eval", "surefit.models"),
-    ("surefit.config", "surefit.config_checks", "surefit.config_files", "surefit.errors", "surefit.units"),
+    ("surefit.config", "surefit.config_checks", "surefit.config_files", "surefit.errors", "surefit.units",
+     "surefit.startup"),
 ]
 
 

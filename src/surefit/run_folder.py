@@ -11,6 +11,7 @@ Layout (every name a run writes; a previous run's copies are only replaced with 
     columns.json         every column: kept (as what) or dropped (why)
     doctor.json          the doctor's findings before step 1
     memory_plan.json     micro-batch, accumulation, precision and the memory estimate
+    startup.json         seconds from the command to step 1, per phase, and what the start-up cache reused
     predictions/         epoch_N.jsonl: every validation row's prediction after epoch N
     checkpoints/         step-NNNNNNN/ and epoch-N/ (training/checkpoint.py)
     final/               the trained model in its ecosystem format (written by the task's ``save``)
@@ -53,6 +54,7 @@ EXCLUDED = "excluded_rows.jsonl"
 COLUMNS = "columns.json"
 DOCTOR = "doctor.json"
 MEMORY_PLAN = "memory_plan.json"
+STARTUP = "startup.json"
 DATA_FILES = "data_files.json"
 PREDICTIONS = "predictions"
 CHECKPOINTS = "checkpoints"
@@ -60,7 +62,7 @@ FINAL = "final"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
-             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES)
+             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",

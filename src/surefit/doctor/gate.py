@@ -10,8 +10,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from surefit.doctor.core import Report
+from surefit.doctor.core import Finding, Report
 from surefit.errors import Problem, SurefitError
+from surefit.startup import StartupCache
 from surefit.training.distributed import is_main_process, share_from_main
 
 
@@ -22,6 +23,27 @@ class DoctorRefused(SurefitError):
 def run_doctor(make_report: Callable[[], Report]) -> Report | None:
     """``make_report()`` on the main process; ``None`` on the others (pass it to :func:`gate` either way)."""
     return make_report() if is_main_process() else None
+
+
+def cached_doctor(make_report: Callable[[], Report], key: Any, cache: StartupCache, status: dict[str, str]) -> Report:
+    """``make_report()``, or the report stored for ``key`` (an identical setup: see ``surefit/startup.py``).
+
+    ``status["doctor"]`` says which it was. A stored entry that is not a report is ignored with a note.
+    """
+    stored = cache.get("doctor", key)
+    if stored is not None:
+        try:
+            findings = [Finding(**f) for f in stored["findings"]]
+            if all(f.severity in ("error", "warning", "info") for f in findings):
+                status["doctor"] = "reused"
+                return Report(findings=findings, checks_run=int(stored["checks_run"]))
+        except (TypeError, KeyError, ValueError):
+            pass
+        cache.say("note: ignored a start-up cache entry for the doctor that is not a report; recomputing it")
+    report = make_report()
+    status["doctor"] = cache.status(key, False)
+    cache.put("doctor", key, {"findings": [f.__dict__ for f in report.findings], "checks_run": report.checks_run})
+    return report
 
 
 def gate(report: Report | None, cfg: Any, say: Callable[[str], None], out: Path | None) -> None:

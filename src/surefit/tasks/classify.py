@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import surefit.startup as startup
 from surefit.config import ClassifyConfig
 from surefit.data.classes import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.collate import PadCollator
@@ -434,7 +435,8 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001
         raise ModelError(Problem(f"cannot load the tokenizer of {source.name}: {type(e).__name__}: {e}", "--model")) from e
-    model = build_model(cfg, path, spec, say)
+    with startup.phase("model load"):
+        model = build_model(cfg, path, spec, say)
     max_len, tokenizer_keys, accepted = model_inputs(cfg, model, tokenizer, say)
     keys = [k for k in tokenizer_keys if k in accepted]
     table = column_table(train_rows + val_rows, fields, spec, tokenizer_keys, accepted, type(model).__name__)
@@ -472,6 +474,11 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         loss_fn=loss_fn, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),
         check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
+        # A custom head is user code, and remote code is the model's: neither has a content identity to key on.
+        cache_key=None if cfg.head or cfg.trust_remote_code or startup.files_identity(path) is None else lambda: {
+            "model": startup.files_identity(path), "tokenizer": startup.tokenizer_identity(tokenizer),
+            "labels": repr(spec), "train": startup.features_digest(train_feats),
+            "validation": startup.features_digest(val_feats)},
         data_report=report, files={COLUMNS: table},
         plan={"eval_lengths": [len(f["input_ids"]) for f in val_feats], "lora": cfg.lora_r > 0},
         saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer",

@@ -11,17 +11,20 @@ Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import surefit.startup as startup
 from surefit.data.rows import Row
 from surefit.doctor.core import Report
-from surefit.doctor.gate import gate, run_doctor
+from surefit.doctor.gate import cached_doctor, gate, run_doctor
 from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
+    STARTUP,
     check_output_dir,
     lock_run,
     open_metrics_log,
@@ -105,6 +108,10 @@ class Prepared:
     epoch_batches: Callable[[int], list[list[int]]] | None = None
     rejected: int = 0
     where: Callable[[int], str] | None = None
+    # What the doctor and the planner read besides the settings (the model's files, the tokenizer, the encoded
+    # examples), as JSON-able content identities, computed only when the cache is on; None: not cacheable (user
+    # code, a model not on disk).
+    cache_key: Callable[[], dict[str, Any]] | None = None
 
 
 PrepareFn = Callable[..., Prepared]
@@ -117,11 +124,12 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
         ``{"output_dir", "final_dir", "history", "data_report"}``.
     """
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
-    with lock_run(cfg, say):  # one run at a time in --output_dir, for the whole run (run_folder.RunLock)
-        return _train(cfg, prepare, say)
+    clock = startup.Clock()
+    with startup.timing(clock), lock_run(cfg, say):  # one run at a time in --output_dir (run_folder.RunLock)
+        return _train(cfg, prepare, say, clock)
 
 
-def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
+def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict[str, Any]:
     from accelerate.utils import set_seed
 
     quiet_libraries()
@@ -132,7 +140,8 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     early: list[Problem] = []
     previous = check_output_dir(cfg, early)
     resume_from = resume_point(cfg, early, say)
-    p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
+    with clock.phase("prepare (other)"):  # the task names its own phases inside (data, model, ...)
+        p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
     out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
     write_json(out, "data_report.json", p.data_report)
     warn_small_validation(p.data_report, cfg, say)
@@ -142,21 +151,40 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
         if records:
             write_jsonl(out / name, records)
 
-    gate(run_doctor(p.check), cfg, say, out)
+    cache = startup.StartupCache(None if getattr(cfg, "no_cache", False) else startup.cache_dir(), say)
+    with clock.phase("cache key"):
+        key = startup.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
+    with clock.phase("doctor"):
+        gate(run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache)), cfg, say, out)
     acc = p.accelerator
     plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
-    plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
-                    collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
-                    out=out, **plan_args)
+    with clock.phase("memory plan"):
+        # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
+        memo = startup.planner_memo(cache, key)
+        before = json.dumps(memo, sort_keys=True)
+        plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
+                        collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
+                        out=out, memo=memo, **plan_args)
+        reused = bool(before != "{}" and json.dumps(memo, sort_keys=True) == before)
+        clock.cache["planner"] = cache.status(key, reused)
+        if not reused:
+            cache.put("planner", key, memo)
     settings = LoopSettings.from_config(cfg, plan)
     # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
     schedule = settings.schedule(len(p.features))
     write_json(out, "schedule.json", schedule.to_dict())
-    log = open_metrics_log(cfg, out, acc)
+    with clock.phase("metrics log and trackers"):
+        log = open_metrics_log(cfg, out, acc)
+
+    def started(model: Any, batch: dict[str, Any]) -> Any:
+        if clock.total is None:  # step 1 begins at the first training forward: the start-up ends here, once
+            end_startup(clock, out, say)
+        return p.loss_fn(model, batch)
 
     def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
         # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
-        result = p.evaluate(model, epoch, plan.eval_batch_size)
+        with startup.phase("evaluation before training"):  # epoch 0 (nothing after step 1)
+            result = p.evaluate(model, epoch, plan.eval_batch_size)
         if result.records is not None:
             path = predictions_path(out, int(epoch))
             write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), result.records)
@@ -175,8 +203,9 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
 
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))
+    clock.begin("loop setup")  # until step 1: the optimizer, accelerate's prepare, the sampler
     try:
-        history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=p.loss_fn, collate=p.collate,
+        history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=started, collate=p.collate,
                       settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,
                       checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
                       epoch_batches=p.epoch_batches, where=p.where)
@@ -186,6 +215,13 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say) -> dict[str, Any]:
     say(f"saved {p.saved} to {final}")
     write_run_report(out, acc, say)
     return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
+
+
+def end_startup(clock: startup.Clock, out: Path, say: Say) -> None:
+    """Stop the start-up clock, write ``OUTPUT/startup.json``, and say where the time went when it was long."""
+    if clock.stop() > startup.REPORT_AFTER_S:
+        say(clock.line())
+    write_json(out, STARTUP, clock.record())  # main process only
 
 
 def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:

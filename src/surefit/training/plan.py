@@ -308,6 +308,7 @@ def make_plan(
     lora: bool,
     device: torch.device,
     probe: Callable[[int, bool], int] | None = None,
+    memo: dict[str, Any] | None = None,
 ) -> Plan:
     """Choose micro-batch, accumulation, checkpointing and frozen-weight dtype for the budget.
 
@@ -325,6 +326,8 @@ def make_plan(
         lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
         probe: ``(micro, checkpointing) -> peak bytes`` of the longest micro-batch, forward and backward; raises an
             out-of-memory error if it does not fit. Default: measured on a GPU, none on a CPU.
+        memo: measurements of an identical setup (``saved_activations``: [bytes, tokens]; ``probes``: "micro,ckpt"
+            -> peak bytes or None for out of memory), used instead of measuring again; new ones are added to it.
 
     Raises:
         MemoryPlanError: when not even one example of the longest length fits; the message gives the estimate and
@@ -339,8 +342,10 @@ def make_plan(
     pack_saved = frozen_half and holds_bf16(device)
     longest = max(work.lengths) if work.lengths else 1
     order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
-    measured_act = None
-    if work.forward is not None and order:
+    memo = {} if memo is None else memo
+    known = memo.get("saved_activations")
+    measured_act = (int(known[0]), int(known[1])) if known else None
+    if measured_act is None and work.forward is not None and order:
         packer = None
         if pack_saved:
             from surefit.training.speedups.lora_fast import SavedActivationsIn
@@ -348,6 +353,7 @@ def make_plan(
             packer = SavedActivationsIn(torch.bfloat16)
         measured_act = (measure_saved_bytes(model, lambda: work.forward([order[0]]), packer),
                         work.lengths[order[0]])
+        memo["saved_activations"] = list(measured_act)
     fp = footprint(model, mixed=mixed, measured_act=measured_act)
 
     def sup(micro: int) -> int:
@@ -379,6 +385,8 @@ def make_plan(
             chosen = (with_ckpt, True)
     probe = probe if probe is not None else (_gpu_probe(work, order, pack_saved)
                                              if device.type == "cuda" and budget_gb else None)
+    if probe is not None:
+        probe = _remembered(probe, memo.setdefault("probes", {}))
     measured: dict[str, Any] = {}
     if measured_act:
         measured["saved_activations"] = {"bytes": measured_act[0], "tokens": measured_act[1]}
@@ -445,6 +453,27 @@ def make_plan(
                 eval_batch_size=eval_bs, budget_gb=budget_gb, budget_source=source,
                 estimate=estimate(micro, ckpt), measured=measured, changes=changes,
                 saved_activations="bf16" if pack_saved else None)
+
+
+def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) -> Callable[[int, bool], int]:
+    """``probe``, answering from ``seen`` where that rung was measured before (and recording new measurements)."""
+
+    def run(micro: int, ckpt: bool) -> int:
+        rung = f"{micro},{int(ckpt)}"
+        if rung in seen:
+            if seen[rung] is None:
+                raise torch.OutOfMemoryError(f"micro-batch {micro} measured out of memory before (start-up cache)")
+            return int(seen[rung])
+        try:
+            peak = probe(micro, ckpt)
+        except Exception as e:
+            if is_oom(e):
+                seen[rung] = None
+            raise
+        seen[rung] = int(peak)
+        return peak
+
+    return run
 
 
 def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixed: bool) -> int:
@@ -533,10 +562,12 @@ def plan_run(
     lora: bool = False,
     say: Callable[[str], None] = print,
     out: Path | None = None,
+    memo: dict[str, Any] | None = None,
 ) -> Plan:
     """Plan a task's run from its config and examples; print the plan and save ``OUTPUT/memory_plan.json``.
 
     The model is moved to the accelerator's device first (the probe runs there). Probes put every RNG back.
+    ``memo``: earlier measurements of an identical setup, see :func:`make_plan`.
     """
     model.to(accelerator.device)
 
@@ -566,7 +597,7 @@ def plan_run(
         lambda: make_plan(model, work, batch_size=cfg.batch_size, processes=accelerator.num_processes,
                           requested_micro=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
                           precision=precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
-                          budget=budget, lora=lora, device=accelerator.device))
+                          budget=budget, lora=lora, device=accelerator.device, memo=memo))
     say(plan.render())
     if out is not None and accelerator.is_main_process:
         plan.save(out / "memory_plan.json")

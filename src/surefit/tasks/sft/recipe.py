@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import surefit.startup as startup
 from surefit.config import SFTConfig
 from surefit.data.augment import augment_conversations, augment_rows
 from surefit.data.collate import PadCollator
@@ -320,16 +321,20 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         source = resolve_model(cfg.model)
     except ModelError as e:
         early += e.problems
-    train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
-    path = model_folder(source, log=say)
-    tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
+    with startup.phase("reading data"):
+        train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
+    with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models.gguf_to_folder)
+        path = model_folder(source, log=say)
+    with startup.phase("tokenizer"):
+        tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:
         say(note)
     conversational = data_report["format_conversational"]
     encoder = Encoder.build(cfg, tokenizer, data_report["format"], conversational)
     say(encoder.why)
-    train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip", on_rejected)
-    val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip", on_rejected)
+    with startup.phase("encoding data"):
+        train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip", on_rejected)
+        val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip", on_rejected)
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
     for rep in (train_rep, val_rep):
         say(rep.summary())
@@ -351,15 +356,18 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     }
     data_report["template"] = encoder.why
 
-    model = load_causal_lm(path, source, cfg.trust_remote_code)
-    if cfg.gradient_checkpointing:
-        enable_gradient_checkpointing(model, lora=cfg.lora_r > 0)
-        say("gradient checkpointing on: activations are recomputed in the backward pass")
-    model = apply_lora(model, cfg, "CAUSAL_LM", say)
-    if cfg.lora_r:
-        fuse_lora(model)  # the same weights and files; adapters summed in fp32 (training/speedups/lora_fast.py)
-    accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
-                                   project_dir=cfg.output_dir)
+    with startup.phase("model load"):
+        model = load_causal_lm(path, source, cfg.trust_remote_code)
+    with startup.phase("LoRA setup"):
+        if cfg.gradient_checkpointing:
+            enable_gradient_checkpointing(model, lora=cfg.lora_r > 0)
+            say("gradient checkpointing on: activations are recomputed in the backward pass")
+        model = apply_lora(model, cfg, "CAUSAL_LM", say)
+        if cfg.lora_r:
+            fuse_lora(model)  # the same weights and files; adapters summed in fp32 (training/speedups/lora_fast.py)
+    with startup.phase("accelerate setup"):
+        accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
+                                       project_dir=cfg.output_dir)
     max_new = cfg.max_new_tokens or train_rep.longest_target + 4
     why_new = ("--max_new_tokens" if cfg.max_new_tokens else
                f"the longest training answer, {train_rep.longest_target} tokens with its terminator, + 4")
@@ -414,12 +422,19 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                 f"{shared} of {batches} micro-batches); --share_prefixes false computes every row in full")
 
     doctor_args = {"batch_size": cfg.micro_batch_size, "max_length": cfg.max_seq_length, "generation": True}
+    val_features = [e.features() for e in val_ex]
+    model_files = startup.files_identity(path)
+    # The doctor and the planner read the model (its files + the settings), the tokenizer and these examples.
+    cache_key = None if model_files is None or cfg.trust_remote_code else lambda: {
+        "model": model_files, "tokenizer": startup.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
+        "train": startup.features_digest(features), "validation": startup.features_digest(val_features),
+        "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, features=features,
         lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex], collate=collate,
         loss_fn=train_loss, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: check(model, tokenizer, features, [e.features() for e in val_ex] or None, collate, args=doctor_args,
-                            task="sft"),
+        check=lambda: check(model, tokenizer, features, val_features or None, collate, args=doctor_args, task="sft"),
+        cache_key=cache_key,
         data_report=data_report, jsonl={EXCLUDED: excluded},
         plan={"eval_lengths": [len(e.input_ids) for e in val_ex],
               "generate_lengths": [len(e.prompt_ids) + max_new for e in val_ex], "lora": cfg.lora_r > 0,

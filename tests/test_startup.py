@@ -1,0 +1,192 @@
+"""Start-up: the phase record and line, and the content-keyed cache of the doctor's and the planner's work.
+
+Whether the work ran is counted (the doctor's ``check`` and the planner's saved-tensor measurement are wrapped), never
+timed.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import surefit.startup as startup
+import surefit.tasks.sft as sft
+import surefit.training.plan as plan_module
+from conftest import qa_rows, tiny_llama
+from surefit.cli import main
+
+
+@pytest.fixture()
+def counted(monkeypatch):
+    """Counts of the doctor's runs and of the planner's measurements."""
+    calls = {"doctor": 0, "planner": 0}
+    check, measure = sft.check, plan_module.measure_saved_bytes
+
+    def counting_check(*a, **k):
+        calls["doctor"] += 1
+        return check(*a, **k)
+
+    def counting_measure(*a, **k):
+        calls["planner"] += 1
+        return measure(*a, **k)
+
+    monkeypatch.setattr(sft, "check", counting_check)
+    monkeypatch.setattr(plan_module, "measure_saved_bytes", counting_measure)
+    return calls
+
+
+def _data(path: Path, n: int = 16, extra: str = "") -> Path:
+    rows = qa_rows(n)
+    rows[0]["target"] += extra
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def _train(model: Path, data: Path, out: Path, *extra: str) -> dict:
+    argv = ["train", "--task", "sft", "--model", str(model), "--data", str(data), "--epochs", "1", "--lora_r", "4",
+            "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25", "--output_dir", str(out), *extra]
+    assert main(argv) == 0
+    return json.loads((out / "startup.json").read_text(encoding="utf-8"))
+
+
+def test_an_unchanged_setup_reuses_the_doctor_and_the_planner_in_a_new_run_folder(tmp_path, tiny_lm_dir, counted):
+    data = _data(tmp_path / "train.jsonl")
+    first = _train(tiny_lm_dir, data, tmp_path / "a")
+    assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed"}
+    # Another folder, and settings that only steer the loop: the same content, so nothing is recomputed.
+    second = _train(tiny_lm_dir, data, tmp_path / "b", "--lr", "1e-3", "--epochs", "2")
+    assert counted == {"doctor": 1, "planner": 1} and second["cache"] == {"doctor": "reused", "planner": "reused"}
+    # The reused report is the report: doctor.json and memory_plan.json are the same in both folders.
+    for name in ("doctor.json", "memory_plan.json"):
+        assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
+
+
+@pytest.mark.parametrize("change", ["data", "setting", "model", "template"])
+def test_a_changed_input_reruns_the_doctor_and_the_planner(tmp_path, tiny_lm_dir, counted, change):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_lm_dir, model)
+    data = _data(tmp_path / "train.jsonl")
+    _train(model, data, tmp_path / "a")
+    extra: tuple[str, ...] = ()
+    if change == "data":
+        _data(data, extra=" mat")  # one target one word longer
+    elif change == "setting":
+        extra = ("--lora_dropout", "0.1")
+    elif change == "model":
+        weights = next(model.glob("*.safetensors"))  # rewritten weights: a new modification time
+        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    else:
+        extra = ("--template", "Q: {input}\nA: ")
+    second = _train(model, data, tmp_path / "b", *extra)
+    assert counted == {"doctor": 2, "planner": 2}
+    assert second["cache"] == {"doctor": "computed", "planner": "computed"}
+
+
+def test_no_cache_reruns_everything_and_stores_nothing(tmp_path, tiny_lm_dir, counted):
+    data = _data(tmp_path / "train.jsonl")
+    for out in ("a", "b"):
+        record = _train(tiny_lm_dir, data, tmp_path / out, "--no_cache")
+        assert record["cache"] == {"doctor": "off", "planner": "off"}
+    assert counted == {"doctor": 2, "planner": 2}
+    assert not startup.cache_dir().exists() or not any(startup.cache_dir().rglob("*.json"))
+
+
+@pytest.mark.parametrize("damage", ["not json", "edited value", "not a report"])
+def test_a_damaged_cache_entry_is_ignored_with_a_note(tmp_path, tiny_lm_dir, counted, capsys, damage):
+    data = _data(tmp_path / "train.jsonl")
+    _train(tiny_lm_dir, data, tmp_path / "a")
+    [entry] = (startup.cache_dir() / "doctor").glob("*.json")
+    stored = json.loads(entry.read_text(encoding="utf-8"))
+    if damage == "not json":
+        entry.write_bytes(b"\x80\x04garbage")  # e.g. a pickle someone put there: read as text, never unpickled
+    elif damage == "edited value":
+        # a report edited by hand (an error that would stop the run): its checksum no longer matches
+        stored["value"]["findings"] = [{"code": "eos-missing", "severity": "error", "message": "x", "fix": "",
+                                        "where": ""}]
+        entry.write_text(json.dumps(stored), encoding="utf-8")
+    else:
+        stored["value"] = {"findings": [{"code": "x"}]}  # checksum recomputed, but not a report
+        stored["check"] = startup.digest(stored["value"])
+        entry.write_text(json.dumps(stored), encoding="utf-8")
+    capsys.readouterr()
+    record = _train(tiny_lm_dir, data, tmp_path / "b")
+    out = capsys.readouterr()
+    assert "note: ignored a" in out.out and "Traceback" not in out.out + out.err
+    assert counted["doctor"] == 2 and record["cache"]["doctor"] == "computed"
+    # The entry was rewritten whole: the third run reuses it.
+    assert _train(tiny_lm_dir, data, tmp_path / "c")["cache"]["doctor"] == "reused"
+
+
+def test_the_startup_line_is_printed_over_the_threshold_and_the_record_always_written(tmp_path, tiny_lm_dir,
+                                                                                     monkeypatch, capsys):
+    data = _data(tmp_path / "train.jsonl")
+    monkeypatch.setattr(startup, "REPORT_AFTER_S", 1e9)
+    quiet = _train(tiny_lm_dir, data, tmp_path / "a")
+    assert "start-up " not in capsys.readouterr().out
+    monkeypatch.setattr(startup, "REPORT_AFTER_S", 0.0)
+    record = _train(tiny_lm_dir, data, tmp_path / "b")
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("start-up ")]
+    assert len(lines) == 1 and "doctor" in lines[0] and "(start-up cache: doctor reused, planner reused)" in lines[0]
+    for rec in (quiet, record):
+        assert {"model load", "doctor", "memory plan", "encoding data", "imports and settings", "other"} <= set(
+            rec["phases"])
+        assert rec["seconds"] == pytest.approx(sum(rec["phases"].values()), abs=0.01)
+        assert rec["step1_at"] > rec["process_start"]
+
+
+def test_the_line_names_the_phases_longest_first():
+    clock = startup.Clock(started=100.0)
+    clock.made, clock.total, clock.step1_at = 101.0, 14.2, 114.2
+    clock.phases = {"doctor": 4.0, "model load": 6.1, "tokenizer": 0.01}
+    clock.cache = {"doctor": "reused"}
+    assert clock.line() == ("start-up 14.2 s: model load 6.1 s, doctor 4.0 s, other 3.1 s, imports and settings "
+                            "1.0 s (start-up cache: doctor reused)")
+
+
+def test_the_doctor_runs_one_forward_on_a_model_whose_dry_run_passes():
+    from conftest import tiny_llama as make
+    from surefit.doctor import check
+
+    model = make()
+    calls = []
+    model.register_forward_hook(lambda *a: calls.append(1))
+    features = [{"input_ids": [1, 2, 3, 4, 0], "labels": [-100, -100, 3, 4, 0]} for _ in range(4)]
+    from surefit.data.collate import PadCollator
+
+    check(model, None, features, None, PadCollator(pad_token_id=0), args={"batch_size": 2}, task="sft")
+    assert len(calls) == 1
+
+
+def test_planner_measurements_are_reused_from_the_memo_and_the_choice_made_afresh():
+    model = tiny_llama()
+    work = plan_module.Workload(lengths=[40 - i % 7 for i in range(16)], supervised=[3 + i % 4 for i in range(16)],
+                                forward=lambda idx: model(torch.tensor([[1] * 40])).logits.sum())
+    tried = []
+
+    def probe(micro, ckpt):
+        tried.append((micro, ckpt))
+        if micro > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return 1000
+
+    args = dict(batch_size=8, processes=1, requested_micro=8, gradient_checkpointing=False, precision="fp32",
+                eval_batch_size=8, budget=(10.0, "test"), lora=False, device=torch.device("cpu"), probe=probe)
+    memo: dict = {}
+    first = plan_module.make_plan(copy.deepcopy(model), work, memo=memo, **args)
+    stored = json.loads(json.dumps(memo))  # what the cache holds: JSON
+    assert stored["probes"] == {"8,0": None, "4,0": None, "3,0": None, "2,0": 1000}
+    assert stored["saved_activations"][1] == 40
+    n = len(tried)
+    work.forward = None  # a second measurement would fail: the memo must answer
+    again = plan_module.make_plan(copy.deepcopy(model), work, memo=stored, **args)
+    assert len(tried) == n  # no rung probed again
+    assert (again.micro_batch_size, again.grad_accum, again.measured) == (first.micro_batch_size, first.grad_accum,
+                                                                          first.measured)
+    assert again.changes == first.changes
