@@ -251,11 +251,18 @@ def test_an_unknown_transform_of_the_logits_is_found_and_falls_back():
     assert torch.allclose(loss, want, rtol=1e-5)
 
 
-def test_eval_without_gradients_keeps_nothing_for_a_backward_pass():
+def test_eval_without_gradients_keeps_nothing_for_a_backward_pass(monkeypatch):
+    """Under no_grad (the evaluation loss) no gradient matmul runs, even for a trainable head."""
     hidden, weight, b, targets = _inputs()
+    matmuls = []
+    real = torch.Tensor.__matmul__
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda x, y: matmuls.append(1) or real(x, y))
     with torch.no_grad():
         fused = fused_linear_cross_entropy(hidden, weight, b, targets, chunk_values=7 * V)
-    assert fused.grad_fn is None
+    assert fused.grad_fn is None and not matmuls
+    with torch.enable_grad():
+        fused_linear_cross_entropy(hidden, weight, b, targets, chunk_values=7 * V)
+    assert matmuls  # the same call with gradients does run them (the check above is not vacuous)
     assert torch.allclose(fused, _reference(hidden, weight, b, targets).detach(), rtol=1e-6)
 
 

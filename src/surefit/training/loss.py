@@ -266,6 +266,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         softcap: ``final_logit_softcapping``: logits become ``softcap * tanh(logits / softcap)``.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])
+    if not torch.is_grad_enabled():  # evaluation: no gradient is computed or kept, even for a trainable head
+        hidden, weight = hidden.detach(), weight.detach()
+        bias = bias.detach() if bias is not None else None
     chunk = max(MIN_CHUNK_TOKENS, chunk_values // max(1, weight.shape[0]))
     return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk, softcap,
                                           _compute_dtype(hidden, weight), ignore_index)
