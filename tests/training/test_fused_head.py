@@ -284,3 +284,44 @@ def test_a_default_sft_run_takes_the_fused_head_and_the_switch_turns_it_off(tmp_
     assert HEAD_PATHS["unfused"] > before.get("unfused", 0)
     assert off.history[-1]["train_loss"] == pytest.approx(on.history[-1]["train_loss"], abs=1e-5)
     assert off.history[-1]["eval_loss"] == pytest.approx(on.history[-1]["eval_loss"], abs=1e-5)
+
+
+def _ddp_worker(rank, fused, port, out):
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = DistributedDataParallel(_llama(tied=False))
+        batch = _batch(seed=rank, n=3)  # each process its own rows
+        for _ in range(2):  # the reducer is used again in a second step
+            model.zero_grad()
+            loss, n = causal_lm_loss_sum(model, batch, fused=fused, fused_chunk_values=64 * 8)
+            (loss / n).backward()
+        if rank == 0:
+            torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_under_ddp_the_fused_head_gives_the_unfused_gradients(tmp_path):
+    """Under DDP the head runs outside the wrapped forward (full fine-tuning, untied head): its gradient is still
+    all-reduced with the others, and every gradient equals the unfused run's."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    grads = {}
+    for fused in (True, False):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        out = tmp_path / f"grads_{fused}.pt"
+        mp.spawn(_ddp_worker, args=(fused, port, str(out)), nprocs=2, join=True)
+        grads[fused] = torch.load(out)
+    assert grads[True].keys() == grads[False].keys() and "lm_head.weight" in grads[True]
+    for k in grads[True]:
+        assert _close(grads[True][k], grads[False][k], 1e-5), k
