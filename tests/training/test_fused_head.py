@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_llama
 from surefit.data.collate import IGNORE_INDEX, PadCollator
-from surefit.training import loss as loss_mod
+from surefit.training.speedups import fused_head as head_mod
 from surefit.training.loss import (HEAD_PATHS, causal_lm_loss_sum, fused_linear_cross_entropy,
                                    why_not_fused)
 
@@ -50,7 +50,7 @@ def _close(a, b, rtol):
 def test_fused_loss_and_gradients_equal_unfused_fp32(chunk, bias, ignored, monkeypatch):
     """Chunks of 1 to more than all rows (4, 7, 16 do not divide 29), ignored targets, with and without bias: loss and
     gradients w.r.t. the hidden states, the weight and the bias equal the unfused ones to ~1e-6 relative."""
-    monkeypatch.setattr(loss_mod, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(head_mod, "MIN_CHUNK_TOKENS", 1)
     hidden, weight, b, targets = _inputs(bias=bias, ignored=ignored)
     ref = _reference(hidden, weight, b, targets)
     fused = fused_linear_cross_entropy(hidden, weight, b, targets, chunk_values=chunk * V)
@@ -64,11 +64,11 @@ def test_fused_loss_and_gradients_equal_unfused_fp32(chunk, bias, ignored, monke
 
 def test_fused_chunks_really_bound_the_logits(monkeypatch):
     """No matmul in the forward or the backward produces more than one chunk of logits."""
-    monkeypatch.setattr(loss_mod, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(head_mod, "MIN_CHUNK_TOKENS", 1)
     hidden, weight, b, targets = _inputs()
     shapes = []
-    real = loss_mod.F.linear
-    monkeypatch.setattr(loss_mod.F, "linear", lambda *a: shapes.append(tuple(real(*a).shape)) or real(*a))
+    real = head_mod.F.linear
+    monkeypatch.setattr(head_mod.F, "linear", lambda *a: shapes.append(tuple(real(*a).shape)) or real(*a))
     fused = fused_linear_cross_entropy(hidden, weight, b, targets, chunk_values=6 * V)
     fused.backward()
     assert shapes and max(s[0] for s in shapes) == 6 and len(shapes) == -(-N // 6)
@@ -88,7 +88,7 @@ def test_frozen_head_gets_no_gradient_and_the_hidden_states_the_same_one():
 
 
 def test_fused_soft_capping_equals_the_capped_reference(monkeypatch):
-    monkeypatch.setattr(loss_mod, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(head_mod, "MIN_CHUNK_TOKENS", 1)
     hidden, weight, b, targets = _inputs(ignored=(3,))
     ref = _reference(hidden * 4, weight, b, targets, softcap=5.0)  # large logits: the cap matters
     fused = fused_linear_cross_entropy(hidden * 4, weight, b, targets, chunk_values=7 * V, softcap=5.0)
@@ -107,7 +107,7 @@ def test_fused_under_bf16_autocast_matches_the_unfused_head(chunk, monkeypatch):
     after; and over several chunks grad_weight sums per-chunk bf16 products where the unfused head rounds one. So the
     gradients are compared at 1e-2 of their largest value, and exactly (1e-6) in one chunk with a unit incoming
     gradient; the loss (fp32 from the same bf16 logits) at 1e-5."""
-    monkeypatch.setattr(loss_mod, "MIN_CHUNK_TOKENS", 1)
+    monkeypatch.setattr(head_mod, "MIN_CHUNK_TOKENS", 1)
     hidden, weight, b, targets = _inputs(bias=False, ignored=(2,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = _reference(hidden, weight, None, targets)
