@@ -218,7 +218,7 @@ def chunk_sweep(tokens: int, repeats: int) -> tuple[dict[str, Any], list[str]]:
                                            ("full fine-tuning: trainable fp32 head, fp32", torch.float32, True, False)):
         w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(wdtype).requires_grad_(trainable)
 
-        def run(chunk: int | None) -> None:
+        def run(chunk: int | None, w: Any = w, bf16: bool = bf16) -> None:
             h = h0.clone().requires_grad_()
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
                 if chunk is None:
@@ -231,7 +231,7 @@ def chunk_sweep(tokens: int, repeats: int) -> tuple[dict[str, Any], list[str]]:
         settings: dict[str, int | None] = {"unfused": None, **{f"2^{k}": 2**k for k in (20, 21, 22, 23, 24, 26)}}
         times: dict[str, list[float]] = {k: [] for k in settings}
         peaks: dict[str, list[float]] = {k: [] for k in settings}
-        for name, chunk in settings.items():
+        for chunk in settings.values():
             run(chunk)  # warm
         for _ in range(repeats):
             for name, chunk in settings.items():

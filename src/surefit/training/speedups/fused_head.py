@@ -141,7 +141,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             g = g.to(compute_dtype)
             if need_h:
                 grad_h[i : i + chunk] = (g @ w).to(hidden.dtype)
-            if need_w:
+            if need_w and g.dtype == torch.float32:
+                grad_w.addmm_(g.t(), h)  # in place: no [vocab, hidden] temporary per chunk
+            elif need_w:
                 grad_w += (g.t() @ h).float()
             if need_b:
                 grad_b += g.float().sum(0)
