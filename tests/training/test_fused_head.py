@@ -10,9 +10,8 @@ import torch.nn.functional as F
 
 from conftest import tiny_llama
 from surefit.data.collate import IGNORE_INDEX, PadCollator
+from surefit.training.loss import HEAD_PATHS, causal_lm_loss_sum, fused_linear_cross_entropy, why_not_fused
 from surefit.training.speedups import fused_head as head_mod
-from surefit.training.loss import (HEAD_PATHS, causal_lm_loss_sum, fused_linear_cross_entropy,
-                                   why_not_fused)
 
 N, H, V = 29, 16, 50  # 29 rows: a prime, so no chunk size above 1 divides it
 

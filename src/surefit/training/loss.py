@@ -18,8 +18,13 @@ import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
 from surefit.models import inner_model
-from surefit.training.speedups.fused_head import (FUSED_CHUNK_VALUES, HEAD_PATHS, fused_linear_cross_entropy,
-                                                  fused_loss, why_not_fused)
+from surefit.training.speedups.fused_head import (
+    FUSED_CHUNK_VALUES,
+    HEAD_PATHS,
+    fused_linear_cross_entropy,
+    fused_loss,
+    why_not_fused,
+)
 
 __all__ = ["FUSED_CHUNK_VALUES", "HEAD_PATHS", "fused_linear_cross_entropy", "why_not_fused"]  # (re-exported)
 
