@@ -41,8 +41,10 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0 -e '.[bench]'
 	touch $(BENCH_STAMP)
 
+# Both workloads: SQuAD rows (shared paragraphs, short answers) and chat rows (no shared prompt, long answers).
 bench-sft: bench-setup
-	$(PY) benchmarks/cpu_sft.py $(BENCH_ARGS)
+	$(PY) benchmarks/cpu_sft.py --workload squad $(BENCH_ARGS)
+	$(PY) benchmarks/cpu_sft.py --workload chat $(BENCH_ARGS)
 
 bench-classify: bench-setup
 	$(PY) benchmarks/cpu_classify.py $(BENCH_ARGS)

@@ -368,6 +368,8 @@ def warm_up(trainer: Any, bf16: bool) -> float:
 def command_line(script: str, args: Any) -> str:
     """The command that reproduces a run of ``script`` with these parsed arguments (the ones that change results)."""
     parts = [f".venv/bin/python benchmarks/{script}", f"--rows {args.rows}"]
+    if getattr(args, "workload", None):
+        parts.append(f"--workload {args.workload}")
     if getattr(args, "quick", False):
         parts.append("--quick")
     if getattr(args, "only", None):
@@ -433,13 +435,15 @@ def machine_lines(machine: dict[str, Any], loads: list[list[float]], others: lis
 
 
 def goal_rows(ok: dict[str, dict[str, Any]], anchors_default: list[str], anchors_all: list[str],
-              unit: str = "tok/s") -> tuple[list[str], dict[str, bool | None]]:
+              unit: str = "tok/s", speed_goal: float = 2.5, bf16_goal: float = 2.0, rss_goal: float = 0.7,
+              bf16_anchor: str | None = None) -> tuple[list[str], dict[str, bool | None]]:
     """The issue's goal lines, from finished results (each with ``tokens_per_s``, ``peak_rss_mb``, ``final_loss``).
 
-    - speed at defaults: surefit (its defaults) >= 2.5x the fastest anchor at the anchor's own defaults;
-    - speed given bf16: the best surefit run (defaults or surefit_*) >= 2x the fastest anchor run of all (bf16 ones
-      included);
-    - memory: surefit (defaults) peak RSS <= 0.7x the leanest anchor run;
+    - speed at defaults: surefit (its defaults) >= ``speed_goal`` (2.5x) the fastest anchor at the anchor's own
+      defaults;
+    - speed given bf16: the best surefit run (defaults or surefit_*) >= ``bf16_goal`` (2x) the fastest anchor run of
+      all (bf16 ones included); with ``bf16_anchor``, also surefit (defaults) against that anchor run;
+    - memory: surefit (defaults) peak RSS <= ``rss_goal`` (0.7x) the leanest anchor run;
     - loss: surefit's final training loss within the anchors' noise (heuristic, stated in the row).
     """
     def best(names: list[str], key: str, pick: Any) -> tuple[str | None, float | None]:
@@ -456,27 +460,34 @@ def goal_rows(ok: dict[str, dict[str, Any]], anchors_default: list[str], anchors
     fd_name, fd = best(anchors_default, "tokens_per_s", max)
     line, verdicts["speed_defaults"] = ratio_line(
         "surefit (defaults) tokens/s vs the fastest anchor at its defaults",
-        sf["tokens_per_s"] / fd if sf and fd else None, 2.5, True, f"fastest: {fd_name} ({fmt(fd, 0)} {unit})")
+        sf["tokens_per_s"] / fd if sf and fd else None, speed_goal, True, f"fastest: {fd_name} ({fmt(fd, 0)} {unit})")
     rows.append(line)
     fa_name, fa = best(anchors_all, "tokens_per_s", max)
     best_sf = max([r for r in [sf, *variants] if r], key=lambda r: r["tokens_per_s"], default=None)
     line, verdicts["speed_bf16"] = ratio_line(
         f"surefit (best of its runs: {best_sf['name'] if best_sf else '-'}) tokens/s vs the fastest anchor, bf16 "
-        "runs included", best_sf["tokens_per_s"] / fa if best_sf and fa else None, 2.0, True,
+        "runs included", best_sf["tokens_per_s"] / fa if best_sf and fa else None, bf16_goal, True,
         f"fastest: {fa_name} ({fmt(fa, 0)} {unit})")
     rows.append(line)
+    if bf16_anchor:
+        b = ok.get(bf16_anchor, {}).get("tokens_per_s")
+        line, verdicts["speed_bf16_anchor"] = ratio_line(
+            f"surefit (defaults) tokens/s vs {bf16_anchor}", sf["tokens_per_s"] / b if sf and b else None, bf16_goal,
+            True, f"{bf16_anchor}: {fmt(b, 0)} {unit}")
+        rows.append(line)
     for sb in variants:
         if fa:
-            rows.append(ratio_line(f"({sb['name']} tokens/s vs the same)", sb["tokens_per_s"] / fa, 2.0, True,
+            rows.append(ratio_line(f"({sb['name']} tokens/s vs the same)", sb["tokens_per_s"] / fa, bf16_goal, True,
                                    f"{sb.get('precision')} against the fastest anchor")[0])
     ln_name, ln = best(anchors_all, "peak_rss_mb", min)
     line, verdicts["rss"] = ratio_line(
-        "surefit (defaults) peak RSS vs the leanest anchor", sf["peak_rss_mb"] / ln if sf and ln else None, 0.7,
+        "surefit (defaults) peak RSS vs the leanest anchor", sf["peak_rss_mb"] / ln if sf and ln else None, rss_goal,
         False, f"leanest: {ln_name} ({fmt(ln, 0)} MB)")
     rows.append(line)
     for sb in variants:
         if ln:
-            rows.append(ratio_line(f"({sb['name']} peak RSS vs the same)", sb["peak_rss_mb"] / ln, 0.7, False, "")[0])
+            rows.append(ratio_line(f"({sb['name']} peak RSS vs the same)", sb["peak_rss_mb"] / ln, rss_goal, False,
+                                   "")[0])
     # Loss "within noise": the anchor runs spread by some amount (different initialisation of the new weights, batch
     # order, kernels, precision); surefit's runs must sit within that spread of the anchors' mean, or within 5% of it,
     # whichever is wider. A proper noise estimate needs repeated seeds; this is a heuristic and says so.

@@ -12,6 +12,8 @@ process:
     surefit_ckpt          surefit's defaults plus --gradient_checkpointing (what memory costs in time)
     surefit_noshare       surefit's defaults plus --share_prefixes false: every row computes its whole prompt, also
                           the paragraph other questions in its batch share (what sharing buys on this data)
+    surefit_unfused       surefit's defaults plus --fused_cross_entropy false: the LM head's logits for all
+                          supervised tokens of a micro-batch at once (what fusing the head with the loss buys)
     trainer_seq2seq       transformers.Trainer + DataCollatorForSeq2Seq + length grouping, fp32 (Trainer's default)
     trainer_seq2seq_bf16  the same with bf16=True (CPU autocast)
     trl_sft               trl.SFTTrainer on a prompt/completion dataset at TRL's defaults (bf16=True and
@@ -27,9 +29,16 @@ process:
     .venv/bin/python benchmarks/cpu_sft.py --rows 256
     .venv/bin/python benchmarks/cpu_sft.py --only surefit,trainer_seq2seq --quick
     .venv/bin/python benchmarks/cpu_sft.py --eval-speed          # surefit: per-epoch F1 evaluation vs training epoch
+    .venv/bin/python benchmarks/cpu_sft.py --workload chat       # rows that share no prompt, long answers
 
-Writes benchmarks/results/cpu_sft.md and .json (--rows 64), cpu_sft_256.md/.json (other --rows), or
-cpu_sft_eval.md/.json (--eval-speed); --quick writes into its work folder only, unless --out is given.
+Workloads (--workload): squad (default; questions share paragraphs, ~4% of tokens supervised) and chat (one row per
+conversation of ../shared/data/chat/glaive_toolcall_en_demo.json: the first user message as input, the rest of the
+conversation as the answer, cut at a whole turn to fit the maximum length; no shared prompt, most tokens supervised).
+`make bench-sft` runs both.
+
+Writes benchmarks/results/cpu_sft.md and .json (--rows 64), cpu_sft_256.md/.json (other --rows), cpu_sft_chat.md/.json
+(--workload chat), or cpu_sft_eval.md/.json (--eval-speed); --quick writes into its work folder only, unless --out is
+given.
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
     "surefit_fp32": ("surefit", {"precision": "fp32"}, "surefit --precision fp32"),
     "surefit_ckpt": ("surefit", {"gradient_checkpointing": True}, "surefit --gradient_checkpointing (memory for time)"),
     "surefit_noshare": ("surefit", {"share_prefixes": False}, "surefit --share_prefixes false (every row in full)"),
+    "surefit_unfused": ("surefit", {"fused_cross_entropy": False},
+                        "surefit --fused_cross_entropy false (LM head and loss unfused)"),
     "trainer_seq2seq": ("seq2seq", {"bf16": False}, "Trainer + DataCollatorForSeq2Seq + length grouping, fp32"),
     "trainer_seq2seq_bf16": ("seq2seq", {"bf16": True}, "the same, bf16=True"),
     "trl_sft": ("trl", {}, "TRL SFTTrainer, prompt/completion, TRL defaults"),
@@ -66,6 +77,15 @@ CONFIGS: dict[str, tuple[str, dict[str, Any], str]] = {
     "trl_sft_bf16": ("trl", {"bf16": True, "gradient_checkpointing": False}, "TRL, bf16=True, no grad. checkpointing"),
     "seeds_trainer": ("seeds", {}, "reference: Trainer, labels = full text (LM collator), fp32"),
 }
+WORKLOADS = {
+    "squad": "the first N SQuAD questions of squad/dev-v1.1-part-a.json (questions share paragraphs; ~4% of tokens "
+             "supervised)",
+    "chat": "one row per conversation of chat/glaive_toolcall_en_demo.json: the first user message as input, the rest "
+            "of the conversation as the answer (no shared prompt; most tokens supervised)",
+}
+# Goals (issue 24): surefit's defaults >= 3x the fastest anchor at its defaults and >= 2x the bf16 anchor, at <= 0.5x
+# the leanest anchor's peak RSS, with the same final loss.
+SPEED_GOAL, BF16_GOAL, RSS_GOAL, BF16_ANCHOR = 3.0, 2.0, 0.5, "trainer_seq2seq_bf16"
 ANCHORS_DEFAULT = ["trainer_seq2seq", "trl_sft"]  # each anchor at its own defaults
 ANCHORS_ALL = ["trainer_seq2seq", "trainer_seq2seq_bf16", "trl_sft", "trl_sft_fp32", "trl_sft_bf16"]
 NUMERIC = ["train_seconds", "setup_seconds", "peak_rss_mb", "final_loss", "eval_seconds_epoch1", "process_seconds"]
@@ -87,6 +107,8 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     tok, _ = load_tokenizer(path, source)
     problems: list = []
     squad = Path(args.shared) / "squad" / "dev-v1.1-part-a.json"
+    if args.workload == "chat":
+        squad = chat_rows(Path(args.shared) / "chat" / "glaive_toolcall_en_demo.json", tok, workdir)
     rows = read_rows(squad, problems)
     if problems:
         raise SystemExit(f"cannot read {squad}: {problems}")
@@ -123,9 +145,45 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "ref_tokens": report.tokens, "ref_supervised": report.supervised_tokens, "truncated": report.truncated,
         "tokens_cut": report.tokens_cut, "longest": max(lengths), "surefit_padded": surefit_padded,
         "eos": tok.eos_token, "pad": tok.pad_token, "squad": str(squad), "val_source": f"last {len(val)} rows of {squad}",
+        "workload": args.workload,
+        "source": WORKLOADS[args.workload],
     }
     (workdir / "spec.json").write_text(json.dumps(spec, indent=2), encoding="utf-8")
     return spec
+
+
+CHAT_ROLES = {"human": "User", "gpt": "Assistant", "function_call": "Function call", "observation": "Function result"}
+
+
+def chat_rows(source: Path, tok: Any, workdir: Path) -> Path:
+    """The chat workload's rows, one per conversation: ``input`` = its first user message, ``target`` = the rest of
+    the conversation as a transcript (``Assistant: ...``, ``User: ...``, function calls and results), cut at the last
+    whole turn that keeps the example within the maximum length. Rows share no prompt and most of their tokens carry
+    loss (as instruction data with long answers does); written as input/target JSONL for every configuration."""
+    from surefit.data.encode import DEFAULT_TEMPLATE
+
+    data = json.loads(source.read_text(encoding="utf-8"))
+    out = workdir / "chat_rows.jsonl"
+    budget = MAX_LEN - 4  # room for the EOS and for tokens merging at the boundaries
+    with out.open("w", encoding="utf-8") as fh:
+        for conv in data:
+            turns = conv["conversations"]
+            if not turns or turns[0]["from"] != "human":
+                continue
+            prompt = DEFAULT_TEMPLATE.replace("{input}", turns[0]["value"])
+            used = len(tok(prompt, add_special_tokens=False)["input_ids"])
+            parts: list[str] = []
+            for t in turns[1:]:
+                piece = f"{CHAT_ROLES.get(t['from'], t['from'])}: {t['value'].strip()}"
+                cost = len(tok(("\n\n" if parts else "") + piece, add_special_tokens=False)["input_ids"])
+                if used + cost > budget:
+                    break
+                parts.append(piece)
+                used += cost
+            if parts:
+                target = "\n\n".join(parts)
+                fh.write(json.dumps({"input": turns[0]["value"], "target": target, "answers": [target]}) + "\n")
+    return out
 
 
 # ================================================================================================== workers
@@ -421,11 +479,15 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
         r["tokens_per_s"] = _tps(r, "ref_tokens", spec)
         r["supervised_tokens_per_s"] = _tps(r, "ref_supervised", spec)
 
-    goals, verdicts = benchlib.goal_rows(ok, ANCHORS_DEFAULT, ANCHORS_ALL, unit="tok/s")
+    goals, verdicts = benchlib.goal_rows(ok, ANCHORS_DEFAULT, ANCHORS_ALL, unit="tok/s", speed_goal=SPEED_GOAL,
+                                         bf16_goal=BF16_GOAL, rss_goal=RSS_GOAL, bf16_anchor=BF16_ANCHOR)
     sf = ok.get("surefit")
 
     md = [
-        f"# cpu_sft: surefit vs Trainer vs TRL, {spec['rows']} SQuAD rows" + (" (QUICK smoke run)" if args.quick else ""),
+        f"# cpu_sft: surefit vs Trainer vs TRL, {spec['rows']} {'chat' if spec.get('workload') == 'chat' else 'SQuAD'} "
+        "rows" + (" (QUICK smoke run)" if args.quick else ""),
+        "",
+        f"Workload `{spec.get('workload', 'squad')}`: {spec.get('source', WORKLOADS['squad'])}.",
         "",
         f"Embedded SmolLM2-135M-Instruct (fp32 weights), the first {spec['rows']} rows of `{Path(spec['squad']).name}`, "
         f"LoRA r={LORA_R} alpha={LORA_ALPHA} dropout={LORA_DROPOUT} on {', '.join(LORA_TARGETS)}, batch {BATCH}, max "
@@ -470,7 +532,8 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
         _trainable_line(ok),
         *_shared_lines(ok, spec),
         "",
-        "## Goals (issue: surefit >= 2.5x the fastest anchor at defaults, >= 2x given bf16, RSS <= 0.7x, same loss)",
+        f"## Goals (issue: surefit >= {SPEED_GOAL}x the fastest anchor at defaults, >= {BF16_GOAL}x the bf16 anchor, "
+        f"RSS <= {RSS_GOAL}x the leanest anchor, same loss)",
         "",
         "| goal | measured | target | result | detail |",
         "|---|---|---|---|---|",
@@ -579,8 +642,10 @@ def eval_speed_report(spec: dict[str, Any], r: dict[str, Any], machine: dict[str
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"), help="the shared data folder")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), default="squad",
+                    help="squad: " + WORKLOADS["squad"] + "; chat: " + WORKLOADS["chat"])
     ap.add_argument("--rows", type=int, default=None,
-                    help="training rows: the first N SQuAD questions (default 64; --quick 8; --eval-speed 200)")
+                    help="training rows: the first N rows of the workload (default 64; --quick 8; --eval-speed 200)")
     ap.add_argument("--val_rows", type=int, default=None, help="surefit's held-out rows (default 8; --eval-speed 200)")
     ap.add_argument("--only", default=None, help=f"comma-separated configurations (of: {', '.join(CONFIGS)})")
     ap.add_argument("--quick", action="store_true", help="smoke test: 8 rows (4 held out), results in the work folder")
@@ -640,7 +705,8 @@ def main() -> None:
         md = eval_speed_report(spec, results["surefit"], machine, started)
         extra: dict[str, Any] = {}
     else:
-        stem = "cpu_sft" if args.rows == 64 else f"cpu_sft_{args.rows}"
+        stem = ("cpu_sft" if args.workload == "squad" else f"cpu_sft_{args.workload}") + \
+            ("" if args.rows == 64 else f"_{args.rows}")
         md, extra = build_report(spec, results, machine, args, started)
     record = {"benchmark": stem, "started": started, "spec": spec, "machine": machine, "results": results,
               "runs": runs if args.repeats > 1 else None, **extra}

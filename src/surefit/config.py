@@ -250,6 +250,9 @@ class SFTConfig(TrainConfig):
     share_prefixes: bool = opt(
         True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
         "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
+    fused_cross_entropy: bool = opt(
+        True, "Run the LM head and the cross-entropy fused, in chunks: no full logits tensor in memory, the same loss "
+        "and gradients. false: the unfused head (its logits for all supervised tokens at once).")
     max_new_tokens: int | None = opt(
         None, "Generation length for evaluation. Default: the longest training target in tokens, plus 4."
     )

@@ -18,6 +18,15 @@ import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
 from surefit.models import inner_model
+from surefit.training.speedups.fused_head import (
+    FUSED_CHUNK_VALUES,
+    HEAD_PATHS,
+    fused_linear_cross_entropy,
+    fused_loss,
+    why_not_fused,
+)
+
+__all__ = ["FUSED_CHUNK_VALUES", "HEAD_PATHS", "fused_linear_cross_entropy", "why_not_fused"]  # (re-exported)
 
 
 class BatchPacker(Protocol):
@@ -110,12 +119,17 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values: int = CHUNK_VALUES,
-                       share: BatchPacker | None = None) -> tuple[torch.Tensor, int]:
+                       share: BatchPacker | None = None, fused: bool = True,
+                       fused_chunk_values: int = FUSED_CHUNK_VALUES) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over supervised positions, and how many there are.
 
     The LM head runs only at positions whose next token is supervised (``logits_to_keep`` with a boolean mask), so a
     prompt-heavy batch (SQuAD: ~4% of tokens carry loss) never materialises full-vocabulary logits for the prompt.
-    When even the supervised logits would be large (more than ``chunk_values`` values: long completions, big
+    With ``fused`` (the default) the model returns the supervised hidden states instead (its head is swapped out
+    during the forward only) and the head and the loss run fused, chunk by chunk
+    (:func:`fused_linear_cross_entropy`): no full logits tensor exists in the forward or the backward pass, whatever
+    the share of supervised tokens (chat data: most of them). Models it does not cover (:func:`why_not_fused`) take
+    the unfused path. Unfused, when even the supervised logits would be large (more than ``chunk_values`` values: long completions, big
     vocabularies), the model returns the supervised hidden states instead (its head is swapped for an identity
     during the forward only) and the head and loss run in chunks under activation checkpointing, so at most one
     chunk of logits exists at a time, in the forward and in the backward. Models whose forward lacks
@@ -129,6 +143,8 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
         chunk_values: logits size above which the head runs in chunks.
         share: when given, rows of the batch that begin with the same prompt tokens have that prefix computed once
             (see :class:`PrefixSharing`); the loss is the same.
+        fused: run the head and the loss fused (``fused_cross_entropy`` in the config); False: the unfused head.
+        fused_chunk_values: logits values per chunk of the fused head.
 
     Returns:
         ``(loss_sum, n_tokens)``; ``loss_sum`` is a float32 scalar tensor.
@@ -148,12 +164,19 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
         kwargs, keep, targets = packed
     n = int(targets.numel())
     if "logits_to_keep" not in base_forward_params(model):
+        HEAD_PATHS["no_logits_to_keep"] += 1
         logits = model(**kwargs).logits[keep]
         return F.cross_entropy(logits.float(), targets, reduction="sum"), n
+    if fused and n and why_not_fused(model) is None:
+        loss = fused_loss(model, kwargs, keep, targets, fused_chunk_values)
+        if loss is not None:
+            return loss, n
     owner = _lm_head_owner(model) if n else None
     if owner is None or n * owner[0].get_output_embeddings().out_features <= chunk_values:
+        HEAD_PATHS["unfused"] += 1
         logits = model(**kwargs, logits_to_keep=keep).logits  # [n, V], in (batch, position) order
         return _chunk_loss_from_logits(logits, targets), n
+    HEAD_PATHS["chunked"] += 1
     inner, name = owner
     head = getattr(inner, name)
     setattr(inner, name, torch.nn.Identity())

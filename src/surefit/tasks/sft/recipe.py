@@ -53,7 +53,7 @@ from surefit.run_folder import EXCLUDED
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
 from surefit.training.distributed import sum_over_processes
 from surefit.training.loop import evaluate_loss
-from surefit.training.loss import causal_lm_loss_sum
+from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.speedups.lora_fast import fuse_lora
@@ -392,7 +392,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
-                                                  generate=cfg.eval_generate, metric=metric)
+                                                  generate=cfg.eval_generate, metric=metric,
+                                                  fused=cfg.fused_cross_entropy)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
@@ -400,14 +401,18 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             return Evaluation(metrics, None)
         return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field))
 
-    sharing, train_loss = None, causal_lm_loss_sum
+    base_loss = functools.partial(causal_lm_loss_sum, fused=cfg.fused_cross_entropy)
+    if cfg.fused_cross_entropy and (why_unfused := why_not_fused(model)):
+        say(f"fused LM head + cross-entropy: off, because {why_unfused}; the head's logits for a batch's supervised "
+            "tokens are computed at once")
+    sharing, train_loss = None, base_loss
     if cfg.share_prefixes:
         reason = why_not_shared(model)
         if reason:
             say(f"shared prompt prefixes: each row computes its own, because {reason}")
         else:
             sharing = PrefixSharing()
-            train_loss = functools.partial(causal_lm_loss_sum, share=sharing)
+            train_loss = functools.partial(base_loss, share=sharing)
 
     def on_epoch(record: dict[str, Any]) -> None:
         if sharing is None:
@@ -439,7 +444,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         plan={"eval_lengths": [len(e.input_ids) for e in val_ex],
               "generate_lengths": [len(e.prompt_ids) + max_new for e in val_ex], "lora": cfg.lora_r > 0,
               # the planner measures with the plain loss: a shared layout is never larger
-              "loss_fn": causal_lm_loss_sum},
+              "loss_fn": base_loss},
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer",
         on_epoch=on_epoch, counters=sharing, rejected=data_report["rejected_rows"], where=lambda i: train_ex[i].row.where)
 
@@ -507,14 +512,16 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
 def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
                       eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
                       say: Say = print, share_prefixes: bool = True,
-                      generate: bool = True, metric: str = "squad") -> tuple[dict[str, float], list[str],
+                      generate: bool = True, metric: str = "squad",
+                      fused: bool = True) -> tuple[dict[str, float], list[str],
                                                                              list[list[str]]]:
     """Validation loss (per supervised token) and, with ``generate``, SQuAD F1 / exact match (normalised) and
     ROUGE-L of greedy generations against the gold answers (a conversation's gold is its last assistant turn).
 
     Used after every epoch of training and by ``surefit eval``, so both report the same numbers. With
     ``share_prefixes`` the loss computes prompt prefixes that rows of a batch share once, as training does (the
-    same loss; see :mod:`surefit.training.speedups.prefixes`).
+    same loss; see :mod:`surefit.training.speedups.prefixes`); ``fused`` runs the LM head and the loss fused (the
+    same loss; ``--fused_cross_entropy``).
 
     Returns:
         ``({"eval_loss", "eval_f1", "eval_em", "eval_rouge_l"}, predictions, gold answers per example)``.
@@ -525,7 +532,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
         model,
         [e.features() for e in examples],
         [len(e.input_ids) for e in examples],
-        loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing()) if share else causal_lm_loss_sum,
+        loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None, fused=fused),
         collate=collate,
         batch_size=batch_size,
         accelerator=accelerator,
