@@ -11,7 +11,8 @@ Configurations:
 - ``before``: dropout masks from torch's generator, adapter gradients rounded to bf16 per micro-batch (the code
   before the masks were keyed by example);
 - ``seeded_masks``: dropout masks keyed by (seed, step, example, layer, position, feature) (training/dropout.py);
-- ``after``: seeded masks, and adapter weight gradients summed in fp32 (training/speedups/lora_fast.py): surefit now.
+- ``after``: seeded masks, and adapter weight gradients summed in fp32 (training/speedups/lora_fast.py): surefit now;
+- ``no_dropout``: as ``after`` with ``--lora_dropout 0``: the floor that the bf16 kernels leave, with no masks at all.
 
     PYTHONPATH=src .venv/bin/python benchmarks/oom_split_drift.py [--steps 3] [--rows 24] [--quick]
 """
@@ -44,7 +45,7 @@ def _train(cfg: str, args: argparse.Namespace, out: Path, inject: str | None, pr
     from surefit.cli import main
 
     seeded = cfg != "before"
-    lora_fast.ADAPTER_GRADS_FP32 = cfg == "after"
+    lora_fast.ADAPTER_GRADS_FP32 = cfg in ("after", "no_dropout")
     rows = loop.training_rows
     if not seeded:  # the loop then sets no rows: every dropout module draws from torch's generator, as before
         loop.training_rows = lambda *a, **k: contextlib.nullcontext()
@@ -58,7 +59,8 @@ def _train(cfg: str, args: argparse.Namespace, out: Path, inject: str | None, pr
             code = main(["train", "--data", args.data, "--limit", str(args.rows), "--val_fraction", "0",
                          "--batch_size", "8", "--grad_accum", "1", "--max_steps", str(args.steps),
                          "--max_seq_length", str(args.max_seq_length), "--log_every", "1", "--seed", "0",
-                         "--precision", precision, "--output_dir", str(out), "--overwrite"])
+                         "--precision", precision, "--output_dir", str(out), "--overwrite",
+                         *(["--lora_dropout", "0"] if cfg == "no_dropout" else [])])
     finally:
         loop.training_rows = rows
         lora_fast.ADAPTER_GRADS_FP32 = True
@@ -78,7 +80,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24)
     ap.add_argument("--max_seq_length", type=int, default=384)
     ap.add_argument("--data", default=str(HERE.parent.parent / "shared" / "data" / "squad" / "dev-v1.1-part-a.json"))
-    ap.add_argument("--configs", default="before,seeded_masks,after")
+    ap.add_argument("--configs", default="before,seeded_masks,after,no_dropout")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--quick", action="store_true", help="smoke mode: 1 step, 8 rows, short sequences, no results")
     args = ap.parse_args()
@@ -120,13 +122,15 @@ def main() -> None:
              "of per-step losses |", "|---|---|---|---|---|"]
     desc = {"before": "before: torch's dropout masks, adapter gradients rounded to bf16 per micro-batch",
             "seeded_masks": "dropout masks keyed by example (training/dropout.py)",
-            "after": "now: keyed masks + adapter weight gradients summed in fp32"}
+            "after": "now: keyed masks + adapter weight gradients summed in fp32",
+            "no_dropout": "floor: as now, with --lora_dropout 0 (no masks at all)"}
     for cfg, r in results.items():
         lines.append(f"| {desc.get(cfg, cfg)} | {r['splits']} | {r['max_abs_weight_diff']:.2e} | "
                      f"{r['largest_weight']:.3f} | {r['max_abs_loss_diff']:.2e} |")
     lines += ["", "What remains under bf16 comes from kernels whose rounding depends on the micro-batch's shape (its "
-              "padded length and row count: the bf16 matmul and attention kernels' blocking), which a split changes.",
-              ""]
+              "padded length, its row count, whether rows' shared prompt prefixes are laid out together: the bf16 "
+              "matmul and attention kernels' blocking), which a split changes; the `no_dropout` row measures that "
+              "floor. Step 1's loss is before any update, so its difference is the forward's rounding alone.", ""]
     print("\n".join(lines))
     if args.quick:
         return

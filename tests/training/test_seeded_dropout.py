@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from surefit.training.dropout import UNKEYED, SeededDropout, seed_dropout, training_rows
+from surefit.training.dropout import UNKEYED, SeededDropout, effective_p, seed_dropout, training_rows
 
 
 def _drop(p=0.1, name="model.layers.0.mlp.dropout"):
@@ -57,7 +57,9 @@ def test_keep_rate_and_rescale():
     kept = int((y != 0).sum())
     sigma = math.sqrt(n * p * (1 - p))
     assert abs(kept - n * (1 - p)) < 4 * sigma
-    assert torch.equal(y[y != 0], torch.full((kept,), 1 / (1 - p)))  # rescaled by 1/(1-p)
+    # rescaled by 1/(1-p), p as the mask uses it (a multiple of 2^-16: 0.1 -> 0.100006)
+    assert torch.equal(y[y != 0], torch.full((kept,), 1 / (1 - effective_p(p))))
+    assert abs(effective_p(p) - p) <= 2**-17
     # per feature and per position too (no feature or position always dropped)
     rate_f = (y != 0).float().mean(dim=(0, 1))
     assert float(rate_f.min()) > 1 - p - 4 * math.sqrt(p * (1 - p) / 1024)

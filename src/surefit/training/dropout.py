@@ -38,7 +38,6 @@ from torch import nn
 _M32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2^27: a product with a 32-bit value stays below 2^63
 _POSITION, _FEATURE, _CONTENT = 0x2545F491, 0x6A09E667, 0x3C6EF372  # domain separation
-_SCALE_BITS = 32
 
 # Names of dropout modules that met, inside a training micro-batch, a tensor whose layout has no per-row key (not
 # ``[batch, length, ...]`` or ``[batch, features]``): they drew from torch's generator. name -> times.
@@ -149,9 +148,30 @@ def relayout(src_row: torch.Tensor, src_pos: torch.Tensor) -> None:
     rows.explicit = old.to(src_pos.device)[src_row, src_pos.clamp(max=old.shape[1] - 1)]
 
 
+def effective_p(p: float) -> float:
+    """The drop probability the keyed masks use: ``p`` rounded to a multiple of 2^-16 (as the fused LoRA forward's)."""
+    return round(p * _SPAN) / _SPAN
+
+
+_SPAN = 1 << 16
+_LOWEST = -(1 << 15)
+_features: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def _feature_hashes(pairs: int, device: Any) -> torch.Tensor:
+    key = (pairs, str(device))
+    if key not in _features:
+        _features[key] = _mix(torch.arange(pairs, dtype=torch.int64, device=device).add_(_FEATURE))
+    return _features[key]
+
+
 def keep_mask(shape: Sequence[int], p: float, salt: int, device: Any) -> torch.Tensor | None:
-    """Boolean mask of ``shape``, True where kept (each element independently with probability ``1 - p``), from the
-    micro-batch's keys; None outside a training micro-batch or when ``shape`` has no per-row key."""
+    """Boolean mask of ``shape``, True where kept (each element with probability ``1 - effective_p(p)``), from the
+    micro-batch's keys; None outside a training micro-batch or when ``shape`` has no per-row key.
+
+    One 32-bit hash per two elements (each takes 16 bits): the (row, position) key mixed with the module's salt, XORed
+    with the feature pair's hash, then one multiply-xorshift round, which is a bijection of 32 bits, so each half is
+    uniform; the cost is a few passes over half the elements (benchmarks/seeded_dropout_speed.py)."""
     rows = _current[0]
     if rows is None or len(shape) < 2:
         return None
@@ -167,16 +187,22 @@ def keep_mask(shape: Sequence[int], p: float, salt: int, device: Any) -> torch.T
             width *= int(s)
     if keys is None:
         return None
-    k = _mix(keys.reshape(per) ^ salt)
-    features = _mix(torch.arange(width, dtype=torch.int64, device=device).add_(_FEATURE))
-    h = _mix(k[..., None] ^ features)
-    threshold = min(int(round(p * (1 << _SCALE_BITS))), 1 << _SCALE_BITS)
-    return (h >= threshold).view(tuple(int(s) for s in shape))
+    pairs = (width + 1) // 2
+    h = _mix(keys.reshape(per) ^ salt)[..., None] ^ _feature_hashes(pairs, device)
+    h.mul_(_MUL).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 16)
+    # Each int64 holds the hash in its low 32 bits: as int16s, the first two of every four are its halves.
+    halves = h.view(torch.int16).view(*per, pairs, 4)[..., :2]
+    keep = (halves >= _LOWEST + round(p * _SPAN)).reshape(*per, 2 * pairs)
+    if 2 * pairs != width:
+        keep = keep[..., :width]
+    return keep.reshape(tuple(int(s) for s in shape))
 
 
 class SeededDropout(nn.Dropout):
     """``nn.Dropout`` whose masks, inside a training micro-batch, are fixed by the examples (see the module docstring);
-    elsewhere exactly ``nn.Dropout``. Scales kept elements by ``1 / (1 - p)``."""
+    elsewhere exactly ``nn.Dropout``. Scales kept elements by ``1 / (1 - p)``, with ``p`` rounded to a multiple of
+    2^-16 inside a training micro-batch (:func:`effective_p`)."""
 
     def __init__(self, p: float = 0.5, inplace: bool = False, name: str = ""):
         super().__init__(p, inplace)
@@ -197,7 +223,7 @@ class SeededDropout(nn.Dropout):
         mask = self.keep(x.shape, x.device)
         if mask is None:
             return F.dropout(x, self.p, self.training, self.inplace)
-        return x.mul(mask.view(torch.uint8).to(x.dtype)).mul_(1.0 / (1.0 - self.p))
+        return x.mul(mask.view(torch.uint8).to(x.dtype)).mul_(1.0 / (1.0 - effective_p(self.p)))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, inplace={self.inplace}, seeded by example"

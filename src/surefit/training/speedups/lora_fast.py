@@ -51,7 +51,7 @@ def _draw(shape: torch.Size, p: float, drop: nn.Module | None, device: torch.dev
     if isinstance(drop, SeededDropout):
         keep = drop.keep(shape, device)
         if keep is not None:
-            return keep, p
+            return keep, effective_p(p)
     return keep_mask(shape, p, device), effective_p(p)
 
 
