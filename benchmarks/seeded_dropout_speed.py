@@ -33,6 +33,38 @@ def _time(fn, repeats: int) -> float:
     return best
 
 
+def _measure(batch: int, length: int, rank: int, p: float, width: int, out_width: int,
+             repeats: int) -> dict[str, float]:
+    """Milliseconds per call of each piece, for one LoRA layer of ``width`` -> ``out_width``."""
+    import torch
+
+    from surefit.training.dropout import keep_mask as keyed_mask
+    from surefit.training.dropout import module_salt, training_rows
+    from surefit.training.speedups.lora_fast import keep_mask as torch_mask
+
+    shape = (batch, length, width)
+    x = torch.randn(shape).bfloat16()
+    w = torch.randn(out_width, width).bfloat16()
+    g = torch.randn(batch, length, out_width)
+    u = torch.randn(batch, length, rank).bfloat16()
+    gu = torch.randn(batch, length, rank).bfloat16()
+    drop = torch.nn.Dropout(p).train()
+    salt = module_salt("layers.0.mlp.down_proj.lora_dropout.default")
+    with training_rows(seed=0, step=0, rows=list(range(batch))):
+        keyed = _time(lambda: keyed_mask(shape, p, salt, "cpu"), repeats)
+    return {
+        "keyed_mask_ms": keyed * 1e3,
+        "torch_mask_ms": _time(lambda: torch_mask(shape, p, "cpu"), repeats) * 1e3,
+        "nn_dropout_ms": _time(lambda: drop(x), repeats) * 1e3,
+        "grads_fp32_ms": _time(lambda: (g.reshape(-1, out_width).t() @ u.reshape(-1, rank).float(),
+                                        gu.reshape(-1, rank).t().float() @ x.reshape(-1, width).float()),
+                               repeats) * 1e3,
+        "grads_bf16_ms": _time(lambda: (g.reshape(-1, out_width).bfloat16().t() @ u.reshape(-1, rank),
+                                        gu.reshape(-1, rank).t() @ x.reshape(-1, width)), repeats) * 1e3,
+        "base_matmul_ms": _time(lambda: x @ w.t(), repeats) * 1e3,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=20)
@@ -42,36 +74,12 @@ def main() -> None:
     repeats = 2 if args.quick else args.repeats
 
     import torch
-
     from benchlib import machine_info
-    from surefit.training.dropout import keep_mask as keyed_mask
-    from surefit.training.dropout import module_salt, training_rows
-    from surefit.training.speedups.lora_fast import keep_mask as torch_mask
 
     batch, length, rank, p = 4, 287, 16, 0.05
     rows: dict[str, dict[str, float]] = {}
     for width, out_width in ((576, 576), (1536, 576)):
-        shape = (batch, length, width)
-        x = torch.randn(shape).bfloat16()
-        w = torch.randn(out_width, width).bfloat16()
-        g = torch.randn(batch, length, out_width)
-        u = torch.randn(batch, length, rank).bfloat16()
-        gu = torch.randn(batch, length, rank).bfloat16()
-        drop = torch.nn.Dropout(p).train()
-        salt = module_salt("layers.0.mlp.down_proj.lora_dropout.default")
-        with training_rows(seed=0, step=0, rows=list(range(batch))):
-            keyed = _time(lambda: keyed_mask(shape, p, salt, "cpu"), repeats)
-        r = {
-            "keyed_mask_ms": keyed * 1e3,
-            "torch_mask_ms": _time(lambda: torch_mask(shape, p, "cpu"), repeats) * 1e3,
-            "nn_dropout_ms": _time(lambda: drop(x), repeats) * 1e3,
-            "grads_fp32_ms": _time(lambda: (g.reshape(-1, out_width).t() @ u.reshape(-1, rank).float(),
-                                            gu.reshape(-1, rank).t().float() @ x.reshape(-1, width).float()),
-                                   repeats) * 1e3,
-            "grads_bf16_ms": _time(lambda: (g.reshape(-1, out_width).bfloat16().t() @ u.reshape(-1, rank),
-                                            gu.reshape(-1, rank).t() @ x.reshape(-1, width)), repeats) * 1e3,
-            "base_matmul_ms": _time(lambda: x @ w.t(), repeats) * 1e3,
-        }
+        r = _measure(batch, length, rank, p, width, out_width, repeats)
         rows[f"{width}->{out_width}"] = r
         print(width, {k: round(v, 3) for k, v in r.items()}, flush=True)
 

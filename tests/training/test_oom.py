@@ -138,10 +138,11 @@ def _sft_pair(tmp_path, tiny_lm_dir, monkeypatch, rows, extra, inject="2,5,9"):
 
 def test_sft_with_lora_dropout_and_injected_ooms_ends_with_the_same_weights(tmp_path, tiny_lm_dir, monkeypatch):
     # Dropout masks are keyed by (seed, step, example, layer, position, feature), so the split step draws the same
-    # ones; in fp32 what is left is the order of additions (about 1e-7 of the weights, which are about 1e-1 here).
+    # ones; in fp32 what is left is the order of additions, amplified by Adam at lr 1e-2 for weights whose gradients
+    # are near zero: 6e-7 with dropout 0, 3e-7 to 1.2e-6 measured with 0.1 (torch's masks: 6e-2), losses 4e-7.
     weights, losses = _sft_pair(tmp_path, tiny_lm_dir, monkeypatch, qa_rows(40),
                                 ["--lora_dropout", "0.1", "--precision", "fp32"])
-    assert weights <= 1e-6 and losses <= 1e-6
+    assert weights <= 5e-6 and losses <= 2e-6
 
 
 def test_sft_with_shared_prefixes_lora_dropout_and_injected_ooms_ends_with_the_same_weights(tmp_path, tiny_lm_dir,

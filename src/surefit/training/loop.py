@@ -29,7 +29,7 @@ import torch
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
-from surefit.training.dropout import training_rows
+from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
 from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
@@ -274,6 +274,8 @@ class _Fit:
             say(describe_processes(settings.batch_size, settings.micro_batch_size, self.world))
         self.progress = Progress()
         self.guard = OOMGuard()
+        UNKEYED.clear()  # dropout modules that could not key their masks by example (training/dropout.py)
+        self.unkeyed_said = False
         self.history: list[dict[str, Any]] = []
         self.selection = Selection(settings.keep_best, settings.early_stopping)
         self.stopped_early = False
@@ -360,6 +362,11 @@ class _Fit:
             loss_fn=self.loss_fn, collate=self.collate, accelerator=self.accelerator, guard=self.guard, say=self.say,
             saved_activations=self.settings.saved_activations,
             dropout_key=(self.settings.seed, self.progress.global_step))
+        if UNKEYED and not self.unkeyed_said:
+            self.unkeyed_said = True
+            names = sorted(UNKEYED)
+            self.say(f"dropout in {', '.join(names[:3])}{' and others' if len(names) > 3 else ''} met tensors without "
+                     "the batch first: those masks come from torch's generator, so an out-of-memory split redraws them")
         loss_sum, stops = sum_over_processes([loss_sum, float(stop.requested is not None)], self.accelerator.device)
         # Under fp16 the loss scaler expects overflowing gradients now and then and skips those steps itself.
         scaled = getattr(self.accelerator, "scaler", None) is not None
