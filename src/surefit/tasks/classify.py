@@ -31,6 +31,7 @@ from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, pe
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.run_folder import COLUMNS, Run
 from surefit.tasks.common import Evaluation, Loaded, Prepared, chunks, render_columns, rows_from_texts, train
+from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, store_frozen_in
@@ -452,6 +453,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         enable_gradient_checkpointing(model.backbone if cfg.head else model, lora=cfg.lora_r > 0)
         say("gradient checkpointing on: activations are recomputed in the backward pass")
     model = _apply_lora(model, cfg, say)
+    seed_dropout(model)  # masks fixed by (seed, step, example): an out-of-memory split draws the same ones
     accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
                                    project_dir=cfg.output_dir)
     say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device} (the batch is "

@@ -29,6 +29,7 @@ import torch
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
+from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
 from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
@@ -273,6 +274,8 @@ class _Fit:
             say(describe_processes(settings.batch_size, settings.micro_batch_size, self.world))
         self.progress = Progress()
         self.guard = OOMGuard()
+        UNKEYED.clear()  # dropout modules that could not key their masks by example (training/dropout.py)
+        self.unkeyed_said = False
         self.history: list[dict[str, Any]] = []
         self.selection = Selection(settings.keep_best, settings.early_stopping)
         self.stopped_early = False
@@ -357,7 +360,13 @@ class _Fit:
         loss_sum = accumulate_step(
             self.model, self.features, step_indices, self.lengths, self.counts, micro_batch_size=self.micro,
             loss_fn=self.loss_fn, collate=self.collate, accelerator=self.accelerator, guard=self.guard, say=self.say,
-            saved_activations=self.settings.saved_activations)
+            saved_activations=self.settings.saved_activations,
+            dropout_key=(self.settings.seed, self.progress.global_step))
+        if UNKEYED and not self.unkeyed_said:
+            self.unkeyed_said = True
+            names = sorted(UNKEYED)
+            self.say(f"dropout in {', '.join(names[:3])}{' and others' if len(names) > 3 else ''} met tensors without "
+                     "the batch first: those masks come from torch's generator, so an out-of-memory split redraws them")
         loss_sum, stops = sum_over_processes([loss_sum, float(stop.requested is not None)], self.accelerator.device)
         # Under fp16 the loss scaler expects overflowing gradients now and then and skips those steps itself.
         scaled = getattr(self.accelerator, "scaler", None) is not None
@@ -670,6 +679,7 @@ def accumulate_step(
     guard: OOMGuard | None = None,
     say: Callable[[str], None] = print,
     saved_activations: str | None = None,
+    dropout_key: tuple[int, int] | None = None,
 ) -> float:
     """Forward and backward every micro-batch of one optimizer step; gradients are left in ``.grad``.
 
@@ -684,6 +694,10 @@ def accumulate_step(
     backward per step (its last micro-batch; the others run under ``no_sync``), whatever its number of micro-batches;
     a process whose share is empty (a last step with fewer examples than processes) runs a zero-weight pass over one
     of the step's examples, which takes part in the gradient all-reduce and adds nothing to it.
+
+    ``dropout_key``: ``(run seed, optimizer step)``; each micro-batch's forward and backward then run with its
+    examples' indices set, so dropout masks are drawn per example (training/dropout.py) and a split step draws the
+    same ones. None: torch's generator.
 
     Returns:
         The step's loss sum on this process (sum it over processes, then divide by the step's item count).
@@ -706,11 +720,14 @@ def accumulate_step(
                 # Gradients are only all-reduced on the last micro-batch of a step.
                 last = j == len(parts) - 1
                 sync = nullcontext() if last else accelerator.no_sync(model)
-                with sync, accelerator.autocast(), saved_activations_in(saved_activations):
-                    loss_sum, _ = loss_fn(model, batch)
-                in_sync_backward = last
-                accelerator.backward(loss_sum * scale)
-                in_sync_backward = False
+                # The backward pass too: gradient checkpointing recomputes forwards there, with the same masks.
+                rows = nullcontext() if dropout_key is None else training_rows(*dropout_key, part)
+                with rows:
+                    with sync, accelerator.autocast(), saved_activations_in(saved_activations):
+                        loss_sum, _ = loss_fn(model, batch)
+                    in_sync_backward = last
+                    accelerator.backward(loss_sum * scale)
+                    in_sync_backward = False
                 if not idle:
                     step_loss += loss_sum.item()  # note: a device->host sync, once per micro-batch
             except Exception as e:  # noqa: BLE001 - out-of-memory is recovered below; anything else is re-raised

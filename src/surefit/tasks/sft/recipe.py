@@ -52,6 +52,7 @@ from surefit.models import apply_lora, load_causal_lm, load_tokenizer, model_fol
 from surefit.run_folder import EXCLUDED
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
 from surefit.training.distributed import sum_over_processes
+from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
@@ -365,6 +366,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         model = apply_lora(model, cfg, "CAUSAL_LM", say)
         if cfg.lora_r:
             fuse_lora(model)  # the same weights and files; adapters summed in fp32 (training/speedups/lora_fast.py)
+        seed_dropout(model)  # masks fixed by (seed, step, example): an out-of-memory split draws the same ones
     with startup.phase("accelerate setup"):
         accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
                                        project_dir=cfg.output_dir)

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surefit.training.dropout import SeededDropout
+
 _SPAN = 1 << 16
 _LOWEST = -(1 << 15)
 
@@ -43,6 +45,30 @@ def keep_mask(shape: torch.Size | tuple[int, ...], p: float, device: torch.devic
     return (draws.view(torch.int16)[:n] >= _LOWEST + round(p * _SPAN)).view(tuple(shape))
 
 
+def _draw(shape: torch.Size, p: float, drop: nn.Module | None, device: torch.device) -> tuple[torch.Tensor, float]:
+    """``(keep mask, the drop probability it keeps by)``: a :class:`SeededDropout`'s mask in a training micro-batch
+    (the same one peft's path draws, whatever rows share the micro-batch), else :func:`keep_mask`'s."""
+    if isinstance(drop, SeededDropout):
+        keep = drop.keep(shape, device)
+        if keep is not None:
+            return keep, effective_p(p)
+    return keep_mask(shape, p, device), effective_p(p)
+
+
+# The adapter's weight gradients are sums over every token of a micro-batch. Computed by 16-bit matmuls they would be
+# rounded to 16 bits once per micro-batch, so how a step is cut into micro-batches (an out-of-memory split) would
+# change the update by up to 2^-9 of it; they are rank-r, so summing them in fp32 is cheap (docs/memory.md).
+ADAPTER_GRADS_FP32 = True
+
+
+def _reduce(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """``left^T @ right`` over all tokens (``[..., m]``, ``[..., n]`` -> ``[m, n]``), in fp32 (see above)."""
+    left, right = left.reshape(-1, left.shape[-1]), right.reshape(-1, right.shape[-1])
+    if ADAPTER_GRADS_FP32:
+        return left.t().float() @ right.float()
+    return left.t() @ right
+
+
 def _as(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The boolean mask as 0/1 in ``dtype``. Through uint8: on a CPU, converting bool directly (or ``where``, or
     multiplying by a bool tensor) was 3-7x slower than this conversion and a same-dtype multiply together."""
@@ -54,14 +80,15 @@ class _LoraBranch(torch.autograd.Function):
     projection; the dropped input is recomputed in the backward pass."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, p: float, scaling: float) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, p: float, scaling: float,
+                drop: nn.Module | None = None) -> torch.Tensor:
         dtype = a.dtype
         with torch.autocast(x.device.type, enabled=False):
             xa = x.to(dtype)
             keep, scale = None, 1.0
             if p > 0:
-                keep = keep_mask(x.shape, p, x.device)
-                scale = 1.0 / (1.0 - effective_p(p))
+                keep, p_used = _draw(x.shape, p, drop, x.device)
+                scale = 1.0 / (1.0 - p_used)
                 xa = xa * _as(keep, dtype)  # a new tensor: x itself is never modified
                 xa.mul_(scale)
             u = (xa @ a.t()).mul_(scaling)  # [..., r]: scaled here, on r values per token rather than out_features
@@ -91,7 +118,7 @@ class _LoraBranch(torch.autograd.Function):
                 if kf is not None:
                     grad_x.mul_(kf).mul_(ctx.scale)
                 grad_x = grad_x.to(x.dtype)
-        return grad_x, grad_a, grad_b, None, None
+        return grad_x, grad_a, grad_b, None, None, None
 
 
 class _LoraMixed(torch.autograd.Function):
@@ -106,15 +133,16 @@ class _LoraMixed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, xh: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float) -> torch.Tensor:
+                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float,
+                drop: nn.Module | None = None) -> torch.Tensor:
         dt = w.dtype
         with torch.autocast(x.device.type, enabled=False):
             ah, bh = a.to(dt), b.to(dt)
             keep, xd = None, xh
             if p > 0:
-                keep = keep_mask(x.shape, p, x.device)
+                keep, p_used = _draw(x.shape, p, drop, x.device)
                 xd = xh * _as(keep, dt)  # a new tensor: xh is shared with the other adapters reading x
-                scaling = scaling / (1.0 - effective_p(p))  # dropout's rescale, applied to r values per token
+                scaling = scaling / (1.0 - p_used)  # dropout's rescale, applied to r values per token
             u = (xd @ ah.t()).mul_(scaling)  # [..., r]
             out = F.linear(xh, w).to(a.dtype)
             out.add_(u @ bh.t())
@@ -130,14 +158,13 @@ class _LoraMixed(torch.autograd.Function):
         needs = ctx.needs_input_grad
         with torch.autocast(grad.device.type, enabled=False):
             g = grad.to(w.dtype)
-            r = u.shape[-1]
-            grad_b = (g.reshape(-1, g.shape[-1]).t() @ u.reshape(-1, r)) if needs[5] else None
+            grad_b = _reduce(grad if ADAPTER_GRADS_FP32 else g, u) if needs[5] else None
             grad_u = (g @ bh).mul_(ctx.scaling)  # through u = scaling * (dropout(x) @ a.t())
             grad_a = None
             if needs[4]:
                 kf = None if keep is None else _as(keep, xh.dtype)
                 xd = xh if kf is None else xh * kf
-                grad_a = grad_u.reshape(-1, r).t() @ xd.reshape(-1, xd.shape[-1])
+                grad_a = _reduce(grad_u, xd)
             grad_x = None
             if needs[0]:
                 gx = grad_u @ ah
@@ -145,7 +172,7 @@ class _LoraMixed(torch.autograd.Function):
                     gx.mul_(kf if needs[4] else _as(keep, gx.dtype))
                 grad_x = (g @ w).float().add_(gx).to(ctx.x_dtype)  # the two paths summed in fp32
         return (grad_x, None, None, None, None if grad_a is None else grad_a.float(),
-                None if grad_b is None else grad_b.float(), None, None)
+                None if grad_b is None else grad_b.float(), None, None, None)
 
 
 class _SwiGLUDown(torch.autograd.Function):
@@ -162,16 +189,17 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float) -> torch.Tensor:
+                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float,
+                drop: nn.Module | None = None) -> torch.Tensor:
         dt = w.dtype
         with torch.autocast(gate.device.type, enabled=False):
             h = F.silu(gate.float()).mul_(up).to(dt)
             ah, bh = a.to(dt), b.to(dt)
             keep, xd = None, h
             if p > 0:
-                keep = keep_mask(h.shape, p, h.device)
+                keep, p_used = _draw(h.shape, p, drop, h.device)
                 xd = h * _as(keep, dt)
-                scaling = scaling / (1.0 - effective_p(p))
+                scaling = scaling / (1.0 - p_used)
             u = (xd @ ah.t()).mul_(scaling)
             out = F.linear(h, w).to(a.dtype)
             out.add_(u @ bh.t())
@@ -187,11 +215,10 @@ class _SwiGLUDown(torch.autograd.Function):
         needs = ctx.needs_input_grad
         with torch.autocast(grad.device.type, enabled=False):
             g = grad.to(w.dtype)
-            r = u.shape[-1]
             gate, up = gate.float(), up.float()
             sig = torch.sigmoid(gate)
             silu = gate * sig
-            grad_b = (g.reshape(-1, g.shape[-1]).t() @ u.reshape(-1, r)) if needs[5] else None
+            grad_b = _reduce(grad if ADAPTER_GRADS_FP32 else g, u) if needs[5] else None
             grad_u = (g @ bh).mul_(ctx.scaling)
             kf = None if keep is None else _as(keep, w.dtype)
             grad_a = None
@@ -199,7 +226,7 @@ class _SwiGLUDown(torch.autograd.Function):
                 xd = (silu * up).to(w.dtype)
                 if kf is not None:
                     xd.mul_(kf)
-                grad_a = grad_u.reshape(-1, r).t() @ xd.reshape(-1, xd.shape[-1])
+                grad_a = _reduce(grad_u, xd)
             grad_gate = grad_up = None
             if needs[0] or needs[1]:
                 gx = grad_u @ ah
@@ -214,7 +241,7 @@ class _SwiGLUDown(torch.autograd.Function):
                     grad_gate = grad_h.mul_(up).mul_(dsilu)
                     grad_gate = grad_gate.to(ctx.dtypes[0])
         return (grad_gate, grad_up, None, None, None if grad_a is None else grad_a.float(),
-                None if grad_b is None else grad_b.float(), None, None)
+                None if grad_b is None else grad_b.float(), None, None, None)
 
 
 _SWIGLU_FORWARDS = {  # the MLP forwards whose computation _fused_mlp_forward reproduces (125 transformers models)
@@ -259,10 +286,10 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
     if not (gate.is_floating_point() and up.is_floating_point()):
         return down(self.act_fn(gate) * up)
     drop = down.lora_dropout[name]
-    p = drop.p if down.training and type(drop) is nn.Dropout else 0.0
+    p = drop.p if down.training and isinstance(drop, nn.Dropout) else 0.0
     bias = None if down.base_layer.bias is None else down.base_layer.bias.to(down.lora_A[name].weight.dtype)
     return _SwiGLUDown.apply(gate, up, w, bias, down.lora_A[name].weight, down.lora_B[name].weight, p,
-                             float(down.scaling[name]))
+                             float(down.scaling[name]), drop)
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -318,9 +345,9 @@ def _fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
         return None
     base, a, b, drop = layer.base_layer, layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
     if type(base) is not nn.Linear or type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None \
-            or b.bias is not None or type(drop) not in (nn.Dropout, nn.Identity):
+            or b.bias is not None or type(drop) not in (nn.Dropout, SeededDropout, nn.Identity):
         return None
-    if type(drop) is nn.Dropout and (not 0.0 <= drop.p < 1.0 or (drop.p > 0 and effective_p(drop.p) == 0)):
+    if isinstance(drop, nn.Dropout) and (not 0.0 <= drop.p < 1.0 or (drop.p > 0 and effective_p(drop.p) == 0)):
         return None  # p below 2^-17 would round to no dropout at all: peft's own dropout keeps it
     if any(m._forward_hooks or m._forward_pre_hooks for m in (base, a, b, drop)):
         return None
@@ -334,15 +361,15 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
     base = self.base_layer
     a, b, drop = self.lora_A[name].weight, self.lora_B[name].weight, self.lora_dropout[name]
     w = base.weight
-    p = drop.p if self.training and type(drop) is nn.Dropout else 0.0
+    p = drop.p if self.training and isinstance(drop, nn.Dropout) else 0.0
     if w.dtype in (torch.float16, torch.bfloat16) and not w.requires_grad and x.is_floating_point() \
             and (base.bias is None or not base.bias.requires_grad):
         # Frozen weights stored in 16 bits (mixed precision with LoRA): all matmuls in 16 bits, as autocast would
         # run them, whether autocast is on or not; the adapter's contribution is added in fp32.
         bias = None if base.bias is None else base.bias.to(a.dtype)
-        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b, p, float(self.scaling[name]))
+        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b, p, float(self.scaling[name]), drop)
     y = base(x).to(a.dtype)
-    return y + _LoraBranch.apply(x, a, b, p, float(self.scaling[name]))
+    return y + _LoraBranch.apply(x, a, b, p, float(self.scaling[name]), drop)
 
 
 def fuse_lora(model: nn.Module) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from surefit.data.collate import IGNORE_INDEX
+from surefit.training.dropout import relayout, share_prefix_keys
 from surefit.training.loss import attends_causally, base_forward_params, inner_model
 
 # Model types whose attention takes a custom 4D mask and whose positions come from position_ids alone, each tested
@@ -175,13 +176,18 @@ class PrefixSharing:
         self.batches += 1
         self.tokens += int(sum(lengths))
         self.reason = why_not_shared(model)
-        if self.reason is not None or ids.shape[0] < 2:
+        if self.reason is not None:
             return None
         if not bool((mask[:, 1:] <= mask[:, :-1]).all()):
             return None  # left padding or holes: the rows' positions are not 0..length-1
         supervised = labels[:, 1:] != IGNORE_INDEX
         first = torch.where(supervised.any(1), supervised.int().argmax(1), supervised.shape[1]).tolist()
         caps = [min(f, n - 1) for f, n in zip(first, lengths, strict=True)]
+        # Whether a prefix is computed once depends on the rows sharing the micro-batch; its dropout masks must not
+        # (an out-of-memory split regroups rows): before its first supervised token, a row is keyed by its tokens.
+        share_prefix_keys(ids, caps)
+        if ids.shape[0] < 2:
+            return None
         rows = [r[:n] for r, n in zip(ids.tolist(), lengths, strict=True)]
         groups = prefix_groups(rows, caps, self.min_tokens)
         if all(len(m) == 1 for m, _ in groups):
@@ -201,6 +207,7 @@ class PrefixSharing:
         targets = labels.new_full((n, width), IGNORE_INDEX)  # what each position predicts (the next token of its row)
         positions = torch.zeros((n, width), dtype=torch.long, device=dev)
         segment = torch.full((n, width), -2, dtype=torch.long, device=dev)  # -1 the shared prefix, k >= 0 a row, -2 pad
+        source = torch.zeros((n, width), dtype=torch.long, device=dev)  # the collated row each position comes from
         for i, (members, p) in enumerate(groups):
             pieces = [(members[0], 0, p, -1)] if p else []
             pieces += [(r, p, lengths[r], k) for k, r in enumerate(members)]
@@ -211,8 +218,10 @@ class PrefixSharing:
                 targets[i, o : o + m - 1] = labels[r, start + 1 : end]  # a piece's last token predicts nothing here
                 positions[i, o : o + m] = torch.arange(start, end, device=dev)
                 segment[i, o : o + m] = seg
+                source[i, o : o + m] = r
                 o += m
             positions[i, o:] = torch.arange(width - o, device=dev)
+        relayout(source, positions)  # each position keeps its dropout masks (training/dropout.py)
         q = torch.arange(width, device=dev)
         sq, sk = segment[:, :, None], segment[:, None, :]
         allowed = (q[:, None] >= q[None, :]) & (((sq == sk) & (sq != -2)) | ((sk == -1) & (sq >= 0)))
