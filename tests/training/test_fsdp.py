@@ -230,3 +230,22 @@ def test_fsdp_blocks_are_the_transformer_layers(tiny_lm_dir):
     # A model that names no blocks: the items of its longest ModuleList.
     plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)]))
     assert len(fsdp_blocks(plain)) == 3
+
+
+def test_accelerate_fsdp_example_config_launches_with_sharding(tmp_path, tiny_lm_dir):
+    # examples/accelerate/fsdp.yaml as its header says to run it (2 processes; on a CPU accelerate reports MULTI_CPU
+    # and surefit's own sharding runs over gloo).
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
+    out = tmp_path / "run"
+    accelerate = Path(sys.executable).with_name("accelerate")
+    proc = subprocess.run([str(accelerate), "launch", "--config_file",
+                           str(HERE.parents[1] / "examples" / "accelerate" / "fsdp.yaml"), "-m", "surefit", "train",
+                           "--model", str(tiny_lm_dir), "--data", str(data), "--output_dir", str(out), "--lora_r", "0",
+                           "--precision", "fp32", "--max_steps", "2", "--max_new_tokens", "2", "--sharding", "fsdp"],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 processes: batch" in proc.stdout
+    state = json.loads((out / "checkpoints" / "epoch-1" / "trainer_state.json").read_text())
+    assert state["plan"]["processes"] == 2 and state["plan"]["sharding"] == "fsdp"
+    assert (out / "final" / "model.safetensors").is_file()
