@@ -249,3 +249,65 @@ def test_accelerate_fsdp_example_config_launches_with_sharding(tmp_path, tiny_lm
     state = json.loads((out / "checkpoints" / "epoch-1" / "trainer_state.json").read_text())
     assert state["plan"]["processes"] == 2 and state["plan"]["sharding"] == "fsdp"
     assert (out / "final" / "model.safetensors").is_file()
+
+
+class _TwoProcesses:
+    """accelerate's surface for accumulate_step, as process 0 of 2 (no process group: the exchanges are stubbed)."""
+
+    num_processes, process_index, device = 2, 0, torch.device("cpu")
+
+    def no_sync(self, model):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def _linear_step(lockstep: bool, micro: int = 1, **kw):
+    from surefit.training.loop import accumulate_step
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    features = [{"x": torch.randn(3), "y": torch.randn(1)} for _ in range(6)]
+    calls = []
+
+    def loss_fn(m, batch):
+        calls.append(len(batch["x"]))
+        return ((m(batch["x"]) - batch["y"]) ** 2).sum(), len(batch["x"])
+
+    def collate(rows):
+        return {"x": torch.stack([r["x"] for r in rows]), "y": torch.stack([r["y"] for r in rows])}
+
+    loss = accumulate_step(model, features, list(range(6)), [1] * 6, [1] * 6, micro_batch_size=micro, loss_fn=loss_fn,
+                           collate=collate, accelerator=_TwoProcesses(), lockstep=lockstep, say=lambda *_: None, **kw)
+    return loss, model.weight.grad.clone(), calls
+
+
+def test_fsdp_processes_run_the_same_number_of_micro_batches(monkeypatch):
+    import surefit.training.loop as loop
+
+    plain_loss, plain_grad, plain_calls = _linear_step(lockstep=False)
+    assert len(plain_calls) == 3  # process 0's share of 6 examples over 2 processes, micro-batches of 1
+    # Another process needs 5 micro-batches in this step: this one adds 2 zero-weight passes to stay in step.
+    monkeypatch.setattr(loop, "max_over_processes", lambda n, device: n + 2)
+    loss, grad, calls = _linear_step(lockstep=True)
+    assert len(calls) == 5
+    assert loss == plain_loss and torch.equal(grad, plain_grad)  # the extra passes add nothing
+
+
+def test_out_of_memory_under_fsdp_stops_with_what_to_change():
+    from surefit.training.loop import OutOfMemoryInSync
+    from surefit.training.memory import OOMGuard
+
+    # Without sharding a micro-batch that runs out of memory before its backward is split and redone.
+    assert len(_linear_step(lockstep=False, micro=3, guard=OOMGuard(inject={1}))[2]) == 2
+    with pytest.raises(OutOfMemoryInSync, match="under --sharding fsdp") as e:
+        _linear_step(lockstep=True, micro=3, guard=OOMGuard(inject={1}))
+    assert "--grad_accum" in str(e.value) and "--gradient_checkpointing" in str(e.value)

@@ -1,4 +1,5 @@
-"""More than one process (DDP through accelerate): who writes, who waits, and what every process must agree on.
+"""More than one process (DDP through accelerate, or FSDP2 with ``--sharding fsdp``): who writes, who waits, and
+what every process must agree on.
 
 A run of N processes is the same run as one process: the global steps are the same (``data/sampling.py``), each
 step's examples are dealt to the processes (:func:`~surefit.data.sampling.deal`), and the loss is normalised by the
@@ -177,7 +178,7 @@ def shard_model(model: Any, device: Any) -> Any:
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
                                 world_size=1)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in fsdp_blocks(model):
+    for block in reversed(fsdp_blocks(model)):  # inner ones first, should a block class nest inside another
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model
@@ -306,7 +307,11 @@ def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
 def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
     """Give a sharded run's optimizer a whole state saved in the unsharded layout (:func:`full_optimizer_state`);
     each process keeps its shard of it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
     groups = []

@@ -9,6 +9,11 @@ Several processes (DDP): every process walks the same global steps (``--batch_si
 on its share of each step (:func:`~surefit.data.sampling.deal`), in micro-batches of at most the settings' size, so
 micro-batch x accumulation x processes covers each step exactly and the run is the same run as on one process. Only
 the main process evaluates, logs and writes checkpoints; ``training/distributed.py`` says who waits where.
+
+``--sharding fsdp`` (FSDP2, applied by ``training/distributed.shard_model`` rather than accelerate): the same steps,
+with sharded gradients (their norm is summed over processes), every process running the same number of
+micro-batches (every forward is a collective), and evaluation and checkpoints taken on parameters gathered to the main
+process; checkpoints are the files an unsharded run writes, so a run resumes with any number of processes.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from surefit.training.distributed import (
     load_full_weights,
     local,
     max_over_processes,
-    share_from_main,
     shard_model,
+    share_from_main,
     sum_over_processes,
     world_size,
 )
@@ -275,10 +280,8 @@ class _Fit:
         # transformers' get_cosine_schedule_with_warmup, step for step.
         self.schedule = settings.schedule(len(features))
         self.scheduler = make_scheduler(optimizer, self.schedule)
-        if self.sharded:
-            # Not accelerate's prepare: it would wrap the model in DDP (or its own FSDP); this model is sharded.
-            pass
-        elif world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
+        # A sharded model skips accelerate's prepare, which would wrap it in DDP (or accelerate's own FSDP).
+        if not self.sharded and world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
             unused = unused_parameters(model, features, collate, loss_fn, accelerator)
             # DDP must be told about parameters that get no gradient, or it fails at the next step; looking for them
             # walks the autograd graph every step, so only when there are some.
@@ -467,7 +470,6 @@ class _Fit:
             mine = self.counters.state()
             summed = sum_over_processes([float(v) for v in mine.values()], self.accelerator.device)
             counts = {k: int(v) for k, v in zip(mine, summed, strict=True)}
-        ck = self.checkpointing
         if self.sharded:  # each process holds a shard: every one looks at its own, and they agree
             bad = sum(int(not bool(torch.isfinite(local(q)).all())) for q in self.params)
             finite = sum_over_processes([float(bad)], self.accelerator.device)[0] == 0
