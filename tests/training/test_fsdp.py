@@ -111,6 +111,8 @@ def runs(tmp_path_factory, tiny_lm_dir):
 def test_two_fsdp_processes_train_the_same_weights_as_one_process(runs):
     two_out = runs["proc"].stdout
     assert "2 processes: batch 5 is not micro-batch x accumulation x processes exactly" in two_out
+    assert ("--sharding fsdp: 2 blocks (LlamaDecoderLayer) and then the rest of the model sharded over 2 processes"
+            in two_out)
     state = json.loads((runs["two"] / "checkpoints" / "step-0000005" / "trainer_state.json").read_text())
     assert state["plan"]["processes"] == 2 and state["plan"]["sharding"] == "fsdp"
     ref, got = _steps(runs["one"]), _steps(runs["two"])

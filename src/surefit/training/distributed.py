@@ -161,7 +161,7 @@ def fsdp_blocks(model: Any) -> list[Any]:
     return list(lists[0]) if lists else []
 
 
-def shard_model(model: Any, device: Any) -> Any:
+def shard_model(model: Any, device: Any, say: Callable[[str], None] = _quiet) -> Any:
     """``fully_shard`` each block of ``model`` (:func:`fsdp_blocks`), then the model itself, over every process.
 
     A run of one process forms a group of one, so that it takes the same path (and writes the same checkpoints) as a
@@ -177,8 +177,14 @@ def shard_model(model: Any, device: Any) -> Any:
     if not dist.is_initialized():
         dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
                                 world_size=1)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for block in reversed(fsdp_blocks(model)):  # inner ones first, should a block class nest inside another
+    n = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (n,))
+    blocks = fsdp_blocks(model)
+    kinds = sorted({type(b).__name__ for b in blocks})
+    say(f"--sharding fsdp: {len(blocks)} blocks ({', '.join(kinds) or 'none found'}) and then the rest of the model "
+        f"sharded over {n} process{'es' if n > 1 else ''}: each holds 1/{n} of the parameters, gradients and "
+        "optimizer states")
+    for block in reversed(blocks):  # inner ones first, should a block class nest inside another
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     return model

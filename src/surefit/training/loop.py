@@ -272,7 +272,7 @@ class _Fit:
         if self.sharded:
             _refuse_fsdp_fp16(accelerator)
             # Before the optimizer exists: it must hold the sharded parameters.
-            model = shard_model(model, accelerator.device)
+            model = shard_model(model, accelerator.device, say)
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_adamw(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.steps_per_epoch = math.ceil(len(features) / settings.batch_size)
