@@ -197,7 +197,9 @@ def test_fsdp_lora_trains_the_same_adapter_as_one_process_and_loads_with_peft(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = load_file(one / "final" / "adapter_model.safetensors")
     b = load_file(two / "final" / "adapter_model.safetensors")
-    assert _worst(a, b) <= ACROSS_PROCESSES
+    worst = _worst(a, b)
+    assert worst <= ACROSS_PROCESSES
+    print(f"LoRA, 1 process vs 2 FSDP processes after 8 steps: max adapter difference {worst:.2e}")
     base = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
     model = PeftModel.from_pretrained(base, two / "final")
     loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
