@@ -46,7 +46,7 @@ from surefit.tasks.control import (
     say_alias_notes,
     warn_small_validation,
 )
-from surefit.training.distributed import on_main
+from surefit.training.distributed import on_main, plain_architectures
 from surefit.training.loop import Checkpointing, LoopSettings, LossFn, fit
 from surefit.training.plan import plan_run
 
@@ -200,6 +200,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
 
     def export(model: Any, folder: Path) -> None:
         p.save(acc.unwrap_model(model), folder)
+        plain_architectures(folder)  # --sharding fsdp: the model's own class, not FSDP<Class>
 
     checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
                                   export=export, resume_from=resume_from, resume_command=resume_command(cfg))

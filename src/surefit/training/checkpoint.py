@@ -91,7 +91,9 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], check_only: bool = False) -> None:
+    """Copy ``tensors`` into ``model``'s parameters and buffers of the same names; every trainable parameter must be
+    there. ``check_only``: only that check (a sharded model is loaded by ``set_weights``)."""
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     missing = [n for n, p in params.items() if p.requires_grad and n not in tensors]
@@ -103,6 +105,8 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
                 "resume with the same model and settings the run was started with",
             )
         )
+    if check_only:
+        return
     with torch.no_grad():
         for name, value in tensors.items():
             target = params.get(name, buffers.get(name))
@@ -131,6 +135,7 @@ def save_checkpoint(
     state: dict[str, Any] | None = None,
     export: Callable[[Path], None] | None = None,
     before_commit: Callable[[Path], None] | None = None,
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically; on a failed write, the previous checkpoints are untouched.
 
@@ -141,6 +146,8 @@ def save_checkpoint(
         state: JSON-serialisable training state (epoch, step, metrics ...).
         export: writes the model in its ecosystem format into the folder it is given (``model/``), or ``None``.
         before_commit: called with the temporary folder just before the rename (tests use it to crash mid-write).
+        optimizer_state: written instead of ``optimizer.state_dict()`` (a sharded run's whole state, gathered from
+            every process in the unsharded layout: the checkpoint is then the same files as an unsharded run's).
 
     Raises:
         CheckpointError: the write failed (disk full, permissions); the message names the folder and the cause.
@@ -154,7 +161,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
         save_file(trainable_state(model), tmp / "trainable.safetensors")
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         if scaler is not None:
@@ -181,17 +188,19 @@ def save_checkpoint(
         previous = latest_checkpoint(folder.parent, say=lambda *_: None)
         keep = f"; the previous checkpoint {previous} is intact" if previous else "; no earlier checkpoint exists"
         raise CheckpointError(integrity.write_failure(e, f"checkpoint {folder}", folder.parent,
-                                            checkpoint_bytes(model, optimizer, export is not None), keep)) from e
+                                            checkpoint_bytes(model, optimizer, export is not None, optimizer_state),
+                                            keep)) from e
     return folder
 
 
-def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: bool = False) -> int:
+def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: bool = False,
+                     optimizer_state: dict[str, Any] | None = None) -> int:
     """About what a checkpoint takes on disk: the trainable weights, the optimizer's tensors, and the exported model
     (its trainable part: an adapter, or the whole model when everything trains)."""
     weights = sum(t.numel() * t.element_size() for t in trainable_state(model).values())
     states = 0
     if optimizer is not None:
-        for per_param in optimizer.state_dict().get("state", {}).values():
+        for per_param in (optimizer_state or optimizer.state_dict()).get("state", {}).values():
             states += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, torch.Tensor))
     return weights * (2 if with_model else 1) + states + (1 << 16)  # RNG, state and manifest files
 
@@ -227,8 +236,12 @@ def latest_checkpoint(checkpoints: str | Path, say: Callable[[str], None] = prin
 
 
 def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
-                    scaler: Any = None) -> dict[str, Any]:
+                    scaler: Any = None, set_weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                    set_optimizer: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Restore everything :func:`save_checkpoint` wrote (RNG last) and return the trainer state.
+
+    ``set_weights`` and ``set_optimizer`` replace loading the weights into ``model`` and ``optimizer.load_state_dict``
+    (a sharded run: each process keeps its shard of the whole tensors and states).
 
     Raises:
         CheckpointError: the checkpoint does not verify, lacks a state that this run has (an optimizer, scheduler or
@@ -247,11 +260,15 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = No
                                       "or start the run again"))
     current = "trainable.safetensors"
     try:
-        load_trainable_state(model, load_file(folder / WEIGHTS))
+        tensors = load_file(folder / WEIGHTS)
+        load_trainable_state(model, tensors, check_only=set_weights is not None)
+        if set_weights is not None:
+            set_weights(tensors)
         for obj, name in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt"), (scaler, "scaler.pt")):
             if obj is not None:
                 current = name
-                obj.load_state_dict(torch.load(folder / name, weights_only=True, map_location="cpu"))
+                loaded = torch.load(folder / name, weights_only=True, map_location="cpu")
+                (set_optimizer if obj is optimizer and set_optimizer is not None else obj.load_state_dict)(loaded)
         current = STATE
         state = json.loads((folder / STATE).read_text(encoding="utf-8"))
         if not isinstance(state, dict) or not isinstance(state.get("position"), dict):

@@ -1,4 +1,5 @@
-"""More than one process (DDP through accelerate): who writes, who waits, and what every process must agree on.
+"""More than one process (DDP through accelerate, or FSDP2 with ``--sharding fsdp``): who writes, who waits, and
+what every process must agree on.
 
 A run of N processes is the same run as one process: the global steps are the same (``data/sampling.py``), each
 step's examples are dealt to the processes (:func:`~surefit.data.sampling.deal`), and the loss is normalised by the
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -121,3 +123,226 @@ def finish() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def max_over_processes(value: int, device: Any) -> int:
+    """The largest ``value`` over every process."""
+    if world_size() <= 1:
+        return value
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+# ------------------------------------------------------------------------------------------------------------ FSDP2
+#
+# ``--sharding fsdp``: surefit applies PyTorch's FSDP2 (``fully_shard``) itself, to each transformer block and then
+# to the whole model, rather than through accelerate's FSDP plugin, which switches itself off on a CPU (it reports
+# MULTI_CPU): a CPU run over gloo and a GPU run over NCCL take the same code. Each process then holds 1/N of every
+# parameter, gradient and optimizer state; a block's full parameters exist only during its forward and backward.
+# What needs the whole model (evaluation and generation, checkpoints, the final save) goes through :func:`gathered`.
+
+
+def fsdp_blocks(model: Any) -> list[Any]:
+    """The modules to shard one by one: the transformer blocks (the classes a transformers model names in
+    ``_no_split_modules``), else the items of the model's longest ``nn.ModuleList`` (a custom model's layers)."""
+    from torch import nn
+
+    names: set[str] = set()
+    for m in model.modules():
+        names.update(getattr(m, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if blocks:
+        return blocks
+    lists = sorted((m for m in model.modules() if isinstance(m, nn.ModuleList)), key=len, reverse=True)
+    return list(lists[0]) if lists else []
+
+
+def shard_model(model: Any, device: Any, say: Callable[[str], None] = _quiet) -> Any:
+    """``fully_shard`` each block of ``model`` (:func:`fsdp_blocks`), then the model itself, over every process.
+
+    A run of one process forms a group of one, so that it takes the same path (and writes the same checkpoints) as a
+    run of several. Blocks free their full parameters after the forward (gathered again in the backward); the root
+    keeps them (the embeddings and head are needed again at once).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=dist.HashStore(), rank=0,
+                                world_size=1)
+    n = dist.get_world_size()
+    mesh = init_device_mesh(device.type, (n,))
+    blocks = fsdp_blocks(model)
+    kinds = sorted({type(b).__name__ for b in blocks})
+    say(f"--sharding fsdp: {len(blocks)} blocks ({', '.join(kinds) or 'none found'}) and then the rest of the model "
+        f"sharded over {n} process{'es' if n > 1 else ''}: each holds 1/{n} of the parameters, gradients and "
+        "optimizer states")
+    for block in reversed(blocks):  # inner ones first, should a block class nest inside another
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model
+
+
+def is_sharded(model: Any) -> bool:
+    """Whether ``model`` was sharded by :func:`shard_model`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _fsdp_modules(model: Any) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def gather_on_main(model: Any) -> list[Any]:
+    """All-gather ``model``'s full parameters (every process must call it); the main process keeps them, as plain
+    tensors, until :func:`release` (evaluation, generation and ``save_pretrained`` then run there alone, with no
+    collective), the others free theirs at once. Returns the sharded modules (nothing for a model not sharded)."""
+    if not is_sharded(model):
+        return []
+    modules = _fsdp_modules(model)
+    for m in modules:
+        m.unshard()
+    if not is_main_process():
+        for m in modules:
+            m.reshard()
+    else:
+        model.set_reshard_after_forward(False)  # a forward must not free what the main process cannot gather alone
+        _state_dict_hooks(modules, on=False)
+    return modules
+
+
+def _state_dict_hooks(modules: list[Any], on: bool) -> None:
+    """FSDP2 hooks ``state_dict()`` to swap the sharded parameters back in first, so ``save_pretrained`` of a
+    gathered model would write shards; while the main process holds the full parameters they are taken off (torch
+    has no public switch for them: this uses its parameter groups' own registration)."""
+    for m in modules:
+        for group in m._get_fsdp_state()._fsdp_param_groups:
+            if on:
+                group._register_state_dict_hooks()
+                continue
+            for handles in (group._module_to_pre_save_state_dict_hook_handle,
+                            group._module_to_pre_load_state_dict_hook_handle):
+                for handle in handles.values():
+                    handle.remove()
+                handles.clear()
+
+
+def release(model: Any, modules: list[Any]) -> None:
+    """Undo :func:`gather_on_main` on the main process (free the full parameters; blocks reshard after forward)."""
+    if not modules or not is_main_process():
+        return
+    _state_dict_hooks(modules, on=True)
+    for m in modules:
+        m.reshard()
+    model.set_reshard_after_forward(True)
+    model.set_reshard_after_forward(False, recurse=False)
+
+
+@contextmanager
+def gathered(model: Any) -> Iterator[None]:
+    """:func:`gather_on_main` for the block's length (every process must enter; a model not sharded is untouched)."""
+    modules = gather_on_main(model)
+    try:
+        yield
+    finally:
+        release(model, modules)
+
+
+def gradient_sync(model: Any, sync: bool) -> None:
+    """FSDP2: whether the next backward reduce-scatters the gradients (``False``: they accumulate unsharded until a
+    step's last micro-batch). It acts in the backward, so it is set, not scoped, and every micro-batch sets it."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(sync)
+
+
+def local(t: Any) -> Any:
+    """This process's part of a sharded tensor (the tensor itself otherwise)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm(params: list[Any], max_norm: float) -> float:
+    """The gradients' global L2 norm, after clipping them to ``max_norm`` (0: no clipping). Works on sharded
+    gradients: each process's part of the norm is summed over the processes (``full_tensor``), so every process
+    clips by the same factor, the one a single process would use."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in params if p.grad is not None], max_norm, total)
+    return float(total)
+
+
+def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """The optimizer's whole state on the main process, in the layout ``optimizer.state_dict()`` has in an unsharded
+    run (parameters numbered in order): a checkpoint of a sharded run is the same files as any other, so it resumes
+    with any number of processes, sharded or not. Every process must call it (a collective); the others get ``{}``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not is_main_process():
+        return {}
+    index: dict[str, int] = {}
+    groups = []
+    for group in osd["param_groups"]:
+        numbered = []
+        for name in group["params"]:
+            index.setdefault(name, len(index))
+            numbered.append(index[name])
+        groups.append({**group, "params": numbered})
+    return {"state": {index[name]: value for name, value in osd["state"].items()}, "param_groups": groups}
+
+
+def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
+    """Give a sharded run's optimizer a whole state saved in the unsharded layout (:func:`full_optimizer_state`);
+    each process keeps its shard of it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
+    groups = []
+    for group in state["param_groups"]:
+        groups.append({**group, "params": [names[i] for i in group["params"]]})
+    osd = {"state": {names[int(i)]: value for i, value in state["state"].items()}, "param_groups": groups}
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+
+
+def load_full_weights(model: Any, tensors: dict[str, Any]) -> None:
+    """Load whole tensors (a checkpoint's ``trainable.safetensors``) into a sharded model: each process keeps its
+    shard of each."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def plain_architectures(folder: Any) -> None:
+    """``save_pretrained`` of a sharded model records its class as ``FSDP<Class>``: write the model's own class in
+    the saved ``config.json`` files, so the folder reads as one saved without sharding."""
+    from pathlib import Path
+
+    for path in Path(folder).rglob("config.json"):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        arch = data.get("architectures") if isinstance(data, dict) else None
+        if isinstance(arch, list) and any(isinstance(a, str) and a.startswith("FSDP") for a in arch):
+            data["architectures"] = [a[4:] if isinstance(a, str) and a.startswith("FSDP") else a for a in arch]
+            path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

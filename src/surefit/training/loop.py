@@ -9,6 +9,11 @@ Several processes (DDP): every process walks the same global steps (``--batch_si
 on its share of each step (:func:`~surefit.data.sampling.deal`), in micro-batches of at most the settings' size, so
 micro-batch x accumulation x processes covers each step exactly and the run is the same run as on one process. Only
 the main process evaluates, logs and writes checkpoints; ``training/distributed.py`` says who waits where.
+
+``--sharding fsdp`` (FSDP2, applied by ``training/distributed.shard_model`` rather than accelerate): the same steps,
+with sharded gradients (their norm is summed over processes), every process running the same number of
+micro-batches (every forward is a collective), and evaluation and checkpoints taken on parameters gathered to the main
+process; checkpoints are the files an unsharded run writes, so a run resumes with any number of processes.
 """
 
 from __future__ import annotations
@@ -28,7 +33,22 @@ import torch
 
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
-from surefit.training.distributed import barrier, share_from_main, sum_over_processes, world_size
+from surefit.training.distributed import (
+    barrier,
+    clip_grad_norm,
+    full_optimizer_state,
+    gather_on_main,
+    gathered,
+    gradient_sync,
+    load_full_optimizer_state,
+    load_full_weights,
+    local,
+    max_over_processes,
+    shard_model,
+    share_from_main,
+    sum_over_processes,
+    world_size,
+)
 from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
@@ -66,6 +86,8 @@ class LoopSettings:
     # Best-model selection and early stopping: "METRIC" and "METRIC:PATIENCE" (config.parse_metric_goal).
     keep_best: str | None = None
     early_stopping: str | None = None
+    # "fsdp": the model is sharded over the processes (FSDP2, training/distributed.shard_model); "none": DDP.
+    sharding: str = "none"
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
@@ -73,7 +95,7 @@ class LoopSettings:
         return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
                    seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations,
-                   on_nonfinite=getattr(cfg, "on_nonfinite", "stop"),
+                   on_nonfinite=getattr(cfg, "on_nonfinite", "stop"), sharding=getattr(cfg, "sharding", "none"),
                    **{name: getattr(cfg, name) for name in CONTROL})
 
     def schedule(self, n_examples: int) -> Schedule:
@@ -246,6 +268,12 @@ class _Fit:
         self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
         self.log, self.say, self.counters = log, say, counters
         self.where: Callable[[int], str] | None = None  # a training example's source row, for messages
+        _refuse_sharded(accelerator, settings.sharding)
+        self.sharded = settings.sharding == "fsdp"
+        if self.sharded:
+            _refuse_fsdp_fp16(accelerator)
+            # Before the optimizer exists: it must hold the sharded parameters.
+            model = shard_model(model, accelerator.device, say)
         self.params = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_adamw(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.steps_per_epoch = math.ceil(len(features) / settings.batch_size)
@@ -253,8 +281,8 @@ class _Fit:
         # transformers' get_cosine_schedule_with_warmup, step for step.
         self.schedule = settings.schedule(len(features))
         self.scheduler = make_scheduler(optimizer, self.schedule)
-        _refuse_sharded(accelerator)
-        if world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
+        # A sharded model skips accelerate's prepare, which would wrap it in DDP (or accelerate's own FSDP).
+        if not self.sharded and world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
             unused = unused_parameters(model, features, collate, loss_fn, accelerator)
             # DDP must be told about parameters that get no gradient, or it fails at the next step; looking for them
             # walks the autograd graph every step, so only when there are some.
@@ -262,7 +290,7 @@ class _Fit:
             if unused:
                 say(f"{len(unused)} trainable parameters get no gradient (e.g. {unused[0]}): DDP looks for them every "
                     "step")
-        self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        self.model, self.optimizer = (model, optimizer) if self.sharded else accelerator.prepare(model, optimizer)
         self.world, self.main = accelerator.num_processes, accelerator.is_main_process
         if self.world != world_size():
             raise SurefitError(Problem(
@@ -289,11 +317,12 @@ class _Fit:
         if self.evaluate_fn is None:
             return {}
         t0 = time.perf_counter()
-        if self.world == 1:
+        if self.world == 1 and not self.sharded:
             metrics = self.evaluate_fn(self.model, epoch, **step)
         else:
-            unwrapped = self.accelerator.unwrap_model(self.model)
-            metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
+            unwrapped = self.model if self.sharded else self.accelerator.unwrap_model(self.model)
+            with gathered(self.model):  # FSDP: the main process evaluates (and generates) on the full parameters
+                metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
         return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
 
     def evaluate_mid_epoch(self) -> Path | None:
@@ -333,8 +362,11 @@ class _Fit:
                 self.selection.value(record)  # a metric the task does not report is refused before step 1
             self.record(record)
             return
-        state = load_checkpoint(folder, model=self.accelerator.unwrap_model(self.model), optimizer=self.optimizer,
-                                scheduler=self.scheduler, scaler=getattr(self.accelerator, "scaler", None))
+        sharded = {"set_weights": lambda t: load_full_weights(self.model, t),
+                   "set_optimizer": lambda s: load_full_optimizer_state(self.model, self.optimizer, s)}
+        state = load_checkpoint(folder, model=self.model if self.sharded else self.accelerator.unwrap_model(self.model),
+                                optimizer=self.optimizer, scheduler=self.scheduler,
+                                scaler=getattr(self.accelerator, "scaler", None), **(sharded if self.sharded else {}))
         self.history, self.progress = state["history"], Progress(**state["position"])
         self.guard.load(state.get("oom", {}))
         self.selection.load(state.get("selection"))  # the best so far and the early-stopping count go on
@@ -361,7 +393,7 @@ class _Fit:
             self.model, self.features, step_indices, self.lengths, self.counts, micro_batch_size=self.micro,
             loss_fn=self.loss_fn, collate=self.collate, accelerator=self.accelerator, guard=self.guard, say=self.say,
             saved_activations=self.settings.saved_activations,
-            dropout_key=(self.settings.seed, self.progress.global_step))
+            dropout_key=(self.settings.seed, self.progress.global_step), lockstep=self.sharded)
         if UNKEYED and not self.unkeyed_said:
             self.unkeyed_said = True
             names = sorted(UNKEYED)
@@ -371,7 +403,9 @@ class _Fit:
         # Under fp16 the loss scaler expects overflowing gradients now and then and skips those steps itself.
         scaled = getattr(self.accelerator, "scaler", None) is not None
         grad_norm = None
-        if self.settings.max_grad_norm > 0:
+        if self.sharded:  # the norm of sharded gradients is summed over the processes (DTensor)
+            grad_norm = clip_grad_norm(self.params, self.settings.max_grad_norm)
+        elif self.settings.max_grad_norm > 0:
             grad_norm = float(self.accelerator.clip_grad_norm_(self.params, self.settings.max_grad_norm))
         elif not scaled:
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -440,22 +474,36 @@ class _Fit:
 
     def checkpoint(self, name: str, export: bool) -> Path:
         """Save a checkpoint (the main process writes it; every process goes on once it is complete)."""
-        from surefit.training.checkpoint import prune, save_checkpoint
-
         counts = None
         if self.counters is not None:  # every process takes part in the sum, so before the main process goes its own way
             mine = self.counters.state()
             summed = sum_over_processes([float(v) for v in mine.values()], self.accelerator.device)
             counts = {k: int(v) for k, v in zip(mine, summed, strict=True)}
-        ck = self.checkpointing
-        if not all(bool(torch.isfinite(q).all()) for q in self.params):  # every process holds the same weights
+        if self.sharded:  # each process holds a shard: every one looks at its own, and they agree
+            bad = sum(int(not bool(torch.isfinite(local(q)).all())) for q in self.params)
+            finite = sum_over_processes([float(bad)], self.accelerator.device)[0] == 0
+        else:  # every process holds the same weights
+            finite = all(bool(torch.isfinite(q).all()) for q in self.params)
+        if not finite:
             raise NonFiniteLoss(self.nonfinite_problem([], float("nan"), None, weights_only=True))
+        # FSDP: the whole optimizer state and the full weights come to the main process, which writes the same files
+        # an unsharded run does (a collective: every process takes part, before the others go their own way).
+        optimizer_state = full_optimizer_state(self.model, self.optimizer) if self.sharded else None
+        with gathered(self.model):
+            return self._save(name, export, counts, optimizer_state)
+
+    def _save(self, name: str, export: bool, counts: dict[str, int] | None,
+              optimizer_state: dict[str, Any] | None) -> Path:
+        from surefit.training.checkpoint import prune, save_checkpoint
+
+        ck = self.checkpointing
         if not self.main:
             barrier()
             return ck.folder / name
         acc = self.accelerator
         folder = save_checkpoint(
-            ck.folder / name, model=acc.unwrap_model(self.model), optimizer=self.optimizer, scheduler=self.scheduler,
+            ck.folder / name, model=self.model if self.sharded else acc.unwrap_model(self.model),
+            optimizer=self.optimizer, scheduler=self.scheduler, optimizer_state=optimizer_state,
             scaler=getattr(acc, "scaler", None),  # fp16 loss scaling state (None otherwise)
             # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
             # saving), so the micro-step of the position is always 0.
@@ -465,7 +513,7 @@ class _Fit:
                    "metrics_bytes": self.log.bytes_written(),
                    "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
                             "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
-                            "processes": acc.num_processes}},
+                            "processes": acc.num_processes, "sharding": self.settings.sharding}},
             export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
@@ -591,6 +639,9 @@ def fit(
                 raise run.interrupted(stop, f"at the end of epoch {epoch}", folder)
     if run.stopped_early:
         say(run.selection.stopped_at(p.global_step))
+    if run.sharded:
+        # The final save (final/) runs on the main process alone after this: it keeps the full parameters.
+        gather_on_main(run.model)
     return run.history
 
 
@@ -649,20 +700,37 @@ def unused_parameters(model: Any, features: Sequence[dict[str, Any]], collate: C
     return names
 
 
-def _refuse_sharded(accelerator: Any) -> None:
-    """FSDP and DeepSpeed shard parameters or optimizer states across processes; the loop's checkpoints, evaluation
-    and saving read them whole on the main process, which would save a shard as if it were the model."""
+def _refuse_sharded(accelerator: Any, sharding: str = "none") -> None:
+    """Sharding by accelerate itself is refused: its FSDP plugin and DeepSpeed wrap the model in their own engines,
+    whose checkpoints, evaluation and saving the loop does not drive. ``--sharding fsdp`` shards the model in
+    surefit's own code (FSDP2) and is the way to shard; an accelerate FSDP config is accepted with it (only its
+    process settings are used)."""
     kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
+    if kind == "FSDP" and sharding == "fsdp":
+        return
     if kind in ("FSDP", "DEEPSPEED"):
         from surefit.errors import ConfigError
 
+        how = ("add --sharding fsdp (surefit then shards the model itself with FSDP2: parameters, gradients and "
+               "optimizer states; the accelerate config's fsdp_config is not used)" if kind == "FSDP" else
+               "use --sharding fsdp instead (FSDP2 in surefit's own loop: parameters, gradients and optimizer states "
+               "sharded, exact resume), e.g. surefit train --num_processes N --sharding fsdp, or accelerate launch "
+               "--config_file examples/accelerate/fsdp.yaml -m surefit train ... --sharding fsdp")
         raise ConfigError(Problem(
-            f"accelerate is set up for {kind}, which surefit does not train with yet: its checkpoints, evaluation and "
-            "final save read the whole model and optimizer on the main process, and under "
-            f"{kind} each process holds only a shard of them",
-            "accelerate config",
-            "launch with a DDP config (examples/accelerate/multi-gpu.yaml, multi-node.yaml), torchrun, or "
-            "surefit train --num_processes N"))
+            f"accelerate is set up for {kind}, which surefit's loop does not train through: its checkpoints, "
+            "evaluation and final save read the whole model and optimizer, and under "
+            f"{kind} (accelerate's engine) each process holds only a shard of them",
+            "accelerate config", how))
+
+
+def _refuse_fsdp_fp16(accelerator: Any) -> None:
+    """fp16 needs a loss scaler that knows gradients are sharded; surefit's FSDP path supports bf16 and fp32."""
+    if getattr(accelerator, "scaler", None) is not None:
+        from surefit.errors import ConfigError
+
+        raise ConfigError(Problem("--sharding fsdp with fp16 mixed precision (a loss scaler over sharded gradients "
+                                  "is not supported)", "--precision",
+                                  "use --precision bf16 (GPUs from Ampere on) or --precision fp32"))
 
 
 def accumulate_step(
@@ -680,6 +748,7 @@ def accumulate_step(
     say: Callable[[str], None] = print,
     saved_activations: str | None = None,
     dropout_key: tuple[int, int] | None = None,
+    lockstep: bool = False,
 ) -> float:
     """Forward and backward every micro-batch of one optimizer step; gradients are left in ``.grad``.
 
@@ -699,6 +768,10 @@ def accumulate_step(
     examples' indices set, so dropout masks are drawn per example (training/dropout.py) and a split step draws the
     same ones. None: torch's generator.
 
+    ``lockstep`` (FSDP): every forward and backward gathers parameters from the other processes, so every process
+    runs the same number of micro-batches (the most any of them needs; the others add zero-weight passes), and an
+    out-of-memory error cannot be split and redone (the others are already inside the collectives).
+
     Returns:
         The step's loss sum on this process (sum it over processes, then divide by the step's item count).
     """
@@ -711,6 +784,9 @@ def accumulate_step(
     idle = not share
     scale = 0.0 if idle else world / max(n_global, 1)
     parts = [[step_indices[0]]] if idle else guard.plan(micro_batches(share, micro_batch_size, lengths), lengths)
+    real = 0 if idle else len(parts)
+    if lockstep and world > 1:
+        parts += [[step_indices[0]]] * (max_over_processes(len(parts), accelerator.device) - len(parts))
     while True:
         step_loss, failed, batch, in_sync_backward = 0.0, None, None, False
         for j, part in enumerate(parts):
@@ -719,20 +795,28 @@ def accumulate_step(
                 batch = _to_device(collate([features[i] for i in part]), accelerator.device)
                 # Gradients are only all-reduced on the last micro-batch of a step.
                 last = j == len(parts) - 1
-                sync = nullcontext() if last else accelerator.no_sync(model)
+                gradient_sync(model, last)  # FSDP2's no_sync
+                sync = nullcontext() if last or lockstep else accelerator.no_sync(model)
                 # The backward pass too: gradient checkpointing recomputes forwards there, with the same masks.
                 rows = nullcontext() if dropout_key is None else training_rows(*dropout_key, part)
                 with rows:
                     with sync, accelerator.autocast(), saved_activations_in(saved_activations):
                         loss_sum, _ = loss_fn(model, batch)
-                    in_sync_backward = last
-                    accelerator.backward(loss_sum * scale)
+                    in_sync_backward = last or lockstep
+                    accelerator.backward(loss_sum * (scale if j < real else 0.0))
                     in_sync_backward = False
-                if not idle:
+                if j < real:
                     step_loss += loss_sum.item()  # note: a device->host sync, once per micro-batch
             except Exception as e:  # noqa: BLE001 - out-of-memory is recovered below; anything else is re-raised
                 if not is_oom(e):
                     raise
+                if world > 1 and lockstep:
+                    raise OutOfMemoryInSync(Problem(
+                        f"out of memory in a micro-batch of {len(part)} examples on process "
+                        f"{accelerator.process_index} under --sharding fsdp, where every forward and backward gathers "
+                        "parameters with the other processes, so a micro-batch cannot be split and redone alone",
+                        "--grad_accum", "raise --grad_accum (smaller micro-batches), turn on "
+                        "--gradient_checkpointing, or use more processes")) from e
                 if world > 1 and in_sync_backward:
                     # This backward's all-reduce may have started with the other processes: it cannot be redone.
                     raise OutOfMemoryInSync(Problem(
@@ -749,6 +833,7 @@ def accumulate_step(
         model.zero_grad(set_to_none=True)
         free_memory()
         parts = guard.plan(parts[:failed] + guard.failed(parts[failed], lengths, say) + parts[failed + 1 :], lengths)
+        real = 0 if idle else len(parts)  # reached without lockstep padding only (lockstep refuses to split)
 
 
 @torch.no_grad()
