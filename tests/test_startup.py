@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import surefit.startup as startup
-import surefit.tasks.sft as sft
+import surefit.tasks.sft.recipe as sft
 import surefit.training.plan as plan_module
 from conftest import qa_rows, tiny_llama
 from surefit.cli import main
