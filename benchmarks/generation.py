@@ -1,11 +1,28 @@
-"""Greedy generation for per-epoch F1: surefit's decode loop against transformers' ``generate``.
+"""Greedy generation for per-epoch F1: surefit's evaluation generation against its own earlier loop and against
+transformers' ``generate``.
 
-Same model (the embedded SmolLM2-135M-Instruct with a LoRA adapter on every linear layer, under the same autocast
-as evaluation), same prompts (SQuAD rows rendered with the default template), same batches (sorted by length, left
-padded). The anchor is ``model.generate`` called the way a careful user writes it. The outputs are compared row by
-row; the two are timed alternately, and each one's fastest repeat is kept.
+Same model as evaluation sees it: the embedded SmolLM2-135M-Instruct with a LoRA adapter (r 16, every linear layer,
+B drawn at random so the adapter changes the answers) on surefit's fused forward, frozen weights stored in 16 bits
+under bf16 autocast (CPU) or the GPU's mixed precision. Same prompts: rows of ``../shared/data/squad`` (questions
+that share their paragraph) and of ``../shared/data/chat`` (tool-calling conversations, long answers), encoded by
+surefit's sft encoder as evaluation encodes them.
 
-    .venv/bin/python benchmarks/generation.py [--rows 32] [--batch 8] [--max-new-tokens 48] [--repeats 2] \
+Configurations, each on the same prompts, batch size and ``max_new_tokens``:
+
+- ``before``: surefit's generation as it was (length-sorted batches, finished rows dropped, LM head at the last
+  position only, transformers' growing cache, adapter unmerged): ``greedy_generate(merge_lora=False,
+  reuse_cache=False, share_prefixes=False)``.
+- ``exact``: today's loop with everything but merging (reserved cache, shared prefixes): the same weights as before.
+- ``surefit``: what evaluation runs by default (``--eval_merge_lora true --share_prefixes true``).
+- ``generate``: the anchor, ``model.generate`` on the same peft model, batched (longest first, left padded), greedy,
+  under the same autocast, as a careful user writes it.
+
+Rows identical are counted against a reference in the same precision with the same weights: ``exact`` against
+``before`` and ``generate``; ``surefit`` (merged) against ``generate`` run inside the same merge (the unoptimised
+generation with the merged weights), and, to show what merging itself changes, against ``before``. Each timed
+configuration runs ``--repeats`` times, alternating; the fastest repeat is kept.
+
+    .venv/bin/python benchmarks/generation.py [--quick] [--rows 32] [--batch 8] [--repeats 2] \
         [--out benchmarks/results/generation]
 """
 
@@ -13,84 +30,183 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import time
 from pathlib import Path
+from typing import Any
+
+GOALS = {"before": 4.0, "generate": 3.0}
+
+
+def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[list[int]], int]:
+    """Prompts of ``rows`` rows encoded as evaluation encodes them, and the longest gold answer in tokens."""
+    from surefit.config import SFTConfig
+    from surefit.tasks.sft.recipe import Encoder, load_data
+
+    data = shared / ("squad/dev-v1.1-part-a.json" if workload == "squad" else "chat/glaive_toolcall_en_demo.json")
+    cfg = SFTConfig(data=str(data), val_fraction=0.0, limit=rows, max_seq_length=1024)
+    train, _, report = load_data(cfg, say=lambda _: None)
+    enc = Encoder.build(cfg, tok, report["format"], report["format_conversational"])
+    examples, rep = enc.encode(train, "validation")
+    longest = max(len(e.input_ids) - len(e.prompt_ids) for e in examples)
+    return [e.prompt_ids for e in examples], longest
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=32)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--batch", type=int, default=8, help="evaluation batch (surefit's default: 2 x micro-batch 4)")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="default: as training sets it, the longest answer of the rows + 4 (at most 256)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--data", default="examples/sft/squad-sample.json")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--workloads", default="squad,chat")
+    ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+    ap.add_argument("--quick", action="store_true", help="smoke test: 6 rows, 8 new tokens, 1 repeat, no files")
+    ap.add_argument("--out", default="benchmarks/results/generation")
     args = ap.parse_args()
+    if args.quick:
+        args.rows, args.batch, args.max_new_tokens, args.repeats = 6, 3, 8, 1
 
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import GenerationConfig
 
     from surefit.data.collate import PadCollator
-    from surefit.data.encode import build_prompt_format, encode_rows
-    from surefit.data.readers import read_rows
-    from surefit.eval.generate import greedy_generate
+    from surefit.eval.generate import greedy_generate, merged_lora
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-    from surefit.training.precision import make_accelerator
+    from surefit.tasks.sft.recipe import eos_token_ids
+    from surefit.training.precision import make_accelerator, store_frozen_in
+    from surefit.training.speedups.lora_fast import fuse_lora
+    from surefit.training.speedups.prefixes import why_not_shared
 
     source = resolve_model(None)
     path = model_folder(source, log=print)
     tok, _ = load_tokenizer(path, source)
+    tok.padding_side = "left"
     model = load_causal_lm(path, source)
     torch.manual_seed(0)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
-    model.eval()
-    acc = make_accelerator("auto" if torch.cuda.is_available() else "bf16")
-    problems: list = []
-    rows = read_rows(args.data, problems)[: args.rows]
-    examples, _ = encode_rows(rows, tok, build_prompt_format(tok), max_seq_length=512)
-    prompts = [e.prompt_ids for e in examples]
-    eos = [tok.eos_token_id]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.02)  # a trained adapter's size: it changes answers, it does not wreck them
+    fuse_lora(model)
+    acc = make_accelerator("auto", lora=True)
+    if acc.mixed_precision in ("bf16", "fp16"):
+        store_frozen_in(model, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16)
+    model.to(acc.device).eval()
+    eos = sorted(set(eos_token_ids(model, tok)) | {t for t in tok.convert_tokens_to_ids(["<|im_end|>"]) if t is not None})
+    shareable = why_not_shared(model) is None
 
-    def anchor() -> list[list[int]]:
-        cfg = GenerationConfig(do_sample=False, max_new_tokens=args.max_new_tokens, eos_token_id=eos,
-                               pad_token_id=tok.pad_token_id)
-        collate = PadCollator(pad_token_id=tok.pad_token_id, padding_side="left")
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        out: list[list[int]] = [[] for _ in prompts]
-        for start in range(0, len(order), args.batch):
-            idx = order[start : start + args.batch]
-            batch = collate([{"input_ids": prompts[i]} for i in idx])
-            with torch.no_grad(), acc.autocast():
-                new = model.generate(**batch, generation_config=cfg)[:, batch["input_ids"].shape[1] :].tolist()
-            for i, seq in zip(idx, new, strict=True):
-                out[i] = seq[: next((k for k, t in enumerate(seq) if t in eos), len(seq))]
-        return out
+    results: dict[str, Any] = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
+                                           "device": str(acc.device), "precision": str(acc.mixed_precision)},
+                               "rows": args.rows, "batch": args.batch, "repeats": args.repeats, "workloads": {}}
+    for workload in args.workloads.split(","):
+        prompts, longest = _prompts(workload, args.rows, Path(args.shared), tok)
+        max_new = args.max_new_tokens or min(longest + 4, 256)
 
-    def surefit() -> list[list[int]]:
-        return greedy_generate(model, prompts, pad_token_id=tok.pad_token_id, eos_token_ids=eos,
-                               max_new_tokens=args.max_new_tokens, batch_size=args.batch, autocast=acc.autocast)
+        def ours(merge: bool, reuse: bool, share: bool, stats: dict | None = None) -> list[list[int]]:
+            return greedy_generate(model, prompts, pad_token_id=tok.pad_token_id, eos_token_ids=eos,
+                                   max_new_tokens=max_new, batch_size=args.batch, device=acc.device,
+                                   autocast=acc.autocast, merge_lora=merge, reuse_cache=reuse,
+                                   share_prefixes=share and shareable, stats=stats)
 
-    times: dict[str, list[float]] = {"generate": [], "surefit": []}
-    outputs: dict[str, list[list[int]]] = {}
-    for _ in range(args.repeats):
-        for name, fn in (("generate", anchor), ("surefit", surefit)):
-            t0 = time.perf_counter()
-            outputs[name] = fn()
-            times[name].append(time.perf_counter() - t0)
-    same = sum(a == b for a, b in zip(outputs["generate"], outputs["surefit"], strict=True))
-    new_tokens = sum(map(len, outputs["surefit"]))
-    best = {k: min(v) for k, v in times.items()}
-    result = {
-        "rows": len(prompts), "batch": args.batch, "max_new_tokens": args.max_new_tokens,
-        "precision": str(acc.mixed_precision), "new_tokens": new_tokens,
-        "rows_identical": same, "seconds": times, "best_seconds": best,
-        "speedup": round(best["generate"] / best["surefit"], 2),
-        "surefit_new_tokens_per_s": round(new_tokens / best["surefit"], 1),
-    }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        Path(args.out + ".json").write_text(json.dumps(result, indent=2) + "\n")
+        def anchor() -> list[list[int]]:
+            cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
+                                   pad_token_id=tok.pad_token_id)
+            collate = PadCollator(pad_token_id=tok.pad_token_id, padding_side="left")
+            order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+            out: list[list[int]] = [[] for _ in prompts]
+            for start in range(0, len(order), args.batch):
+                idx = order[start : start + args.batch]
+                batch = {k: v.to(acc.device) for k, v in collate([{"input_ids": prompts[i]} for i in idx]).items()}
+                with torch.no_grad(), acc.autocast():
+                    new = model.generate(**batch, generation_config=cfg)[:, batch["input_ids"].shape[1] :].tolist()
+                for i, seq in zip(idx, new, strict=True):
+                    out[i] = seq[: next((k for k, t in enumerate(seq) if t in eos), len(seq))]
+            return out
+
+        stats: dict[str, int] = {}
+        runs = {
+            "before": lambda: ours(False, False, False),
+            "exact": lambda: ours(False, True, True),
+            "surefit": lambda: ours(True, True, True, stats),
+            "generate": anchor,
+        }
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        outputs: dict[str, list[list[int]]] = {}
+        for _ in range(args.repeats):
+            for name, fn in runs.items():
+                t0 = time.perf_counter()
+                outputs[name] = fn()
+                times[name].append(time.perf_counter() - t0)
+        with merged_lora(model):
+            merged_reference = anchor()  # the unoptimised generation with the same merged weights (not timed)
+
+        def same(a: str | list, b: str | list) -> int:
+            xs = outputs[a] if isinstance(a, str) else a
+            ys = outputs[b] if isinstance(b, str) else b
+            return sum(x == y for x, y in zip(xs, ys, strict=True))
+
+        best = {k: min(v) for k, v in times.items()}
+        new_tokens = {k: sum(map(len, v)) for k, v in outputs.items()}
+        rec = {
+            "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": max_new,
+            "prefill_tokens_computed": stats.get("prefill_tokens"), "merged_layers": stats.get("merged_layers"),
+            "new_tokens": new_tokens, "seconds": times, "best_seconds": best,
+            "new_tokens_per_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
+            "rows_identical": {
+                "exact_vs_before": same("exact", "before"),
+                "before_vs_generate": same("before", "generate"),
+                "surefit_vs_generate_same_merged_weights": same("surefit", merged_reference),
+                "surefit_merged_vs_before_unmerged": same("surefit", "before"),
+            },
+            "speedup": {k: round(best[k] / best["surefit"], 2) for k in ("before", "generate", "exact")},
+        }
+        rec["goals"] = {f"surefit vs {k}": {"ratio": rec["speedup"][k], "goal": g,
+                                             "result": "PASS" if rec["speedup"][k] >= g else "FAIL"}
+                        for k, g in GOALS.items()}
+        results["workloads"][workload] = rec
+        print(json.dumps({workload: rec}, indent=2))
+    if args.quick:
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    out.with_suffix(".md").write_text(_report(results, args), encoding="utf-8")
+
+
+def _report(results: dict[str, Any], args: Any) -> str:
+    m = results["machine"]
+    lines = [
+        "# Generation-based evaluation: speed and identical answers", "",
+        f"`.venv/bin/python benchmarks/generation.py --rows {args.rows} --batch {args.batch} --repeats {args.repeats}`"
+        f" on {m['device']} ({m['precision']}), torch {m['torch']}. Embedded SmolLM2-135M-Instruct + LoRA r16 on every "
+        "linear layer (random B), evaluation batch "
+        f"{args.batch}. `before` = surefit's earlier loop; `exact` = reserved cache + shared prefixes, adapter "
+        "unmerged; `surefit` = the default (also merged); `generate` = transformers' `model.generate`, batched, "
+        "left padded, same autocast. Fastest of the repeats.", "",
+        "| workload | rows | new tokens (surefit) | before tok/s | exact tok/s | surefit tok/s | generate tok/s | "
+        "vs before (goal 4x) | vs generate (goal 3x) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results["workloads"].items():
+        t = r["new_tokens_per_s"]
+        g = r["goals"]
+        lines.append(f"| {name} | {r['prompts']} | {r['new_tokens']['surefit']} | {t['before']} | {t['exact']} | "
+                     f"{t['surefit']} | {t['generate']} | {g['surefit vs before']['ratio']}x "
+                     f"{g['surefit vs before']['result']} | {g['surefit vs generate']['ratio']}x "
+                     f"{g['surefit vs generate']['result']} |")
+    lines += ["", "Rows identical (greedy answers token for token):", "",
+              "| workload | exact = before | before = generate | surefit = generate, same merged weights | "
+              "surefit (merged) = before (unmerged) |", "|---|---|---|---|---|"]
+    for name, r in results["workloads"].items():
+        i, n = r["rows_identical"], r["prompts"]
+        lines.append(f"| {name} | {i['exact_vs_before']}/{n} | {i['before_vs_generate']}/{n} | "
+                     f"{i['surefit_vs_generate_same_merged_weights']}/{n} | {i['surefit_merged_vs_before_unmerged']}/{n} |")
+    lines += ["", "Prompt tokens computed with shared prefixes: " + ", ".join(
+        f"{k} {r['prefill_tokens_computed']:,} of {r['prompt_tokens']:,}" for k, r in results["workloads"].items()), ""]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

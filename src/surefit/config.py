@@ -229,14 +229,19 @@ class SFTConfig(TrainConfig):
         "'module:function' (predictions, references -> dict; imported only when named here). 'auto': squad for "
         "input/target rows, rouge_l for conversations.")
     eval_generate: bool = opt(True, "Generate answers and score them at each evaluation; false: validation loss only.")
+    eval_merge_lora: bool = opt(
+        True, "Generate evaluation answers with the LoRA adapter merged into a temporary copy of the adapted weights "
+        "(faster; under 16-bit precision an answer can differ from the unmerged model's at a near-tie). false: the "
+        "adapter applied as in training.")
     max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
     truncation_side: Literal["left", "right"] = opt(
         "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
     )
     augmentation_factor: int = opt(1, "N: each training row plus N-1 augmented variants (training rows only).")
     share_prefixes: bool = opt(
-        True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
-        "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
+        True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training, and one "
+        "that evaluation prompts share (16 or more) once in generation; the loss is the same. false: every row "
+        "computes its own (and draws its own LoRA dropout masks there).")
     max_new_tokens: int | None = opt(
         None, "Generation length for evaluation. Default: the longest training target in tokens, plus 4."
     )

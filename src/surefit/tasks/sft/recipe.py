@@ -402,7 +402,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
-                                                  generate=cfg.eval_generate, metric=metric)
+                                                  merge_lora=cfg.eval_merge_lora, generate=cfg.eval_generate,
+                                                  metric=metric)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
@@ -463,12 +464,15 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
                    max_new_tokens: int, batch_size: int, accelerator: Any, say: Say = print,
-                   progress: bool = False, lengths: list[int] | None = None) -> list[str]:
+                   progress: bool = False, lengths: list[int] | None = None, merge_lora: bool = True,
+                   share_prefixes: bool = True) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
     With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
     the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
-    tokens, its stop token excluded."""
+    tokens, its stop token excluded. ``merge_lora``: decode with the adapter merged into a temporary copy of the
+    weights (``--eval_merge_lora``); ``share_prefixes``: compute a prompt prefix several prompts share once, for the
+    model families verified for it (see :func:`surefit.eval.generate.greedy_generate`)."""
     import sys
 
     from tqdm.auto import tqdm
@@ -484,9 +488,11 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
     def show(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
+    inner = accelerator.unwrap_model(model)
+    stats: dict[str, int] = {}
     generated = shrink_on_oom(
         lambda bs: greedy_generate(
-            accelerator.unwrap_model(model),
+            inner,
             prompts,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
@@ -495,6 +501,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
             device=accelerator.device,
             autocast=accelerator.autocast,
             progress=show if bar is not None else None,
+            merge_lora=merge_lora,
+            share_prefixes=share_prefixes and why_not_shared(inner) is None,
+            stats=stats,
         ),
         batch_size,
         "generation",
@@ -502,6 +511,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
     )
     if bar is not None:
         bar.close()
+    if stats.get("merge_out_of_memory"):
+        say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
+            "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
     if lengths is not None:
         lengths += [len(g) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
@@ -509,7 +521,7 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
 
 def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
                       eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
-                      say: Say = print, share_prefixes: bool = True,
+                      say: Say = print, share_prefixes: bool = True, merge_lora: bool = True,
                       generate: bool = True, metric: str = "squad") -> tuple[dict[str, float], list[str],
                                                                              list[list[str]]]:
     """Validation loss (per supervised token) and, with ``generate``, SQuAD F1 / exact match (normalised) and
@@ -517,7 +529,8 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
 
     Used after every epoch of training and by ``surefit eval``, so both report the same numbers. With
     ``share_prefixes`` the loss computes prompt prefixes that rows of a batch share once, as training does (the
-    same loss; see :mod:`surefit.training.speedups.prefixes`).
+    same loss; see :mod:`surefit.training.speedups.prefixes`), and so does generation's prefill. ``merge_lora``:
+    generation runs with the adapter merged into a temporary copy of the weights (``--eval_merge_lora``).
 
     Returns:
         ``({"eval_loss", "eval_f1", "eval_em", "eval_rouge_l"}, predictions, gold answers per example)``.
@@ -538,7 +551,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
         return {"eval_loss": loss}, [], []
     preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
-                           progress=True)
+                           progress=True, merge_lora=merge_lora, share_prefixes=share_prefixes)
     golds = [_golds(e.row, target_field) for e in examples]
     return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
 
