@@ -12,14 +12,15 @@ Configurations, each on the same prompts, batch size and ``max_new_tokens``:
 - ``before``: surefit's generation as it was (length-sorted batches, finished rows dropped, LM head at the last
   position only, transformers' growing cache, adapter unmerged): ``greedy_generate(merge_lora=False,
   reuse_cache=False, share_prefixes=False)``.
-- ``exact``: today's loop with everything but merging (reserved cache, shared prefixes): the same weights as before.
-- ``surefit``: what evaluation runs by default (``--eval_merge_lora true --share_prefixes true``).
+- ``surefit``: what evaluation runs by default: reserved cache, shared prefixes, the lean LoRA forward (the same
+  numbers as ``before``).
+- ``merged``: the same with ``--eval_merge_lora true`` (adapter merged into a 16-bit copy of the weights).
 - ``generate``: the anchor, ``model.generate`` on the same peft model, batched (longest first, left padded), greedy,
   under the same autocast, as a careful user writes it.
 
-Rows identical are counted against a reference in the same precision with the same weights: ``exact`` against
-``before`` and ``generate``; ``surefit`` (merged) against ``generate`` run inside the same merge (the unoptimised
-generation with the merged weights), and, to show what merging itself changes, against ``before``. Each timed
+Rows identical are counted against a reference in the same precision with the same weights: ``surefit`` against
+``before`` and ``generate``; ``merged`` against ``generate`` run inside the same merge (the unoptimised generation
+with the merged weights), and, to show what merging itself changes, against ``before``. Each timed
 configuration runs ``--repeats`` times, alternating; the fastest repeat is kept.
 
     .venv/bin/python benchmarks/generation.py [--quick] [--rows 32] [--batch 8] [--repeats 2] \
@@ -77,6 +78,7 @@ def main() -> None:
     from surefit.tasks.sft.recipe import eos_token_ids
     from surefit.training.precision import make_accelerator, store_frozen_in
     from surefit.training.speedups.lora_fast import fuse_lora
+    from surefit.training.speedups.lora_generate import lean_lora
     from surefit.training.speedups.prefixes import why_not_shared
 
     source = resolve_model(None)
@@ -105,11 +107,11 @@ def main() -> None:
         prompts, longest = _prompts(workload, args.rows, Path(args.shared), tok)
         max_new = args.max_new_tokens or min(longest + 4, 256)
 
-        def ours(merge: bool, reuse: bool, share: bool, stats: dict | None = None) -> list[list[int]]:
+        def ours(merge: bool, fast: bool, stats: dict | None = None) -> list[list[int]]:
             return greedy_generate(model, prompts, pad_token_id=tok.pad_token_id, eos_token_ids=eos,
                                    max_new_tokens=max_new, batch_size=args.batch, device=acc.device,
-                                   autocast=acc.autocast, merge_lora=merge, reuse_cache=reuse,
-                                   share_prefixes=share and shareable, stats=stats)
+                                   autocast=acc.autocast, merge_lora=merge, lora_context=lean_lora if fast else None,
+                                   reuse_cache=fast, share_prefixes=fast and shareable, stats=stats)
 
         def anchor() -> list[list[int]]:
             cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
@@ -128,9 +130,9 @@ def main() -> None:
 
         stats: dict[str, int] = {}
         runs = {
-            "before": lambda: ours(False, False, False),
-            "exact": lambda: ours(False, True, True),
-            "surefit": lambda: ours(True, True, True, stats),
+            "before": lambda: ours(False, False),
+            "surefit": lambda: ours(False, True, stats),
+            "merged": lambda: ours(True, True),
             "generate": anchor,
         }
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -152,16 +154,16 @@ def main() -> None:
         new_tokens = {k: sum(map(len, v)) for k, v in outputs.items()}
         rec = {
             "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": max_new,
-            "prefill_tokens_computed": stats.get("prefill_tokens"), "merged_layers": stats.get("merged_layers"),
+            "prefill_tokens_computed": stats.get("prefill_tokens"),
             "new_tokens": new_tokens, "seconds": times, "best_seconds": best,
             "new_tokens_per_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
             "rows_identical": {
-                "exact_vs_before": same("exact", "before"),
-                "before_vs_generate": same("before", "generate"),
-                "surefit_vs_generate_same_merged_weights": same("surefit", merged_reference),
-                "surefit_merged_vs_before_unmerged": same("surefit", "before"),
+                "surefit_vs_before": same("surefit", "before"),
+                "surefit_vs_generate": same("surefit", "generate"),
+                "merged_vs_generate_same_merged_weights": same("merged", merged_reference),
+                "merged_vs_before_unmerged": same("merged", "before"),
             },
-            "speedup": {k: round(best[k] / best["surefit"], 2) for k in ("before", "generate", "exact")},
+            "speedup": {k: round(best[k] / best["surefit"], 2) for k in ("before", "generate", "merged")},
         }
         rec["goals"] = {f"surefit vs {k}": {"ratio": rec["speedup"][k], "goal": g,
                                              "result": "PASS" if rec["speedup"][k] >= g else "FAIL"}
@@ -183,27 +185,27 @@ def _report(results: dict[str, Any], args: Any) -> str:
         f"`.venv/bin/python benchmarks/generation.py --rows {args.rows} --batch {args.batch} --repeats {args.repeats}`"
         f" on {m['device']} ({m['precision']}), torch {m['torch']}. Embedded SmolLM2-135M-Instruct + LoRA r16 on every "
         "linear layer (random B), evaluation batch "
-        f"{args.batch}. `before` = surefit's earlier loop; `exact` = reserved cache + shared prefixes, adapter "
-        "unmerged; `surefit` = the default (also merged); `generate` = transformers' `model.generate`, batched, "
-        "left padded, same autocast. Fastest of the repeats.", "",
-        "| workload | rows | new tokens (surefit) | before tok/s | exact tok/s | surefit tok/s | generate tok/s | "
+        f"{args.batch}. `before` = surefit's earlier loop; `surefit` = the default (reserved cache, shared prefixes, "
+        "lean LoRA forward); `merged` = the same with `--eval_merge_lora true`; `generate` = transformers' "
+        "`model.generate`, batched, left padded, same autocast. Fastest of the repeats.", "",
+        "| workload | rows | new tokens (surefit) | before tok/s | surefit tok/s | merged tok/s | generate tok/s | "
         "vs before (goal 4x) | vs generate (goal 3x) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results["workloads"].items():
         t = r["new_tokens_per_s"]
         g = r["goals"]
-        lines.append(f"| {name} | {r['prompts']} | {r['new_tokens']['surefit']} | {t['before']} | {t['exact']} | "
-                     f"{t['surefit']} | {t['generate']} | {g['surefit vs before']['ratio']}x "
+        lines.append(f"| {name} | {r['prompts']} | {r['new_tokens']['surefit']} | {t['before']} | {t['surefit']} | "
+                     f"{t['merged']} | {t['generate']} | {g['surefit vs before']['ratio']}x "
                      f"{g['surefit vs before']['result']} | {g['surefit vs generate']['ratio']}x "
                      f"{g['surefit vs generate']['result']} |")
     lines += ["", "Rows identical (greedy answers token for token):", "",
-              "| workload | exact = before | before = generate | surefit = generate, same merged weights | "
-              "surefit (merged) = before (unmerged) |", "|---|---|---|---|---|"]
+              "| workload | surefit = before | surefit = generate | merged = generate, same merged weights | "
+              "merged = before (unmerged) |", "|---|---|---|---|---|"]
     for name, r in results["workloads"].items():
         i, n = r["rows_identical"], r["prompts"]
-        lines.append(f"| {name} | {i['exact_vs_before']}/{n} | {i['before_vs_generate']}/{n} | "
-                     f"{i['surefit_vs_generate_same_merged_weights']}/{n} | {i['surefit_merged_vs_before_unmerged']}/{n} |")
+        lines.append(f"| {name} | {i['surefit_vs_before']}/{n} | {i['surefit_vs_generate']}/{n} | "
+                     f"{i['merged_vs_generate_same_merged_weights']}/{n} | {i['merged_vs_before_unmerged']}/{n} |")
     lines += ["", "Prompt tokens computed with shared prefixes: " + ", ".join(
         f"{k} {r['prefill_tokens_computed']:,} of {r['prompt_tokens']:,}" for k, r in results["workloads"].items()), ""]
     return "\n".join(lines)

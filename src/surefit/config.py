@@ -230,18 +230,21 @@ class SFTConfig(TrainConfig):
         "input/target rows, rouge_l for conversations.")
     eval_generate: bool = opt(True, "Generate answers and score them at each evaluation; false: validation loss only.")
     eval_merge_lora: bool = opt(
-        True, "Generate evaluation answers with the LoRA adapter merged into a temporary copy of the adapted weights "
-        "(faster; under 16-bit precision an answer can differ from the unmerged model's at a near-tie). false: the "
-        "adapter applied as in training.")
+        False, "Generate evaluation answers with the LoRA adapter merged into a temporary copy of the adapted weights "
+        "(one matmul per layer). Under 16-bit precision the merged weights round away part of a young adapter, so "
+        "answers can differ from the model training computes. false: the adapter applied as in training.")
+    eval_share_prefixes: bool = opt(
+        False, "Generation computes a prompt beginning that evaluation prompts share (16 tokens or more, e.g. one "
+        "SQuAD paragraph) once. Computed in another batch shape, it can round differently under 16-bit precision and "
+        "flip an answer token at a near-tie. false: every prompt computed whole, as generate() does.")
     max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
     truncation_side: Literal["left", "right"] = opt(
         "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."
     )
     augmentation_factor: int = opt(1, "N: each training row plus N-1 augmented variants (training rows only).")
     share_prefixes: bool = opt(
-        True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training, and one "
-        "that evaluation prompts share (16 or more) once in generation; the loss is the same. false: every row "
-        "computes its own (and draws its own LoRA dropout masks there).")
+        True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
+        "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
     max_new_tokens: int | None = opt(
         None, "Generation length for evaluation. Default: the longest training target in tokens, plus 4."
     )

@@ -1,24 +1,29 @@
 """Batched greedy generation with left padding that stops at EOS: an own decode loop over a KV cache.
 
-What makes it fast, each of which keeps every row's greedy tokens (tested against the plain loop, row by row):
+What makes it fast. The first three, and the caller's lean adapter forward, keep every row's greedy tokens bit for
+bit (tested against transformers' ``generate`` on the same batches, row by row); the two options after them can
+round differently in 16 bits and are off unless asked for:
 
 - Prompts are sorted by length, so a batch has little padding; a row that has ended leaves the batch.
 - The LM head runs at the last position only (``logits_to_keep=1``).
 - The KV cache is reserved once per batch for prompt + ``max_new_tokens`` and written in place (``_Reserved``):
   transformers' default cache concatenates every layer's keys and values at every step, copying the whole cache.
-- Rows that begin with the same tokens (questions on one SQuAD paragraph, one system prompt) compute that prefix once
-  (``share_prefixes``): the prefix's keys and values are copied to each row, then each row's own rest is run.
-- ``merge_lora``: LoRA adapters are merged into a temporary copy of the frozen weights, so a decode step runs one
-  matmul per linear layer instead of three plus casts. The trained adapter and the base weights are never changed.
-  Merging rounds ``W + scale * B @ A`` to the weights' dtype (16 bits under mixed precision), so its answers can
-  differ from the unmerged model's in near-ties (measured in ``benchmarks/generation.py``).
+- ``share_prefixes``: rows that begin with the same tokens (questions on one SQuAD paragraph) compute that prefix
+  once: its keys and values are copied to each row, then each row's own rest is run. The same numbers in exact
+  arithmetic; computed in another batch shape, 16-bit rounding can differ and flip a near-tie.
+- ``lora_context``: the caller's lean adapter forward (surefit's: the training forward's numbers without its
+  per-call casts and autograd bookkeeping), or ``merge_lora``: adapters merged into a temporary copy of the frozen
+  weights, one matmul per linear layer. The trained adapter and the base weights are never changed. Merging rounds
+  ``W + scale * B @ A`` to the weights' dtype (16 bits under mixed precision), so its answers can differ from the
+  unmerged model's (counted in ``benchmarks/generation.py``); it is an option, not the default.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +51,7 @@ def greedy_generate(
     autocast: Any = None,
     progress: Any = None,
     merge_lora: bool = False,
+    lora_context: Callable[[Any], AbstractContextManager] | None = None,
     reuse_cache: bool = True,
     share_prefixes: bool = False,
     stats: dict[str, int] | None = None,
@@ -65,6 +71,8 @@ def greedy_generate(
         autocast: a context-manager factory (e.g. ``accelerator.autocast``) or ``None``.
         progress: called as ``progress(done, total)`` after each batch (prompts done of all), or ``None``.
         merge_lora: decode with LoRA adapters merged into a temporary copy of the weights (see :func:`merged_lora`).
+        lora_context: otherwise (or when merging ran out of memory), a context entered with the model around the
+            whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
         reuse_cache: reserve each batch's KV cache once and write it in place (False: transformers' growing cache).
         share_prefixes: compute a prompt prefix of ``MIN_SHARED_PREFIX`` tokens or more that several prompts start
             with once per batch (the caller checks that the model family takes a mask with a hole in it).
@@ -83,8 +91,11 @@ def greedy_generate(
     done = 0
     try:
         merging = merged_lora(model) if merge_lora else contextlib.nullcontext(Merged())
-        with merging as merged:
+        with contextlib.ExitStack() as stack:
+            merged = stack.enter_context(merging)
             stats["merged_layers"], stats["merge_out_of_memory"] = merged.layers, int(merged.out_of_memory)
+            if lora_context is not None and not merged.layers:
+                stack.enter_context(lora_context(model))
             for idx, shared in batches:
                 ctx = autocast() if autocast is not None else contextlib.nullcontext()
                 with ctx:

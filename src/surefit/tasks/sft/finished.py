@@ -129,7 +129,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                               eos_token_ids=loaded.extra["eos"], max_new_tokens=max_new,
                                               batch_size=batch_size, accelerator=loaded.accelerator, say=say,
                                               share_prefixes=cfg.share_prefixes,
-                                              merge_lora=getattr(cfg, "eval_merge_lora", True),
+                                              merge_lora=getattr(cfg, "eval_merge_lora", False),
+                                              share_prompts=getattr(cfg, "eval_share_prefixes", False),
                                               metric=choose_metric(cfg, bool(run.report.get("format_conversational"))))
     records = prediction_records(examples, preds, golds, input_field)
     if rep.excluded:
@@ -212,8 +213,8 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         lengths: list[int] = []
         preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
                                max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                               lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", True),
-                               share_prefixes=cfg.share_prefixes)
+                               lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
+                               share_prefixes=getattr(cfg, "eval_share_prefixes", False))
         batch = []
         for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
             rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,

@@ -56,6 +56,7 @@ from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
 
 Say = Callable[[str], None]
@@ -402,7 +403,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
-                                                  merge_lora=cfg.eval_merge_lora, generate=cfg.eval_generate,
+                                                  merge_lora=cfg.eval_merge_lora,
+                                                  share_prompts=cfg.eval_share_prefixes, generate=cfg.eval_generate,
                                                   metric=metric)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
@@ -464,15 +466,17 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
                    max_new_tokens: int, batch_size: int, accelerator: Any, say: Say = print,
-                   progress: bool = False, lengths: list[int] | None = None, merge_lora: bool = True,
-                   share_prefixes: bool = True) -> list[str]:
+                   progress: bool = False, lengths: list[int] | None = None, merge_lora: bool = False,
+                   share_prefixes: bool = False) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
     With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
     the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
     tokens, its stop token excluded. ``merge_lora``: decode with the adapter merged into a temporary copy of the
-    weights (``--eval_merge_lora``); ``share_prefixes``: compute a prompt prefix several prompts share once, for the
-    model families verified for it (see :func:`surefit.eval.generate.greedy_generate`)."""
+    weights (``--eval_merge_lora``); ``share_prefixes``: compute a prompt beginning several prompts share once, for
+    the model families verified for it (``--eval_share_prefixes``; see :func:`surefit.eval.generate.greedy_generate`).
+    Otherwise the answers are those of the unoptimised generation, bit for bit (the adapter's lean forward and the
+    reserved cache compute the same numbers)."""
     import sys
 
     from tqdm.auto import tqdm
@@ -502,6 +506,7 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
             autocast=accelerator.autocast,
             progress=show if bar is not None else None,
             merge_lora=merge_lora,
+            lora_context=lean_lora,
             share_prefixes=share_prefixes and why_not_shared(inner) is None,
             stats=stats,
         ),
@@ -521,7 +526,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
 
 def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
                       eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
-                      say: Say = print, share_prefixes: bool = True, merge_lora: bool = True,
+                      say: Say = print, share_prefixes: bool = True, merge_lora: bool = False,
+                      share_prompts: bool = False,
                       generate: bool = True, metric: str = "squad") -> tuple[dict[str, float], list[str],
                                                                              list[list[str]]]:
     """Validation loss (per supervised token) and, with ``generate``, SQuAD F1 / exact match (normalised) and
@@ -529,8 +535,9 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
 
     Used after every epoch of training and by ``surefit eval``, so both report the same numbers. With
     ``share_prefixes`` the loss computes prompt prefixes that rows of a batch share once, as training does (the
-    same loss; see :mod:`surefit.training.speedups.prefixes`), and so does generation's prefill. ``merge_lora``:
-    generation runs with the adapter merged into a temporary copy of the weights (``--eval_merge_lora``).
+    same loss; see :mod:`surefit.training.speedups.prefixes`). ``merge_lora`` and ``share_prompts``: generation
+    with the adapter merged into a temporary copy of the weights (``--eval_merge_lora``) and with shared prompt
+    beginnings computed once (``--eval_share_prefixes``).
 
     Returns:
         ``({"eval_loss", "eval_f1", "eval_em", "eval_rouge_l"}, predictions, gold answers per example)``.
@@ -551,7 +558,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
         return {"eval_loss": loss}, [], []
     preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
-                           progress=True, merge_lora=merge_lora, share_prefixes=share_prefixes)
+                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts)
     golds = [_golds(e.row, target_field) for e in examples]
     return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
 
