@@ -172,3 +172,29 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
                     "out of memory during generation: retrying with batch size 2 (training is unaffected)"]
     assert max(seen[-3:]) <= 2
     assert all(not m.merged_adapters for m in model.modules() if hasattr(m, "merged_adapters"))
+
+
+def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when_asked(tmp_path, tiny_lm_dir,
+                                                                                         qa_jsonl, monkeypatch):
+    from surefit.tasks.sft import recipe
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    calls: list[dict] = []
+    real = recipe.greedy_generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "greedy_generate", spy)
+    from surefit.cli import main
+
+    common = ["train", "--model", str(tiny_lm_dir), "--data", str(qa_jsonl), "--epochs", "1", "--lora_r", "4",
+              "--max_new_tokens", "3", "--precision", "fp32"]
+    assert main([*common, "--output_dir", str(tmp_path / "a")]) == 0
+    assert calls and all(c["merge_lora"] is False and c["share_prefixes"] is False and c["lora_context"] is lean_lora
+                         for c in calls)
+    calls.clear()
+    assert main([*common, "--eval_merge_lora", "true", "--eval_share_prefixes", "true",
+                 "--output_dir", str(tmp_path / "b")]) == 0
+    assert calls and all(c["merge_lora"] is True and c["share_prefixes"] is True for c in calls)
