@@ -92,8 +92,15 @@ def worker(args: argparse.Namespace) -> None:
     spec = json.loads((work / "spec.json").read_text())
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, GenerationConfig, Trainer,
-                              TrainerCallback, TrainingArguments)
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        GenerationConfig,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
 
     from surefit.data.collate import PadCollator
     from surefit.data.encode import build_prompt_format, encode_rows
@@ -139,9 +146,11 @@ def worker(args: argparse.Namespace) -> None:
 
     targs = TrainingArguments(output_dir=str(work / "trainer_run"), per_device_train_batch_size=4,
                               per_device_eval_batch_size=8, num_train_epochs=args.epochs, learning_rate=2e-4,
-                              warmup_ratio=0.05, lr_scheduler_type="cosine", group_by_length=True, bf16=bf16,
+                              warmup_steps=int(0.05 * -(-len(train_ds) // 4) * args.epochs),  # surefit's rule
+                              weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="cosine", train_sampling_strategy="group_by_length",
+                              bf16=bf16,
                               use_cpu=not torch.cuda.is_available(), eval_strategy="epoch", save_strategy="no",
-                              report_to=[], logging_strategy="no", seed=0, disable_tqdm=True)
+                              report_to="none", logging_strategy="no", seed=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=targs, train_dataset=train_ds, eval_dataset=val_ds,
                       data_collator=DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100),
                       callbacks=[F1Callback()])
