@@ -246,6 +246,14 @@ class SFTConfig(TrainConfig):
         "'module:function' (predictions, references -> dict; imported only when named here). 'auto': squad for "
         "input/target rows, rouge_l for conversations.")
     eval_generate: bool = opt(True, "Generate answers and score them at each evaluation; false: validation loss only.")
+    eval_merge_lora: bool = opt(
+        False, "Generate evaluation answers with the LoRA adapter merged into a temporary copy of the adapted weights "
+        "(one matmul per layer). Under 16-bit precision the merged weights round away part of a young adapter, so "
+        "answers can differ from the model training computes. false: the adapter applied as in training.")
+    eval_share_prefixes: bool = opt(
+        False, "Generation computes a prompt beginning that evaluation prompts share (16 tokens or more, e.g. one "
+        "SQuAD paragraph) once. Computed in another batch shape, it can round differently under 16-bit precision and "
+        "flip an answer token at a near-tie. false: every prompt computed whole, as generate() does.")
     max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
     truncation_side: Literal["left", "right"] = opt(
         "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."

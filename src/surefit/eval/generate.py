@@ -1,15 +1,41 @@
-"""Batched greedy generation with left padding that stops at EOS: an own decode loop over a KV cache, in which a
-row that has ended leaves the batch."""
+"""Batched greedy generation with left padding that stops at EOS: an own decode loop over a KV cache.
+
+What makes it fast. The first three, and the caller's lean adapter forward, keep every row's greedy tokens bit for
+bit (tested against transformers' ``generate`` on the same batches, row by row); the two options after them can
+round differently in 16 bits and are off unless asked for:
+
+- Prompts are sorted by length, so a batch has little padding; a row that has ended leaves the batch.
+- The LM head runs at the last position only (``logits_to_keep=1``).
+- The KV cache is reserved once per batch for prompt + ``max_new_tokens`` and written in place (``_Reserved``):
+  transformers' default cache concatenates every layer's keys and values at every step, copying the whole cache.
+- ``share_prefixes``: rows that begin with the same tokens (questions on one SQuAD paragraph) compute that prefix
+  once: its keys and values are copied to each row, then each row's own rest is run. The same numbers in exact
+  arithmetic; computed in another batch shape, 16-bit rounding can differ and flip a near-tie.
+- ``lora_context``: the caller's lean adapter forward (surefit's: the training forward's numbers without its
+  per-call casts and autograd bookkeeping), or ``merge_lora``: adapters merged into a temporary copy of the frozen
+  weights, one matmul per linear layer. The trained adapter and the base weights are never changed. Merging rounds
+  ``W + scale * B @ A`` to the weights' dtype (16 bits under mixed precision), so its answers can differ from the
+  unmerged model's (counted in ``benchmarks/generation.py``); it is an option, not the default.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from surefit.data.collate import PadCollator
 from surefit.models import inner_model
+
+# A prefix shorter than this is computed with each row: sharing it saves less than the extra forward costs.
+MIN_SHARED_PREFIX = 16
 
 
 @torch.no_grad()
@@ -24,6 +50,11 @@ def greedy_generate(
     device: torch.device | str = "cpu",
     autocast: Any = None,
     progress: Any = None,
+    merge_lora: bool = False,
+    lora_context: Callable[[Any], AbstractContextManager] | None = None,
+    reuse_cache: bool = True,
+    share_prefixes: bool = False,
+    stats: dict[str, int] | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of tokenized prompts, in the prompts' order.
 
@@ -32,58 +63,154 @@ def greedy_generate(
     cut at its first EOS.
 
     Args:
-        model: a causal LM (or peft model) with ``generate``.
+        model: a causal LM (or peft model) whose forward takes ``position_ids``, ``attention_mask`` and a KV cache.
         prompts: token ids per prompt.
         pad_token_id: pad id; eos_token_ids: ids that end an answer.
         max_new_tokens: longest continuation.
-        batch_size: prompts per ``generate`` call.
+        batch_size: prompts per batch.
         autocast: a context-manager factory (e.g. ``accelerator.autocast``) or ``None``.
         progress: called as ``progress(done, total)`` after each batch (prompts done of all), or ``None``.
+        merge_lora: decode with LoRA adapters merged into a temporary copy of the weights (see :func:`merged_lora`).
+        lora_context: otherwise (or when merging ran out of memory), a context entered with the model around the
+            whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
+        reuse_cache: reserve each batch's KV cache once and write it in place (False: transformers' growing cache).
+        share_prefixes: compute a prompt prefix of ``MIN_SHARED_PREFIX`` tokens or more that several prompts start
+            with once per batch (the caller checks that the model family takes a mask with a hole in it).
+        stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``prompt_tokens``, ``prefill_tokens`` (computed).
 
     Returns:
         The generated token ids per prompt, without the prompt and without the EOS.
     """
     was_training = model.training
     model.eval()
-    collate = PadCollator(pad_token_id=pad_token_id, padding_side="left")
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    stats = stats if stats is not None else {}
+    stats.update(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0)
+    batches = _batches(prompts, batch_size, share_prefixes)
     out: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)
+    done = 0
     try:
-        for start in range(0, len(order), batch_size):
-            idx = order[start : start + batch_size]
-            batch = collate([{"input_ids": prompts[i]} for i in idx])
-            ctx = autocast() if autocast is not None else contextlib.nullcontext()
-            with ctx:
-                new = _decode(model, batch["input_ids"].to(device), batch["attention_mask"].to(device), eos,
-                              max_new_tokens)
-            for i, seq in zip(idx, new, strict=True):
-                out[i] = seq
-            if progress is not None:
-                progress(min(start + batch_size, len(order)), len(order))
+        merging = merged_lora(model) if merge_lora else contextlib.nullcontext(Merged())
+        with contextlib.ExitStack() as stack:
+            merged = stack.enter_context(merging)
+            stats["merged_layers"], stats["merge_out_of_memory"] = merged.layers, int(merged.out_of_memory)
+            if lora_context is not None and not merged.layers:
+                stack.enter_context(lora_context(model))
+            for idx, shared in batches:
+                ctx = autocast() if autocast is not None else contextlib.nullcontext()
+                with ctx:
+                    new, computed = _decode(model, [prompts[i] for i in idx], shared, pad_token_id, eos,
+                                            max_new_tokens, device, reuse_cache)
+                stats["prefill_tokens"] += computed
+                for i, seq in zip(idx, new, strict=True):
+                    out[i] = seq
+                done += len(idx)
+                if progress is not None:
+                    progress(done, len(prompts))
     finally:
         model.train(was_training)
     return out
 
 
-def _decode(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, eos: set[int],
-            max_new_tokens: int) -> list[list[int]]:
-    """Greedy decoding of one left-padded batch with a KV cache; a row leaves the batch when it ends.
+def _lcp(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _batches(prompts: list[list[int]], batch_size: int, share: bool) -> list[tuple[list[int], list[int]]]:
+    """``(prompt indices, shared prefix length per row)`` per batch.
+
+    Without sharing: longest prompts first, every prefix length 0. With sharing: prompts sorted by their tokens put
+    those with a common beginning next to each other; a run of neighbours whose common prefix is at least
+    ``MIN_SHARED_PREFIX`` tokens forms a group (a row starts a new group where its common prefix with the next row is
+    longer than with the previous one, so a long shared paragraph is not cut back to a shorter system prompt). Groups
+    go longest first; each row keeps at least its last token to itself.
+    """
+    if not share:
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        return [(order[s : s + batch_size], [0] * len(order[s : s + batch_size]))
+                for s in range(0, len(order), batch_size)]
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
+    lcp = [_lcp(prompts[a], prompts[b]) for a, b in zip(order, order[1:], strict=False)]
+    groups: list[tuple[list[int], int]] = []
+    k = 0
+    while k < len(order):
+        common = lcp[k] if k < len(lcp) else 0
+        if common < MIN_SHARED_PREFIX or (k + 1 < len(lcp) and lcp[k + 1] > common):
+            groups.append(([order[k]], 0))
+            k += 1
+            continue
+        j = k + 1
+        while j < len(lcp) and lcp[j] >= common:
+            j += 1
+        groups.append((order[k : j + 1], common))
+        k = j + 1
+    groups.sort(key=lambda g: -max(len(prompts[i]) for i in g[0]))
+    rows = [(i, min(p, len(prompts[i]) - 1)) for g, p in groups for i in g]
+    return [([i for i, _ in rows[s : s + batch_size]], [p for _, p in rows[s : s + batch_size]])
+            for s in range(0, len(rows), batch_size)]
+
+
+def _prefill(model: Any, prompts: list[list[int]], shared: list[int], pad_token_id: int, device: Any,
+             extra: dict, cache_arg: str) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+    """Run the prompts; returns ``(output with logits and cache, attention mask, last positions, tokens computed)``.
+
+    With shared prefixes, each distinct prefix of the batch is run once (left padded, as a batch of its own), its
+    keys and values are copied to the rows that share it, and then every row's rest is run on top, left padded within
+    the rest: a row is ``[pad | prefix | pad | rest]`` with the pads masked out and positions counting real tokens
+    only, so each token attends to exactly the tokens of its own prompt at their own positions.
+    """
+    collate = PadCollator(pad_token_id=pad_token_id, padding_side="left")
+    if not any(shared) or min(map(len, prompts)) < 2:
+        batch = collate([{"input_ids": p} for p in prompts])
+        ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        return step, mask, positions[:, -1], int(mask.sum())
+    heads: dict[tuple[int, ...], int] = {}
+    which, rests = [], []
+    for p, n in zip(prompts, shared, strict=True):
+        # A row without a partner runs all but its last token as its own "prefix": one path for every row.
+        n = n or len(p) - 1
+        which.append(heads.setdefault(tuple(p[:n]), len(heads)))
+        rests.append(p[n:])
+    pre = collate([{"input_ids": list(h)} for h in heads])
+    pre_ids, pre_mask = pre["input_ids"].to(device), pre["attention_mask"].to(device)
+    pre_pos = (pre_mask.long().cumsum(-1) - 1).clamp(min=0)
+    first = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True, **extra)
+    cache = getattr(first, cache_arg)
+    rows = torch.tensor(which, device=device)
+    cache.batch_select_indices(rows)
+    rest = collate([{"input_ids": r} for r in rests])
+    rest_ids, rest_mask = rest["input_ids"].to(device), rest["attention_mask"].to(device)
+    mask = torch.cat([pre_mask[rows], rest_mask], dim=1)
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    step = model(input_ids=rest_ids, attention_mask=mask, position_ids=positions[:, pre_ids.shape[1]:],
+                 use_cache=True, **{cache_arg: cache}, **extra)
+    return step, mask, positions[:, -1], int(pre_mask.sum() + rest_mask.sum())
+
+
+def _decode(model: Any, prompts: list[list[int]], shared: list[int], pad_token_id: int, eos: set[int],
+            max_new_tokens: int, device: Any, reuse_cache: bool) -> tuple[list[list[int]], int]:
+    """Greedy decoding of one batch with a KV cache; a row leaves the batch when it ends.
 
     The same tokens as ``model.generate`` (greedy, same positions and mask), with less work per step: the LM head
     runs only at the last position, and finished rows stop costing compute instead of decoding padding to the end.
+    Returns the continuations and the number of prompt tokens computed.
     """
-    rows = input_ids.shape[0]
+    rows = len(prompts)
     results: list[list[int]] = [[] for _ in range(rows)]
     if max_new_tokens <= 0 or rows == 0:
-        return results
-    # Positions count real tokens only, as generate() derives them from the mask: left padding must not shift them.
-    positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return results, 0
     extra, cache_arg = _forward_kwargs(model)
-    step = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=True, **extra)
+    step, attention_mask, last, computed = _prefill(model, prompts, shared, pad_token_id, device, extra, cache_arg)
     cache = getattr(step, cache_arg)
-    alive = torch.arange(rows, device=input_ids.device)
-    last = positions[:, -1]
+    if reuse_cache:
+        _reserve(cache, max_new_tokens)
+    alive = torch.arange(rows, device=attention_mask.device)
     for n in range(max_new_tokens):
         tokens = step.logits[:, -1].argmax(-1)
         ended = []
@@ -95,7 +222,8 @@ def _decode(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, e
         if n == max_new_tokens - 1 or len(ended) == len(alive):
             break
         if ended:
-            keep = torch.tensor([k for k in range(len(alive)) if k not in set(ended)], device=input_ids.device)
+            gone = set(ended)
+            keep = torch.tensor([k for k in range(len(alive)) if k not in gone], device=attention_mask.device)
             cache.batch_select_indices(keep)
             alive, tokens, attention_mask, last = alive[keep], tokens[keep], attention_mask[keep], last[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(alive), 1)], dim=1)
@@ -103,7 +231,157 @@ def _decode(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, e
         step = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=last[:, None],
                      use_cache=True, **{cache_arg: cache}, **extra)
         cache = getattr(step, cache_arg)
-    return results
+    return results, computed
+
+
+class _Reserved(DynamicLayer):
+    """A full-attention cache layer whose room for the new tokens is reserved once and written in place.
+
+    The model sees what transformers' ``DynamicLayer`` gives it (the keys and values so far, as views of the
+    reserved tensors), without the copy of the whole cache at every step that concatenation makes.
+
+    ``dtype``: under autocast, fp32 keys and values are stored in autocast's 16-bit dtype. Attention reads them
+    through autocast, which would round them to exactly that at every step (a copy of the whole cache per layer and
+    step); stored rounded once, attention gets the same values without the copies, in half the memory."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        n = keys.shape[-2]
+        self._k = keys.new_empty(*keys.shape[:-2], n + room, keys.shape[-1], dtype=dtype or keys.dtype)
+        self._v = values.new_empty(*values.shape[:-2], n + room, values.shape[-1], dtype=dtype or values.dtype)
+        self._k[..., :n, :] = keys
+        self._v[..., :n, :] = values
+        self._n = n
+        self.device, self.is_initialized = keys.device, True
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self._k[..., : self._n, :], self._v[..., : self._n, :]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        m = key_states.shape[-2]
+        if self._n + m > self._k.shape[-2]:  # more than reserved: grow (not reached by greedy_generate)
+            self._k = torch.cat([self._k, torch.empty_like(self._k[..., :m, :])], dim=-2)
+            self._v = torch.cat([self._v, torch.empty_like(self._v[..., :m, :])], dim=-2)
+        self._k[..., self._n : self._n + m, :] = key_states
+        self._v[..., self._n : self._n + m, :] = value_states
+        self._n += m
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self._n
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v = self._k[indices, ...], self._v[indices, ...]
+        self._views()
+
+    def crop(self, tokens_to_remove: int) -> None:  # pragma: no cover - generation never crops
+        raise NotImplementedError("a reserved generation cache is not cropped")
+
+
+def _reserve(cache: Any, room: int) -> int:
+    """Replace each plain full-attention layer of ``cache`` by a :class:`_Reserved` one with ``room`` more slots;
+    other layer kinds (sliding windows, linear attention, quantized) stay as they are. Returns how many changed."""
+    n = 0
+    for i, layer in enumerate(getattr(cache, "layers", [])):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
+            kind = layer.keys.device.type
+            dtype = None
+            if layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32 \
+                    and torch.is_autocast_enabled(kind):
+                dtype = torch.get_autocast_dtype(kind)
+            cache.layers[i] = _Reserved(layer.keys, layer.values, room, dtype)
+            n += 1
+    return n
+
+
+def _merged_forward(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    # The output in the adapter's dtype, as surefit's unmerged LoRA forward gives it (the residual stream stays fp32).
+    return F.linear(x.to(weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x, weight, bias
+                    ).to(out_dtype)
+
+
+def _mergeable(layer: Any) -> str | None:
+    """The active adapter of a plain peft LoRA ``Linear`` that a merged weight computes exactly; None otherwise."""
+    try:
+        from peft.tuners.lora import Linear as LoraLinear
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return None
+    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged:
+        return None
+    active = [n for n in layer.active_adapters if n in layer.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(name, False):
+        return None  # DoRA and adapter biases are not a plain W + B @ A
+    base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
+    if type(base) is not torch.nn.Linear or type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
+        return None
+    if type(base.weight.data) is not torch.Tensor or base.weight.data.is_meta:
+        return None  # sharded (DTensor) or offloaded weights
+    return name
+
+
+@dataclass
+class Merged:
+    """What :func:`merged_lora` did: layers merged, and whether it ran out of memory (and so merged none)."""
+
+    layers: int = 0
+    out_of_memory: bool = False
+
+
+@contextlib.contextmanager
+def merged_lora(model: Any) -> Iterator[Merged]:
+    """Within this context, each plain LoRA ``Linear`` of ``model`` computes ``x @ (W + scale * B @ A)^T`` with one
+    matmul on a merged copy of its weight; yields a :class:`Merged` (how many layers, and whether memory ran out).
+
+    The copy is made in the base weight's dtype (so 16-bit weights stay 16-bit), and costs the memory of the adapted
+    layers' weights while it lives. Neither the base weight nor the adapter is written: the layer's ``forward`` is
+    replaced for the duration (peft's ``merged_adapters`` says the adapter is in it, so no fused path adds it twice)
+    and restored on exit, also after an error. Out of memory while merging: the layers merged so far are restored and
+    the context runs unmerged (``out_of_memory`` is True, ``layers`` 0).
+    """
+    changed: list[tuple[Any, Any, list[str]]] = []
+    info = Merged()
+
+    def restore() -> None:
+        for layer, forward, merged in reversed(changed):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
+            layer.merged_adapters = merged
+        changed.clear()
+
+    try:
+        for layer in model.modules():
+            name = _mergeable(layer)
+            if name is None:
+                continue
+            base, a, b = layer.base_layer, layer.lora_A[name].weight, layer.lora_B[name].weight
+            w = base.weight
+            delta = (b.detach().float() @ a.detach().float()) * float(layer.scaling[name])
+            merged_w = (w.detach().float() + delta.to(w.device)).to(w.dtype)
+            del delta
+            changed.append((layer, layer.__dict__.get("forward"), list(layer.merged_adapters)))
+            layer.forward = functools.partial(_merged_forward, weight=merged_w,
+                                              bias=None if base.bias is None else base.bias.detach(),
+                                              out_dtype=torch.promote_types(w.dtype, a.dtype))
+            layer.merged_adapters = [*layer.merged_adapters, name]
+    except torch.OutOfMemoryError:
+        # Free what was made before anything else (outside the except block, so the traceback holds no tensors).
+        info.out_of_memory = True
+    if info.out_of_memory:
+        restore()
+    info.layers = len(changed)
+    try:
+        yield info
+    finally:
+        restore()
 
 
 def _forward_kwargs(model: Any) -> tuple[dict[str, int], str]:

@@ -128,6 +128,10 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, target_field=target_field,
                                               eos_token_ids=loaded.extra["eos"], max_new_tokens=max_new,
                                               batch_size=batch_size, accelerator=loaded.accelerator, say=say,
+                                              share_prefixes=cfg.share_prefixes,
+                                              merge_lora=getattr(cfg, "eval_merge_lora", False),
+                                              share_prompts=getattr(cfg, "eval_share_prefixes", False),
+                                              fused=getattr(cfg, "fused_cross_entropy", True),
                                               metric=choose_metric(cfg, bool(run.report.get("format_conversational"))))
     records = prediction_records(examples, preds, golds, input_field)
     if rep.excluded:
@@ -210,7 +214,8 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         lengths: list[int] = []
         preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
                                max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                               lengths=lengths)
+                               lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
+                               share_prefixes=getattr(cfg, "eval_share_prefixes", False))
         batch = []
         for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
             rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,

@@ -58,6 +58,7 @@ from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
 
 Say = Callable[[str], None]
@@ -394,8 +395,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
-                                                  generate=cfg.eval_generate, metric=metric,
-                                                  fused=cfg.fused_cross_entropy)
+                                                  merge_lora=cfg.eval_merge_lora,
+                                                  share_prompts=cfg.eval_share_prefixes, generate=cfg.eval_generate,
+                                                  metric=metric, fused=cfg.fused_cross_entropy)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
@@ -467,12 +469,17 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
                    max_new_tokens: int, batch_size: int, accelerator: Any, say: Say = print,
-                   progress: bool = False, lengths: list[int] | None = None) -> list[str]:
+                   progress: bool = False, lengths: list[int] | None = None, merge_lora: bool = False,
+                   share_prefixes: bool = False) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
     With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
     the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
-    tokens, its stop token excluded."""
+    tokens, its stop token excluded. ``merge_lora``: decode with the adapter merged into a temporary copy of the
+    weights (``--eval_merge_lora``); ``share_prefixes``: compute a prompt beginning several prompts share once, for
+    the model families verified for it (``--eval_share_prefixes``; see :func:`surefit.eval.generate.greedy_generate`).
+    Otherwise the answers are those of the unoptimised generation, bit for bit (the adapter's lean forward and the
+    reserved cache compute the same numbers)."""
     import sys
 
     from tqdm.auto import tqdm
@@ -488,9 +495,11 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
     def show(done: int, total: int) -> None:
         bar.update(done - bar.n)
 
+    inner = accelerator.unwrap_model(model)
+    stats: dict[str, int] = {}
     generated = shrink_on_oom(
         lambda bs: greedy_generate(
-            accelerator.unwrap_model(model),
+            inner,
             prompts,
             pad_token_id=tokenizer.pad_token_id,
             eos_token_ids=eos_token_ids,
@@ -499,6 +508,10 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
             device=accelerator.device,
             autocast=accelerator.autocast,
             progress=show if bar is not None else None,
+            merge_lora=merge_lora,
+            lora_context=lean_lora,
+            share_prefixes=share_prefixes and why_not_shared(inner) is None,
+            stats=stats,
         ),
         batch_size,
         "generation",
@@ -506,6 +519,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
     )
     if bar is not None:
         bar.close()
+    if stats.get("merge_out_of_memory"):
+        say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
+            "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
     if lengths is not None:
         lengths += [len(g) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
@@ -513,8 +529,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
 
 def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
                       eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
-                      say: Say = print, share_prefixes: bool = True,
-                      generate: bool = True, metric: str = "squad",
+                      say: Say = print, share_prefixes: bool = True, merge_lora: bool = False,
+                      share_prompts: bool = False, generate: bool = True, metric: str = "squad",
                       fused: bool = True) -> tuple[dict[str, float], list[str],
                                                                              list[list[str]]]:
     """Validation loss (per supervised token) and, with ``generate``, SQuAD F1 / exact match (normalised) and
@@ -523,7 +539,9 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
     Used after every epoch of training and by ``surefit eval``, so both report the same numbers. With
     ``share_prefixes`` the loss computes prompt prefixes that rows of a batch share once, as training does (the
     same loss; see :mod:`surefit.training.speedups.prefixes`); ``fused`` runs the LM head and the loss fused (the
-    same loss; ``--fused_cross_entropy``).
+    same loss; ``--fused_cross_entropy``). ``merge_lora`` and ``share_prompts``: generation with the adapter merged
+    into a temporary copy of the weights (``--eval_merge_lora``) and with shared prompt beginnings computed once
+    (``--eval_share_prefixes``).
 
     Returns:
         ``({"eval_loss", "eval_f1", "eval_em", "eval_rouge_l"}, predictions, gold answers per example)``.
@@ -544,7 +562,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
         return {"eval_loss": loss}, [], []
     preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
-                           progress=True)
+                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts)
     golds = [_golds(e.row, target_field) for e in examples]
     return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
 

@@ -1,0 +1,200 @@
+"""Generation for evaluation: the optimised loop (reserved KV cache, shared prefixes, lean or merged LoRA forward)
+gives every row the tokens of the unoptimised generation, and leaves the trained weights untouched."""
+
+import contextlib
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from surefit.eval.generate import MIN_SHARED_PREFIX, greedy_generate, merged_lora
+
+
+def _lora_model(bf16: bool, seed: int = 3):
+    from peft import LoraConfig, get_peft_model
+
+    from surefit.training.precision import store_frozen_in
+    from surefit.training.speedups.lora_fast import fuse_lora
+
+    model = get_peft_model(tiny_llama(seed=seed), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    fuse_lora(model)  # as training and evaluation run it
+    if bf16:
+        store_frozen_in(model, torch.bfloat16)
+    return model.eval()
+
+
+def _autocast(bf16: bool):
+    return (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if bf16 else None
+
+
+def _plain(model, prompts, eos, n, autocast=None, batch_size=None):
+    """The unoptimised generation: transformers' generate, greedy, under the same autocast, on the same left-padded
+    batches as greedy_generate makes (longest prompts first). In 16 bits a row's numbers depend on its batch's
+    padding, for generate() as for any batched forward, so the reference uses the same batches."""
+    from transformers import GenerationConfig
+
+    from surefit.data.collate import PadCollator
+
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    size = batch_size or len(prompts)
+    out = [None] * len(prompts)
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=n, eos_token_id=sorted(eos) or [-1], pad_token_id=0)
+    for start in range(0, len(order), size):
+        idx = order[start : start + size]
+        batch = PadCollator(pad_token_id=0, padding_side="left")([{"input_ids": prompts[i]} for i in idx])
+        ctx = autocast() if autocast else contextlib.nullcontext()
+        with torch.no_grad(), ctx:
+            new = model.generate(**batch, generation_config=cfg)[:, batch["input_ids"].shape[1] :].tolist()
+        for i, seq in zip(idx, new, strict=True):
+            out[i] = seq[: next((k for k, t in enumerate(seq) if t in eos), len(seq))]
+    return out
+
+
+def _prompts():
+    """Mixed lengths; three rows on one 'paragraph', two on another (prefixes longer than MIN_SHARED_PREFIX), three
+    alone, one that is a single token longer than a shared prefix."""
+    g = torch.Generator().manual_seed(1)
+
+    def rand(n):
+        return torch.randint(2, 64, (n,), generator=g).tolist()
+
+    para_a, para_b = rand(MIN_SHARED_PREFIX + 9), rand(MIN_SHARED_PREFIX + 2)
+    return [para_a + rand(3), rand(5), para_b + rand(6), para_a + rand(1), rand(23), para_b + rand(2),
+            para_a + rand(7), rand(2), para_b[:-1] + rand(1)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-frozen+autocast"])
+@pytest.mark.parametrize("batch_size", [3, 9])
+def test_evaluation_generation_equals_the_unoptimised_generation_row_by_row(bf16, batch_size):
+    """The default evaluation path (lean LoRA forward, reserved cache, finished rows dropped, LM head at the last
+    position) against generate() on the same batches: the same tokens, in fp32 and in bf16."""
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    model = _lora_model(bf16)
+    prompts = _prompts()
+    free = _plain(model, prompts, set(), 10, _autocast(bf16), batch_size)
+    # Two stop ids, as a chat template gives (end of turn and EOS): rows end at different steps, others run to the
+    # max_new_tokens limit.
+    eos = {free[0][2], free[4][5]}
+    want = _plain(model, prompts, eos, 10, _autocast(bf16), batch_size)
+    assert len(set(map(len, want))) > 2 and max(map(len, want)) == 10 and min(map(len, want)) < 10
+    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
+                          batch_size=batch_size, autocast=_autocast(bf16), lora_context=lean_lora)
+    assert got == want
+    # The earlier path (growing cache, training's LoRA forward) gives the same rows.
+    assert greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
+                           batch_size=batch_size, autocast=_autocast(bf16), reuse_cache=False) == want
+
+
+def test_shared_prefix_generation_equals_the_unoptimised_generation_in_fp32():
+    """--eval_share_prefixes: each shared prompt beginning computed once; in fp32 the same tokens row by row."""
+    model = _lora_model(bf16=False)
+    prompts = _prompts()
+    free = _plain(model, prompts, set(), 10)
+    eos = {free[0][2], free[4][5]}
+    want = _plain(model, prompts, eos, 10)
+    for batch_size in (3, 9):
+        stats: dict = {}
+        got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
+                              batch_size=batch_size, share_prefixes=True, stats=stats)
+        assert got == want, batch_size
+        assert stats["prefill_tokens"] < stats["prompt_tokens"]  # shared prefixes were computed once
+
+
+def test_lean_lora_forward_is_bit_identical_and_restored():
+    from surefit.training.speedups.lora_fast import _fused_forward
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    model = _lora_model(bf16=True)
+    x = torch.randint(2, 64, (3, 11))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(input_ids=x).logits
+        with lean_lora(model) as n:
+            got = model(input_ids=x).logits
+    assert n == 14 and torch.equal(got, want)  # 7 linear layers x 2 blocks
+    layers = [m for m in model.modules() if hasattr(m, "lora_A")]
+    assert all(m.forward.__func__ is _fused_forward for m in layers)
+
+
+def test_merged_generation_leaves_adapter_and_base_weights_unchanged():
+    model = _lora_model(bf16=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    prompts = _prompts()
+    with merged_lora(model) as info:
+        assert info.layers == 14 and not info.out_of_memory
+        # the unoptimised generation with the same merged weights
+        want = _plain(model, prompts, set(), 8, _autocast(True), batch_size=4)
+    stats: dict = {}
+    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=[], max_new_tokens=8, batch_size=4,
+                          autocast=_autocast(True), merge_lora=True, stats=stats)
+    assert got == want and stats["merged_layers"] == 14
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards
+    assert all(not m.merged_adapters for m in model.modules() if hasattr(m, "merged_adapters"))
+    # An error inside the merge (here: out of memory in a forward) restores the layers too.
+    with pytest.raises(torch.OutOfMemoryError), merged_lora(model):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards
+
+
+def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_answers():
+    from transformers import PreTrainedTokenizerFast  # noqa: F401 - the tokenizer type generate_texts decodes with
+
+    from conftest import build_tokenizer
+    from surefit.tasks.sft.recipe import generate_texts
+    from surefit.training.precision import make_accelerator
+
+    tok = build_tokenizer()
+    model = _lora_model(bf16=False)
+    prompts = [p for p in _prompts() if len(p) < 10] + [[5, 6, 7], [9, 8], [11, 12, 13, 14], [3, 4, 5, 6, 7]]
+    eos = [0]
+    want = generate_texts(model, prompts, tok, eos_token_ids=eos, max_new_tokens=6, batch_size=8,
+                          accelerator=make_accelerator("fp32"), say=lambda _: None)
+    said: list[str] = []
+    seen: list[int] = []
+
+    def fail_big(module, args, kwargs):
+        seen.append(kwargs["input_ids"].shape[0])
+        if kwargs["input_ids"].shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+    hook = model.get_base_model().model.register_forward_pre_hook(fail_big, with_kwargs=True)
+    try:
+        got = generate_texts(model, prompts, tok, eos_token_ids=eos, max_new_tokens=6, batch_size=8,
+                             accelerator=make_accelerator("fp32"), say=said.append, merge_lora=True)
+    finally:
+        hook.remove()
+    assert got == want
+    assert said == ["out of memory during generation: retrying with batch size 4 (training is unaffected)",
+                    "out of memory during generation: retrying with batch size 2 (training is unaffected)"]
+    assert max(seen[-3:]) <= 2
+    assert all(not m.merged_adapters for m in model.modules() if hasattr(m, "merged_adapters"))
+
+
+def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when_asked(tmp_path, tiny_lm_dir,
+                                                                                         qa_jsonl, monkeypatch):
+    from surefit.tasks.sft import recipe
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    calls: list[dict] = []
+    real = recipe.greedy_generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recipe, "greedy_generate", spy)
+    from surefit.cli import main
+
+    common = ["train", "--model", str(tiny_lm_dir), "--data", str(qa_jsonl), "--epochs", "1", "--lora_r", "4",
+              "--max_new_tokens", "3", "--precision", "fp32"]
+    assert main([*common, "--output_dir", str(tmp_path / "a")]) == 0
+    assert calls and all(c["merge_lora"] is False and c["share_prefixes"] is False and c["lora_context"] is lean_lora
+                         for c in calls)
+    calls.clear()
+    assert main([*common, "--eval_merge_lora", "true", "--eval_share_prefixes", "true",
+                 "--output_dir", str(tmp_path / "b")]) == 0
+    assert calls and all(c["merge_lora"] is True and c["share_prefixes"] is True for c in calls)
