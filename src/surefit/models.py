@@ -453,10 +453,13 @@ def _load_error(source: ModelSource, e: Exception) -> ModelError:
 
 def quiet_libraries() -> None:
     """Library progress bars (weight loading, shard writing) and deprecation chatter drown the run's own report."""
+    import logging
     import warnings
 
     from transformers.utils import logging as hf_logging
 
+    # bitsandbytes (imported by peft when installed) logs at import that an optional CPU kernel package is missing.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
