@@ -308,7 +308,8 @@ def _load_quantized(path: str, quantize: str, compute: Any, trust_remote_code: b
                                bnb_4bit_compute_dtype=compute)
     else:
         q = BitsAndBytesConfig(load_in_8bit=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # Each process of a multi-GPU run holds its own copy on its own GPU.
+    device = {"": int(os.environ.get("LOCAL_RANK", "0"))} if torch.cuda.is_available() else "cpu"
     # The non-quantised weights (embeddings, output head, norms) load in the compute dtype, not fp32.
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, dtype=compute, device_map=device,
                                                 trust_remote_code=trust_remote_code)

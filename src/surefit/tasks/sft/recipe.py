@@ -47,7 +47,15 @@ from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
-from surefit.models import apply_lora, keep_4bit_trainable, load_causal_lm, load_tokenizer, model_folder, resolve_model
+from surefit.models import (
+    apply_lora,
+    keep_4bit_trainable,
+    load_causal_lm,
+    load_tokenizer,
+    model_folder,
+    require_bitsandbytes,
+    resolve_model,
+)
 from surefit.run_folder import EXCLUDED
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
 from surefit.training.distributed import sum_over_processes
@@ -338,6 +346,11 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         source = resolve_model(cfg.model)
     except ModelError as e:
         early += e.problems
+    if cfg.quantize != "none":  # a missing bitsandbytes is reported with the data's problems, before any loading
+        try:
+            require_bitsandbytes(cfg.quantize)
+        except ConfigError as e:
+            early += e.problems
     train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
     path = model_folder(source, log=say)
     tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
