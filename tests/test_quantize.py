@@ -164,6 +164,7 @@ def test_bf16_lora_load_of_the_embedded_model_peaks_at_most_055x_the_fp32_load()
     fp32, bf16 = _load_rss_kb("fp32"), _load_rss_kb("bf16")
     # 135M weights: ~538 MB in fp32, ~269 MB in bf16, + ~20 MB of fp32 adapters in both; 0.55 leaves room for
     # the 8 MB read buffer and allocator slack, while any whole-model fp32 copy (the old load) would exceed 1x.
+    print(f"peak RSS added by the load: fp32 {fp32 / 1024:.0f} MiB, bf16 {bf16 / 1024:.0f} MiB ({bf16 / fp32:.2f}x)")
     assert bf16 <= 0.55 * fp32, (bf16, fp32)
 
 
