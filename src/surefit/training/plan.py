@@ -93,7 +93,7 @@ class Plan:
                          f"accumulation {self.grad_accum}): the same update, the loss is normalised by the step's "
                          "tokens")
         if self.quantized:
-            stored = f"; frozen Linear weights quantised to {self.quantized}, the other frozen weights in " \
+            stored = f"; frozen Linear weights quantised to {self.quantized.replace('bit', '-bit')}, the other frozen weights in " \
                      f"{self.frozen_dtype or 'fp32'}"
         else:
             stored = f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype else ""
