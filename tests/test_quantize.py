@@ -103,6 +103,14 @@ def test_16bit_load_equals_an_fp32_load_stored_in_16_bits(tmp_path, tie):
         assert torch.equal(old(input_ids=ids).logits, new(input_ids=ids).logits)
     assert new.generation_config.eos_token_id == old.generation_config.eos_token_id
     assert new.config.name_or_path == str(folder)
+    import types
+
+    from surefit.models import apply_lora
+
+    lora = types.SimpleNamespace(lora_r=4, resolved_lora_alpha=8, lora_dropout=0.0, lora_targets="all-linear",
+                                 lora_variant="lora")
+    wrapped = apply_lora(new, lora, "CAUSAL_LM", say=lambda s: None)
+    assert {p.dtype for p in wrapped.parameters() if p.requires_grad} == {torch.float32}  # the adapters train in fp32
 
 
 def test_bf16_run_loads_in_16_bits_and_the_plan_counts_what_was_loaded(lm64, qa_data, tmp_path, capsys):
@@ -194,6 +202,10 @@ def test_4bit_run_trains_the_loss_falls_and_says_how(run4):
     lower = linear // 2 + 2 * rest + 4 * norms + buffers + lora
     weights = plan["estimate"]["weights"]
     assert lower + linear // 64 <= weights <= lower + linear // 64 + len(linears) * 2 * 1024 + 4096, (weights, lower)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "final" / "adapter_model.safetensors"), "pt") as f:  # trained and saved in fp32
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
     adapter_cfg = json.loads((out / "final" / "adapter_config.json").read_text())
     assert adapter_cfg["base_model_name_or_path"] == str(_base(out))
 

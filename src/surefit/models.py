@@ -268,11 +268,10 @@ def require_bitsandbytes(quantize: str) -> Any:
     Raises:
         ConfigError: naming what to install, or what the backend said.
     """
+    import logging
     import warnings
 
     import torch
-
-    import logging
 
     # On a CPU without the optional `kernels` package bitsandbytes logs a warning at import and uses its own kernel.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
