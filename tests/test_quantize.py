@@ -40,7 +40,12 @@ def _write_lm(folder: Path, tie: bool = False, seed: int = 0) -> Path:
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                       eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                       tie_word_embeddings=tie)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norms that 16 bits cannot hold exactly (a fresh model's are all 1.0)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -97,6 +102,7 @@ def test_16bit_load_equals_an_fp32_load_stored_in_16_bits(tmp_path, tie):
     assert a.keys() == b.keys()
     assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
     assert new.model.embed_tokens.weight.dtype == torch.bfloat16 and new.model.norm.weight.dtype == torch.float32
+    assert not torch.equal(new.model.norm.weight, new.model.norm.weight.bfloat16().float())  # fp32 values kept
     assert (new.lm_head.weight is new.model.embed_tokens.weight) is tie
     ids = torch.tensor([[1, 5, 9, 13, 2]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

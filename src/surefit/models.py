@@ -366,6 +366,7 @@ def _load_in_dtype(path: str, dtype: Any, trust_remote_code: bool, say=print) ->
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     model.tie_weights()  # before reading: a tied output layer is then filled with the embedding (stored once)
+    _norms_in_fp32(model)  # before reading too: a norm read into 16 bits would be rounded
     targets = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
     stored = {k for _, h, _ in heads for k in h}
     missing = {k for k in targets if k not in stored} - _tied_or_computed(model, stored)
