@@ -2,11 +2,16 @@
 
     python benchmarks/gpu_small_card.py [--shared ../shared/data] [--rows 64]       # needs a CUDA GPU
     python benchmarks/gpu_small_card.py --tiny                                      # smoke test of the script, CPU
+    python benchmarks/gpu_small_card.py --runs surefit,surefit-4bit                 # only these runs
 
-Two runs, each in its own process with the process capped at 3.8 GB by ``torch.cuda.set_per_process_memory_fraction``:
+Three runs (``--runs`` picks some), each in its own process with the process capped at 3.8 GB by
+``torch.cuda.set_per_process_memory_fraction``:
 
 * ``surefit``: ``surefit.train`` with ``gpu_memory_gb=3.8``; the planner picks micro-batch, accumulation,
-  checkpointing and frozen-weight dtype, and the out-of-memory guard stays on as the net.
+  checkpointing and frozen-weight dtype, and the out-of-memory guard stays on as the net. Frozen weights are read
+  straight into 16 bits.
+* ``surefit-4bit``: the same with ``quantize="4bit"`` (QLoRA: nf4, double quantisation, bitsandbytes). Goal: it
+  finishes under the cap with a lower peak than ``surefit`` (the ratio is recorded).
 * ``plain``: the recipe without a planner, as the seeds wrote it: peft LoRA on the fp32 model, micro-batch 4, the
   Hugging Face loss (``labels=`` with full-vocabulary logits at every position), autocast, AdamW. It records the
   step at which it ran out of memory, if it does.
@@ -74,20 +79,23 @@ def worker_surefit(args: argparse.Namespace) -> dict:
     import surefit
 
     device = cap_memory()
-    out = Path(args.workdir) / "surefit-run"
+    quantize = "4bit" if args.worker == "surefit-4bit" else "none"
+    out = Path(args.workdir) / f"{args.worker}-run"
     t0 = time.perf_counter()
     result = surefit.train(task="sft", model=args.model, data=args.data, limit=args.rows, epochs=1, batch_size=4,
                            max_seq_length=512, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=2e-4, seed=0,
                            gpu_memory_gb=str(CAP_GB) if torch.cuda.is_available() else None, val_fraction=0.1,
-                           output_dir=str(out), overwrite=True)
+                           output_dir=str(out), overwrite=True, quantize=quantize,
+                           **({} if torch.cuda.is_available() else {"precision": "bf16"}))
     seconds = time.perf_counter() - t0
     epoch = result.history[-1]
     plan = json.loads((out / "memory_plan.json").read_text())
-    return {"run": "surefit", "device": device, "finished": True, "seconds": round(seconds, 1),
+    return {"run": args.worker, "device": device, "finished": True, "seconds": round(seconds, 1),
             "train_tokens_per_s": round(epoch["train_tokens_per_s"], 1), "oom_splits": epoch.get("oom_splits", 0),
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if torch.cuda.is_available() else None,
             "plan": {k: plan[k] for k in ("micro_batch_size", "grad_accum", "gradient_checkpointing", "precision",
-                                          "frozen_dtype", "eval_batch_size", "estimated_bytes", "measured", "changes")},
+                                          "frozen_dtype", "quantized", "eval_batch_size", "estimated_bytes",
+                                          "measured", "changes") if k in plan},
             "train_loss": epoch["train_loss"], "eval_f1": epoch.get("eval_f1")}
 
 
@@ -137,19 +145,50 @@ def worker_plain(args: argparse.Namespace) -> dict:
             "peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 3) if device == "cuda" else None}
 
 
+RUNS = ("surefit", "surefit-4bit", "plain")
+
+
+def parse_runs(text: str) -> list[str]:
+    """``--runs``: names among :data:`RUNS`, comma-separated, each once, in the order given."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"expected distinct names among {', '.join(RUNS)} (got {text!r})")
+    return names
+
+
+def qlora_goal(results: list[dict]) -> list[dict]:
+    """QLoRA's goal: the 4-bit run finishes under the cap with a lower peak than the 16-bit run (ratio recorded)."""
+    by = {r.get("run"): r for r in results}
+    four, half = by.get("surefit-4bit"), by.get("surefit")
+    if four is None or half is None:
+        return []
+    ok = bool(four.get("finished") and half.get("finished") and four.get("peak_gb") and half.get("peak_gb"))
+    ratio = four["peak_gb"] / half["peak_gb"] if ok else None
+    speed = (four.get("train_tokens_per_s") or 0) / max(half.get("train_tokens_per_s") or 0, 1e-9) if ok else None
+    return [{"goal": f"QLoRA (4-bit) finishes under {CAP_GB} GB with a lower peak than 16-bit LoRA",
+             "status": "PASS" if ok and ratio < 1 else "FAIL",
+             "measured": (f"peak {four['peak_gb']} GB vs {half['peak_gb']} GB (ratio {ratio:.2f}); tokens/s ratio "
+                          f"{speed:.2f}") if ok else "a run did not finish or no GPU peak was read",
+             "peak_ratio": ratio, "tokens_per_s_ratio": speed}]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--rows", type=int, default=64)
-    ap.add_argument("--tiny", action="store_true", help="a 2-layer model: checks the script runs (CPU is fine)")
+    ap.add_argument("--tiny", "--quick", action="store_true",
+                    help="a 2-layer model: checks the script runs (CPU is fine); writes nothing")
+    ap.add_argument("--runs", type=parse_runs, default=list(RUNS),
+                    help=f"comma-separated runs among {', '.join(RUNS)} (default: all)")
     ap.add_argument("--out", default=str(HERE / "results"))
-    ap.add_argument("--worker", choices=["surefit", "plain"])
+    ap.add_argument("--worker", choices=RUNS)
     ap.add_argument("--workdir")
     ap.add_argument("--model")
     ap.add_argument("--data")
     args = ap.parse_args()
     if args.worker:
-        fn = worker_surefit if args.worker == "surefit" else worker_plain
+        fn = worker_plain if args.worker == "plain" else worker_surefit
         print("RESULT " + json.dumps(fn(args)), flush=True)
         return
 
@@ -161,7 +200,7 @@ def main() -> None:
         build_model(folder, args.tiny)
         data = str(Path(args.shared) / "squad" / "dev-v1.1-part-a.json")
         results = []
-        for worker in ("surefit", "plain"):
+        for worker in args.runs:
             cmd = [sys.executable, __file__, "--worker", worker, "--workdir", tmp, "--model", str(folder),
                    "--data", data, "--rows", str(rows)]
             proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -171,8 +210,11 @@ def main() -> None:
             else:
                 results.append(json.loads(line[len("RESULT "):]))
             print(json.dumps(results[-1], indent=2))
+    goals = qlora_goal(results)
     record = {"benchmark": "gpu_small_card", "tiny": args.tiny, "rows": rows, "cap_gb": CAP_GB,
-              "torch": torch.__version__, "results": results}
+              "torch": torch.__version__, "results": results, "goals": goals}
+    for g in goals:
+        print(f"{g['status']}: {g['goal']} ({g['measured']})")
     if args.tiny:
         return  # a smoke test writes nothing
     out = Path(args.out)
@@ -184,6 +226,8 @@ def main() -> None:
         notes = r.get("failure") or "; ".join(r.get("plan", {}).get("changes", []))
         lines.append(f"| {r['run']} | {r.get('finished')} | {r.get('peak_gb')} | {r.get('train_tokens_per_s')} | "
                      f"{notes} |")
+    lines += ["", "| goal | status | measured |", "|---|---|---|"]
+    lines += [f"| {g['goal']} | {g['status']} | {g['measured']} |" for g in goals]
     (out / "gpu_small_card.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

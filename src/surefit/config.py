@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
@@ -57,6 +57,11 @@ class TrainConfig:
     lora_variant: Literal["lora", "dora", "rslora"] = opt(
         "lora", "'dora': weight-decomposed LoRA (peft use_dora; trains through peft's own forward). 'rslora': "
         "rank-stabilised scaling alpha / sqrt(r) instead of alpha / r (peft use_rslora)."
+    )
+    quantize: Literal["none", "4bit", "8bit"] = opt(
+        "none", "QLoRA: store the frozen base weights quantised by bitsandbytes ('4bit': nf4 with double quantisation; "
+        "'8bit': LLM.int8), computing in --precision; the LoRA adapters train in fp32. Needs LoRA (--lora_r > 0) and "
+        "`pip install 'surefit[quantize]'`."
     )
     precision: Literal["auto", "fp32", "bf16", "fp16"] = opt(
         "auto", "Compute precision. 'auto': bf16 on GPUs that support it, fp16 on other GPUs; on a CPU bf16 for LoRA "
@@ -138,6 +143,9 @@ class TrainConfig:
     log_samples: int = opt(0, "At each evaluation, log the first N validation rows' prompt, reference and "
                            "prediction (predictions/samples/, TensorBoard text, the HTML report); sft and classify.")
 
+    # Why a task cannot quantise its base (None: it can, with LoRA).
+    quantize_refused: ClassVar[str | None] = None
+
     def problems(self) -> list[Problem]:
         """Every cross-field and range problem, naming the flag as the user types it."""
         p: list[Problem] = []
@@ -181,6 +189,13 @@ class TrainConfig:
                     f"pick a divisor of {self.batch_size}: {', '.join(map(str, divisors(self.batch_size)))}",
                 )
             )
+        if self.quantize != "none" and self.quantize_refused:
+            p.append(Problem(f"--quantize is not available for --task {self.task} (got --quantize {self.quantize}): "
+                             f"{self.quantize_refused}", "--quantize", "drop --quantize"))
+        elif self.quantize != "none" and self.lora_r == 0:
+            p.append(Problem(f"--quantize {self.quantize} stores the base weights quantised, so they cannot train: it "
+                             "needs LoRA adapters (got --lora_r 0)", "--quantize",
+                             "pass --lora_r 16 (QLoRA), or drop --quantize for full fine-tuning"))
         p += report_to_problems(self.report_to)
         p += output_dir_problems(self.output_dir)
         if self.data is None:
@@ -318,6 +333,8 @@ class ClassifyConfig(TrainConfig):
     lr: float = opt(5e-5, "Peak learning rate (AdamW).")
     weight_decay: float = opt(0.01, "AdamW weight decay.")
     warmup_ratio: float = opt(0.06, "Fraction of optimizer steps spent warming up (then cosine decay).")
+    quantize_refused: ClassVar[str | None] = (
+        "QLoRA is implemented for causal LMs (--task sft) only; a classifier's base trains in 16 or 32 bits")
     output_dir: str = opt("runs/classify", "Where the config, metrics, predictions, checkpoints and final model go.")
 
     def problems(self) -> list[Problem]:
@@ -366,6 +383,9 @@ class CustomConfig(TrainConfig):
     batch_size: int = opt(32, "Examples per optimizer step (the effective batch).")
     lr: float = opt(1e-3, "Peak learning rate (AdamW).")
     weight_decay: float = opt(0.01, "AdamW weight decay.")
+    quantize_refused: ClassVar[str | None] = (
+        "surefit cannot tell which layers of your module hold frozen weights (quantise inside your factory if you "
+        "need it)")
     output_dir: str = opt("runs/custom", "Where the config, metrics, checkpoints and final model go.")
 
     def problems(self) -> list[Problem]:

@@ -73,7 +73,7 @@ def raise_if(problems: list[Problem], error_type: type[SurefitError] = SurefitEr
 
 
 # Flags whose problems are not about the data; a report holding one is titled generically, not "data error".
-_NOT_DATA = ("--model", "--output_dir", "--resume", "--head", "--overwrite")
+_NOT_DATA = ("--model", "--output_dir", "--resume", "--head", "--overwrite", "--quantize")
 
 
 def raise_input_problems(problems: list[Problem]) -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from surefit.errors import Problem, SurefitError
+from surefit.models import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in
@@ -66,6 +67,8 @@ class Plan:
     # "bf16" when fp32 activations saved for the backward pass are stored in bf16 (LoRA on 16-bit frozen weights,
     # bf16 or fp16 runs: see training/speedups/lora_fast.SavedActivationsIn); None: as autograd saves them.
     saved_activations: str | None = None
+    # "4bit" / "8bit": the frozen Linear weights were quantised by bitsandbytes while loading (--quantize).
+    quantized: str | None = None
 
     @property
     def estimated_bytes(self) -> int:
@@ -89,7 +92,12 @@ class Plan:
             lines.append(f"  batch {self.batch_size} = {each}cut as {self.cut()} (micro-batch {self.micro_batch_size}, "
                          f"accumulation {self.grad_accum}): the same update, the loss is normalised by the step's "
                          "tokens")
-        stored = (f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype else "") \
+        if self.quantized:
+            stored = f"; frozen Linear weights quantised to {self.quantized.replace('bit', '-bit')}, the other frozen weights in " \
+                     f"{self.frozen_dtype or 'fp32'}"
+        else:
+            stored = f"; frozen weights stored in {self.frozen_dtype}" if self.frozen_dtype else ""
+        stored = stored \
             + ("; activations saved in bf16" if self.saved_activations else "")
         lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
                      f"{self.precision}{stored}; evaluation batch {self.eval_batch_size}")
@@ -241,6 +249,7 @@ def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None) 
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
+    weights += sum(_quant_state_bytes(p) for p in params)
     trainable = [p for p in params if p.requires_grad]
     n_train = sum(p.numel() for p in trainable)
     d = model_dims(model)
@@ -260,6 +269,18 @@ def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None) 
     return Footprint(weights=weights, trainable=n_train, trainable_bytes=n_train * 4, act_per_token=per_token,
                      ckpt_per_token=ckpt, vocab=vocab, act_source=source, layers=layers,
                      kv_width=hidden * d.get("kv", d.get("heads", 1)) // max(d.get("heads", 1), 1))
+
+
+def _quant_state_bytes(p: Any) -> int:
+    """A bitsandbytes 4-bit weight's block scales (held beside it, not as parameters or buffers)."""
+    state = getattr(p, "quant_state", None)
+    if state is None:
+        return 0
+    tensors = [getattr(state, "absmax", None), getattr(state, "code", None)]
+    nested = getattr(state, "state2", None)
+    if nested is not None:
+        tensors += [getattr(nested, "absmax", None), getattr(nested, "code", None)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _has_lm_head(model: Any) -> bool:
@@ -337,8 +358,8 @@ def make_plan(
     share = math.ceil(batch_size / processes)
     mixed = precision in ("bf16", "fp16")
     frozen_half = bool(lora and mixed)
-    if frozen_half:
-        store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16)
+    quant = quantized_bits(model)
+    cast = store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16) if frozen_half else 0
     pack_saved = frozen_half and holds_bf16(device)
     longest = max(work.lengths) if work.lengths else 1
     order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
@@ -431,7 +452,14 @@ def make_plan(
                        f"effective batch stays {batch_size}")
     if ckpt and not gradient_checkpointing:
         changes.append("gradient checkpointing turned on to fit the budget (activations recomputed: ~30% slower)")
-    if frozen_half:
+    if quant:
+        changes.append(f"frozen Linear weights quantised to {quant.replace('bit', '-bit')} while loading (bitsandbytes; --quantize), "
+                       f"computing in {precision}: the weights in the estimate are their quantised size")
+    if frozen_half and not cast:
+        changes.append(f"frozen {'embeddings and output layer' if quant else 'weights'} loaded in {precision} "
+                       "(read straight into 16 bits: no fp32 copy; embedding lookups come out in fp32, the residual "
+                       "stream stays fp32)")
+    elif frozen_half:
         changes.append(f"frozen weights stored in {precision} (autocast computes with them in {precision} anyway: "
                        "the same numbers, half the memory, no cast per step; embedding lookups are rounded to "
                        f"{precision} once, the residual stream stays fp32)")
@@ -452,7 +480,7 @@ def make_plan(
                 frozen_dtype={"bf16": "bf16", "fp16": "fp16"}[precision] if frozen_half else None,
                 eval_batch_size=eval_bs, budget_gb=budget_gb, budget_source=source,
                 estimate=estimate(micro, ckpt), measured=measured, changes=changes,
-                saved_activations="bf16" if pack_saved else None)
+                saved_activations="bf16" if pack_saved else None, quantized=quant)
 
 
 def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) -> Callable[[int, bool], int]:

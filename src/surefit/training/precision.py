@@ -161,7 +161,9 @@ def store_frozen_in(model: Any, dtype: torch.dtype) -> int:
         if isinstance(m, torch.nn.Linear) and m.bias is not None and not m.bias.requires_grad \
                 and m.bias.dtype == torch.float32:
             m.bias.data = m.bias.data.to(dtype)
-        if isinstance(m, torch.nn.Embedding) and id(w) in converted:
+        # (an embedding loaded in ``dtype`` already, models.load_causal_lm, gets the same fp32 lookups)
+        if isinstance(m, torch.nn.Embedding) and (id(w) in converted or w.dtype == dtype) \
+                and not hasattr(m, "_surefit_lookup_in"):
             m._surefit_lookup_in = torch.float32
             m.register_forward_hook(_lookup_in_fp32)
     if saved:

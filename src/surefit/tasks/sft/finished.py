@@ -24,7 +24,7 @@ from surefit.data.formats import (
 from surefit.data.readers import check_text_fields, read_checked
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
-from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
+from surefit.models import ModelSource, keep_4bit_trainable, load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.run_folder import Run
 from surefit.tasks.common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.recipe import (
@@ -54,10 +54,11 @@ def _base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
         raise run.config_problem(e, ("model",)) from e
 
 
-def load(run: Run, say: Say = print, as_trained: bool = True) -> Loaded:
+def load(run: Run, say: Say = print, as_trained: bool = True, merge_dtype: str | None = None) -> Loaded:
     """The causal LM (base + LoRA adapter, or the full model), its tokenizer and the run's prompt format.
 
-    ``as_trained``: frozen weights in the dtype training computed with (``False``: fp32, e.g. to merge for export).
+    ``as_trained``: frozen weights as training held them: read in the 16-bit dtype it computed in, or quantised
+    (``--quantize``) as it was. ``False``: the unquantised base in ``merge_dtype`` (fp32 when ``None``), to merge.
     """
     import torch
 
@@ -70,8 +71,11 @@ def load(run: Run, say: Say = print, as_trained: bool = True) -> Loaded:
 
         path, source = _base_model(run, say)
         # Adapters marked trainable as in training: what stays frozen is what training may have stored in 16 bits.
-        model = PeftModel.from_pretrained(load_causal_lm(path, source, cfg.trust_remote_code), str(run.final),
-                                          is_trainable=bool(run.frozen_dtype))
+        quantize = getattr(cfg, "quantize", "none") if as_trained else "none"
+        dtype = run.frozen_dtype if as_trained else merge_dtype
+        base = load_causal_lm(path, source, cfg.trust_remote_code, dtype=dtype, quantize=quantize, say=say)
+        model = PeftModel.from_pretrained(base, str(run.final), is_trainable=bool(run.frozen_dtype))
+        keep_4bit_trainable(model)  # the kernels training evaluated with, so the numbers are training's
         if as_trained:
             fuse_lora(model)  # the forward training used (adapters summed in fp32)
             if run.frozen_dtype:
@@ -237,11 +241,23 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     run.require(*FINAL_FILES)
     lora = (run.final / "adapter_config.json").is_file()
     if merge and lora:
+        import torch
+
         folder.mkdir(parents=True)
-        loaded = load(run, say, as_trained=False)
-        loaded.model.merge_and_unload().save_pretrained(folder, safe_serialization=True)
+        quantized = getattr(run.cfg, "quantize", "none") != "none"
+        # A quantised run merges into a 16-bit copy of the unquantised base: folding an adapter into 4-bit (or
+        # 8-bit) weights would round it away into the quantisation grid, and the result would need bitsandbytes.
+        dtype = (run.frozen_dtype or "bf16") if quantized else None
+        loaded = load(run, say, as_trained=False, merge_dtype=dtype)
+        merged = loaded.model.merge_and_unload()
+        if dtype:
+            merged.to({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
+            bits = run.cfg.quantize.replace("bit", "-bit")
+            say(f"--merge: {run.folder} trained on a {bits} base (--quantize {run.cfg.quantize}); the adapter is merged "
+                f"into a {dtype} copy of the unquantised base, never into the {bits} weights")
+        merged.save_pretrained(folder, safe_serialization=True)
         loaded.tokenizer.save_pretrained(folder)
-        return "merged model (adapter folded into the base weights)"
+        return "merged model (adapter folded into the base weights" + (f", {dtype})" if dtype else ")")
     shutil.copytree(run.final, folder)
     if merge:
         say(f"--merge: {run.folder} was trained in full (no LoRA adapter); copied the model as it is")

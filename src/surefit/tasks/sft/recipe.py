@@ -48,7 +48,15 @@ from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
-from surefit.models import apply_lora, load_causal_lm, load_tokenizer, model_folder, resolve_model
+from surefit.models import (
+    apply_lora,
+    keep_4bit_trainable,
+    load_causal_lm,
+    load_tokenizer,
+    model_folder,
+    require_bitsandbytes,
+    resolve_model,
+)
 from surefit.run_folder import EXCLUDED
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
 from surefit.training.distributed import sum_over_processes
@@ -56,7 +64,7 @@ from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
-from surefit.training.precision import make_accelerator, precision_name
+from surefit.training.precision import make_accelerator, precision_name, resolve_precision
 from surefit.training.speedups.lora_fast import fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
@@ -323,6 +331,11 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         source = resolve_model(cfg.model)
     except ModelError as e:
         early += e.problems
+    if cfg.quantize != "none":  # a missing bitsandbytes is reported with the data's problems, before any loading
+        try:
+            require_bitsandbytes(cfg.quantize)
+        except ConfigError as e:
+            early += e.problems
     with startup.phase("reading data"):
         train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
     with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models.gguf_to_folder)
@@ -359,7 +372,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     data_report["template"] = encoder.why
 
     with startup.phase("model load"):
-        model = load_causal_lm(path, source, cfg.trust_remote_code)
+        model = load_model(cfg, path, source, say)
     with startup.phase("LoRA setup"):
         if cfg.gradient_checkpointing:
             enable_gradient_checkpointing(model, lora=cfg.lora_r > 0)
@@ -368,6 +381,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         if cfg.lora_r:
             fuse_lora(model)  # the same weights and files; adapters summed in fp32 (training/speedups/lora_fast.py)
         seed_dropout(model)  # masks fixed by (seed, step, example): an out-of-memory split draws the same ones
+    if cfg.quantize != "none":
+        say(f"QLoRA: the adapters on {cfg.quantize} layers train through peft's own layer forward (bitsandbytes "
+            "dequantises the weights at each matmul); surefit's fused LoRA forward covers plain Linear layers only")
     with startup.phase("accelerate setup"):
         accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
                                        project_dir=cfg.output_dir)
@@ -442,7 +458,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         cfg=cfg, model=model, accelerator=accelerator, features=features,
         lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex], collate=collate,
         loss_fn=train_loss, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: check(model, tokenizer, features, val_features or None, collate, args=doctor_args, task="sft"),
+        check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
+                                                           args=doctor_args, task="sft")),
         cache_key=cache_key,
         data_report=data_report, jsonl={EXCLUDED: excluded},
         plan={"eval_lengths": [len(e.input_ids) for e in val_ex],
@@ -451,6 +468,37 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
               "loss_fn": base_loss},
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer",
         on_epoch=on_epoch, counters=sharing, rejected=data_report["rejected_rows"], where=lambda i: train_ex[i].row.where)
+
+
+def _autocast(accelerator: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` under the run's autocast: frozen weights loaded in 16 bits take 16-bit inputs, as in training."""
+    with accelerator.autocast():
+        return fn()
+
+
+def frozen_dtype(cfg: SFTConfig) -> str | None:
+    """The dtype frozen weights are loaded in: the 16-bit compute dtype for LoRA under mixed precision (also the
+    compute dtype of quantised layers), else ``None`` (fp32)."""
+    mixed = resolve_precision(cfg.precision, lora=cfg.lora_r > 0)
+    return mixed if cfg.lora_r > 0 and mixed in ("bf16", "fp16") else None
+
+
+def load_model(cfg: SFTConfig, path: str, source: Any, say: Say = print) -> Any:
+    """The base model as it will train: frozen weights read straight into the dtype they compute in, or quantised
+    (``--quantize``); says which, and the weights' size."""
+    from surefit.units import human_bytes
+
+    dtype = frozen_dtype(cfg)
+    model = load_causal_lm(path, source, cfg.trust_remote_code, dtype=dtype, quantize=cfg.quantize, say=say)
+    size = human_bytes(sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()]))
+    if cfg.quantize != "none":
+        keep_4bit_trainable(model)
+        kind = "4-bit nf4 with double quantisation" if cfg.quantize == "4bit" else "8-bit (LLM.int8)"
+        say(f"base weights quantised to {kind} by bitsandbytes while loading ({size}), computing in "
+            f"{dtype or 'fp32'}; embeddings, output layer and norms are not quantised")
+    elif dtype:
+        say(f"frozen weights loaded in {dtype} ({size}; no fp32 copy of the model was made), norms in fp32")
+    return model
 
 
 def run(cfg: SFTConfig, say: Say = print) -> dict[str, Any]:
