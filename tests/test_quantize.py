@@ -13,7 +13,8 @@ import torch
 
 from conftest import build_tokenizer, qa_rows
 from surefit.cli import main
-from surefit.models import ModelSource, load_causal_lm, quantized_bits
+from surefit.models import ModelSource, load_causal_lm
+from surefit.models_lowbit import quantized_bits
 from surefit.training.precision import store_frozen_in
 
 SRC = Path(__file__).resolve().parents[1] / "src"

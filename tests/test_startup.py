@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import surefit.startup as startup
+import surefit.startup_cache as startup_cache
 import surefit.tasks.sft.recipe as sft
 import surefit.training.plan as plan_module
 from conftest import qa_rows, tiny_llama
@@ -95,14 +96,14 @@ def test_no_cache_reruns_everything_and_stores_nothing(tmp_path, tiny_lm_dir, co
         record = _train(tiny_lm_dir, data, tmp_path / out, "--no_cache")
         assert record["cache"] == {"doctor": "off", "planner": "off"}
     assert counted == {"doctor": 2, "planner": 2}
-    assert not startup.cache_dir().exists() or not any(startup.cache_dir().rglob("*.json"))
+    assert not startup_cache.cache_dir().exists() or not any(startup_cache.cache_dir().rglob("*.json"))
 
 
 @pytest.mark.parametrize("damage", ["not json", "edited value", "not a report"])
 def test_a_damaged_cache_entry_is_ignored_with_a_note(tmp_path, tiny_lm_dir, counted, capsys, damage):
     data = _data(tmp_path / "train.jsonl")
     _train(tiny_lm_dir, data, tmp_path / "a")
-    [entry] = (startup.cache_dir() / "doctor").glob("*.json")
+    [entry] = (startup_cache.cache_dir() / "doctor").glob("*.json")
     stored = json.loads(entry.read_text(encoding="utf-8"))
     if damage == "not json":
         entry.write_bytes(b"\x80\x04garbage")  # e.g. a pickle someone put there: read as text, never unpickled
@@ -113,7 +114,7 @@ def test_a_damaged_cache_entry_is_ignored_with_a_note(tmp_path, tiny_lm_dir, cou
         entry.write_text(json.dumps(stored), encoding="utf-8")
     else:
         stored["value"] = {"findings": [{"code": "x"}]}  # checksum recomputed, but not a report
-        stored["check"] = startup.digest(stored["value"])
+        stored["check"] = startup_cache.digest(stored["value"])
         entry.write_text(json.dumps(stored), encoding="utf-8")
     capsys.readouterr()
     record = _train(tiny_lm_dir, data, tmp_path / "b")

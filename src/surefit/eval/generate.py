@@ -6,7 +6,7 @@ round differently in 16 bits and are off unless asked for:
 
 - Prompts are sorted by length, so a batch has little padding; a row that has ended leaves the batch.
 - The LM head runs at the last position only (``logits_to_keep=1``).
-- The KV cache is reserved once per batch for prompt + ``max_new_tokens`` and written in place (``_Reserved``):
+- The KV cache is reserved once per batch for prompt + ``max_new_tokens`` and written in place (``Reserved``):
   transformers' default cache concatenates every layer's keys and values at every step, copying the whole cache.
 - ``share_prefixes``: rows that begin with the same tokens (questions on one SQuAD paragraph) compute that prefix
   once: its keys and values are copied to each row, then each row's own rest is run. The same numbers in exact
@@ -21,17 +21,14 @@ round differently in 16 bits and are off unless asked for:
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from transformers.cache_utils import DynamicLayer
 
 from surefit.data.collate import PadCollator
+from surefit.eval.generate_speedups import Merged, merged_lora, reserve
 from surefit.models import inner_model
 
 # A prefix shorter than this is computed with each row: sharing it saves less than the extra forward costs.
@@ -209,7 +206,7 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], pad_token_i
     step, attention_mask, last, computed = _prefill(model, prompts, shared, pad_token_id, device, extra, cache_arg)
     cache = getattr(step, cache_arg)
     if reuse_cache:
-        _reserve(cache, max_new_tokens)
+        reserve(cache, max_new_tokens)
     alive = torch.arange(rows, device=attention_mask.device)
     for n in range(max_new_tokens):
         tokens = step.logits[:, -1].argmax(-1)
@@ -232,156 +229,6 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], pad_token_i
                      use_cache=True, **{cache_arg: cache}, **extra)
         cache = getattr(step, cache_arg)
     return results, computed
-
-
-class _Reserved(DynamicLayer):
-    """A full-attention cache layer whose room for the new tokens is reserved once and written in place.
-
-    The model sees what transformers' ``DynamicLayer`` gives it (the keys and values so far, as views of the
-    reserved tensors), without the copy of the whole cache at every step that concatenation makes.
-
-    ``dtype``: under autocast, fp32 keys and values are stored in autocast's 16-bit dtype. Attention reads them
-    through autocast, which would round them to exactly that at every step (a copy of the whole cache per layer and
-    step); stored rounded once, attention gets the same values without the copies, in half the memory."""
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int, dtype: torch.dtype | None = None):
-        super().__init__()
-        n = keys.shape[-2]
-        self._k = keys.new_empty(*keys.shape[:-2], n + room, keys.shape[-1], dtype=dtype or keys.dtype)
-        self._v = values.new_empty(*values.shape[:-2], n + room, values.shape[-1], dtype=dtype or values.dtype)
-        self._k[..., :n, :] = keys
-        self._v[..., :n, :] = values
-        self._n = n
-        self.device, self.is_initialized = keys.device, True
-        self._views()
-
-    def _views(self) -> None:
-        self.keys, self.values = self._k[..., : self._n, :], self._v[..., : self._n, :]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        m = key_states.shape[-2]
-        if self._n + m > self._k.shape[-2]:  # more than reserved: grow (not reached by greedy_generate)
-            self._k = torch.cat([self._k, torch.empty_like(self._k[..., :m, :])], dim=-2)
-            self._v = torch.cat([self._v, torch.empty_like(self._v[..., :m, :])], dim=-2)
-        self._k[..., self._n : self._n + m, :] = key_states
-        self._v[..., self._n : self._n + m, :] = value_states
-        self._n += m
-        self._views()
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self._n
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._k, self._v = self._k[indices, ...], self._v[indices, ...]
-        self._views()
-
-    def crop(self, tokens_to_remove: int) -> None:  # pragma: no cover - generation never crops
-        raise NotImplementedError("a reserved generation cache is not cropped")
-
-
-def _reserve(cache: Any, room: int) -> int:
-    """Replace each plain full-attention layer of ``cache`` by a :class:`_Reserved` one with ``room`` more slots;
-    other layer kinds (sliding windows, linear attention, quantized) stay as they are. Returns how many changed."""
-    n = 0
-    for i, layer in enumerate(getattr(cache, "layers", [])):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-            kind = layer.keys.device.type
-            dtype = None
-            if layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32 \
-                    and torch.is_autocast_enabled(kind):
-                dtype = torch.get_autocast_dtype(kind)
-            cache.layers[i] = _Reserved(layer.keys, layer.values, room, dtype)
-            n += 1
-    return n
-
-
-def _merged_forward(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    # The output in the adapter's dtype, as surefit's unmerged LoRA forward gives it (the residual stream stays fp32).
-    return F.linear(x.to(weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x, weight, bias
-                    ).to(out_dtype)
-
-
-def _mergeable(layer: Any) -> str | None:
-    """The active adapter of a plain peft LoRA ``Linear`` that a merged weight computes exactly; None otherwise."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return None
-    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged:
-        return None
-    active = [n for n in layer.active_adapters if n in layer.lora_A]
-    if len(active) != 1:
-        return None
-    name = active[0]
-    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(name, False):
-        return None  # DoRA and adapter biases are not a plain W + B @ A
-    base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
-    if type(base) is not torch.nn.Linear or type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
-        return None
-    if type(base.weight.data) is not torch.Tensor or base.weight.data.is_meta:
-        return None  # sharded (DTensor) or offloaded weights
-    return name
-
-
-@dataclass
-class Merged:
-    """What :func:`merged_lora` did: layers merged, and whether it ran out of memory (and so merged none)."""
-
-    layers: int = 0
-    out_of_memory: bool = False
-
-
-@contextlib.contextmanager
-def merged_lora(model: Any) -> Iterator[Merged]:
-    """Within this context, each plain LoRA ``Linear`` of ``model`` computes ``x @ (W + scale * B @ A)^T`` with one
-    matmul on a merged copy of its weight; yields a :class:`Merged` (how many layers, and whether memory ran out).
-
-    The copy is made in the base weight's dtype (so 16-bit weights stay 16-bit), and costs the memory of the adapted
-    layers' weights while it lives. Neither the base weight nor the adapter is written: the layer's ``forward`` is
-    replaced for the duration (peft's ``merged_adapters`` says the adapter is in it, so no fused path adds it twice)
-    and restored on exit, also after an error. Out of memory while merging: the layers merged so far are restored and
-    the context runs unmerged (``out_of_memory`` is True, ``layers`` 0).
-    """
-    changed: list[tuple[Any, Any, list[str]]] = []
-    info = Merged()
-
-    def restore() -> None:
-        for layer, forward, merged in reversed(changed):
-            if forward is None:
-                layer.__dict__.pop("forward", None)
-            else:
-                layer.forward = forward
-            layer.merged_adapters = merged
-        changed.clear()
-
-    try:
-        for layer in model.modules():
-            name = _mergeable(layer)
-            if name is None:
-                continue
-            base, a, b = layer.base_layer, layer.lora_A[name].weight, layer.lora_B[name].weight
-            w = base.weight
-            delta = (b.detach().float() @ a.detach().float()) * float(layer.scaling[name])
-            merged_w = (w.detach().float() + delta.to(w.device)).to(w.dtype)
-            del delta
-            changed.append((layer, layer.__dict__.get("forward"), list(layer.merged_adapters)))
-            layer.forward = functools.partial(_merged_forward, weight=merged_w,
-                                              bias=None if base.bias is None else base.bias.detach(),
-                                              out_dtype=torch.promote_types(w.dtype, a.dtype))
-            layer.merged_adapters = [*layer.merged_adapters, name]
-    except torch.OutOfMemoryError:
-        # Free what was made before anything else (outside the except block, so the traceback holds no tensors).
-        info.out_of_memory = True
-    if info.out_of_memory:
-        restore()
-    info.layers = len(changed)
-    try:
-        yield info
-    finally:
-        restore()
 
 
 def _forward_kwargs(model: Any) -> tuple[dict[str, int], str]:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import surefit.startup as startup
+import surefit.startup_cache as startup_cache
 from surefit.config import ClassifyConfig
 from surefit.data.classes import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.collate import PadCollator
@@ -477,10 +478,10 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
         # A custom head is user code, and remote code is the model's: neither has a content identity to key on.
-        cache_key=None if cfg.head or cfg.trust_remote_code or startup.files_identity(path) is None else lambda: {
-            "model": startup.files_identity(path), "tokenizer": startup.tokenizer_identity(tokenizer),
-            "labels": repr(spec), "train": startup.features_digest(train_feats),
-            "validation": startup.features_digest(val_feats)},
+        cache_key=None if cfg.head or cfg.trust_remote_code or startup_cache.files_identity(path) is None else lambda: {
+            "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
+            "labels": repr(spec), "train": startup_cache.features_digest(train_feats),
+            "validation": startup_cache.features_digest(val_feats)},
         data_report=report, files={COLUMNS: table},
         plan={"eval_lengths": [len(f["input_ids"]) for f in val_feats], "lora": cfg.lora_r > 0},
         saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer",

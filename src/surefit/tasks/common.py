@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import surefit.startup as startup
+import surefit.startup_cache as startup_cache
 from surefit.data.rows import Row
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
@@ -151,16 +152,16 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
         if records:
             write_jsonl(out / name, records)
 
-    cache = startup.StartupCache(None if getattr(cfg, "no_cache", False) else startup.cache_dir(), say)
+    cache = startup_cache.StartupCache(None if getattr(cfg, "no_cache", False) else startup_cache.cache_dir(), say)
     with clock.phase("cache key"):
-        key = startup.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
+        key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
     with clock.phase("doctor"):
         gate(run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache)), cfg, say, out)
     acc = p.accelerator
     plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
     with clock.phase("memory plan"):
         # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
-        memo = startup.planner_memo(cache, key)
+        memo = startup_cache.planner_memo(cache, key)
         before = json.dumps(memo, sort_keys=True)
         plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
                         collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,

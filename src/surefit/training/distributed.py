@@ -20,11 +20,14 @@ is the main one. The process group is started (by accelerate's ``PartialState``)
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
+
+from surefit.errors import Problem
 
 # How long a process waits for the others at a barrier or broadcast. The main process evaluates (and, for --task
 # sft, generates) alone while the others wait, so this bounds the evaluation's length; torch's defaults (10 minutes
@@ -346,3 +349,69 @@ def plain_architectures(folder: Any) -> None:
         if isinstance(arch, list) and any(isinstance(a, str) and a.startswith("FSDP") for a in arch):
             data["architectures"] = [a[4:] if isinstance(a, str) and a.startswith("FSDP") else a for a in arch]
             path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def process_micro_batches(batch_size: int, micro_batch_size: int, processes: int) -> tuple[int, int]:
+    """``(micro-batch, accumulation)`` of one process: its share of a step is at most ``ceil(batch / processes)``
+    examples, cut into micro-batches of at most ``micro_batch_size`` (the most one process runs at once).
+
+    One process: ``(micro_batch_size, batch_size / micro_batch_size)``, as configured.
+    """
+    share = math.ceil(batch_size / processes)
+    micro = max(1, min(micro_batch_size, share))
+    return micro, math.ceil(share / micro)
+
+
+def describe_processes(batch_size: int, micro_batch_size: int, processes: int) -> str:
+    """How a global batch is split over processes and micro-batches, and what was done where it does not divide."""
+    micro, accum = process_micro_batches(batch_size, micro_batch_size, processes)
+    share, extra = divmod(batch_size, processes)
+    if micro * accum * processes == batch_size:
+        return (f"{processes} processes: batch {batch_size} = micro-batch {micro} x accumulation {accum} x "
+                f"{processes} processes (each step's examples are dealt to the processes by tokens; the same run as "
+                "one process)")
+    if not extra:
+        dealt = f"{share} to each process"
+    elif extra == 1:
+        dealt = f"{share + 1} to one process, {share} to the other{'s' if processes > 2 else ''}"
+    else:
+        dealt = f"{share + 1} to {extra} processes, {share} to the other{'s' if processes - extra > 1 else ''}"
+    cut = " + ".join(str(min(micro, share + (extra > 0) - i)) for i in range(0, share + (extra > 0), micro))
+    return (f"{processes} processes: batch {batch_size} is not micro-batch x accumulation x processes exactly; it "
+            f"stays {batch_size}: each step's examples are dealt by tokens ({dealt}) and cut into micro-batches of "
+            f"at most {micro} (the largest share runs as {cut}). The loss is normalised by the whole step's count, so the update is the "
+            "one a single process would make; a last step with fewer examples than processes leaves some without "
+            "any (they run a zero-weight pass)")
+
+
+def refuse_sharded(accelerator: Any, sharding: str = "none") -> None:
+    """Sharding by accelerate itself is refused: its FSDP plugin and DeepSpeed wrap the model in their own engines,
+    whose checkpoints, evaluation and saving the loop does not drive. ``--sharding fsdp`` shards the model in
+    surefit's own code (FSDP2) and is the way to shard; an accelerate FSDP config is accepted with it (only its
+    process settings are used)."""
+    kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
+    if kind == "FSDP" and sharding == "fsdp":
+        return
+    if kind in ("FSDP", "DEEPSPEED"):
+        from surefit.errors import ConfigError
+
+        how = ("add --sharding fsdp (surefit then shards the model itself with FSDP2: parameters, gradients and "
+               "optimizer states; the accelerate config's fsdp_config is not used)" if kind == "FSDP" else
+               "use --sharding fsdp instead (FSDP2 in surefit's own loop: parameters, gradients and optimizer states "
+               "sharded, exact resume), e.g. surefit train --num_processes N --sharding fsdp, or accelerate launch "
+               "--config_file examples/accelerate/fsdp.yaml -m surefit train ... --sharding fsdp")
+        raise ConfigError(Problem(
+            f"accelerate is set up for {kind}, which surefit's loop does not train through: its checkpoints, "
+            "evaluation and final save read the whole model and optimizer, and under "
+            f"{kind} (accelerate's engine) each process holds only a shard of them",
+            "accelerate config", how))
+
+
+def refuse_fsdp_fp16(accelerator: Any) -> None:
+    """fp16 needs a loss scaler that knows gradients are sharded; surefit's FSDP path supports bf16 and fp32."""
+    if getattr(accelerator, "scaler", None) is not None:
+        from surefit.errors import ConfigError
+
+        raise ConfigError(Problem("--sharding fsdp with fp16 mixed precision (a loss scaler over sharded gradients "
+                                  "is not supported)", "--precision",
+                                  "use --precision bf16 (GPUs from Ampere on) or --precision fp32"))

@@ -36,6 +36,7 @@ from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import (
     barrier,
     clip_grad_norm,
+    describe_processes,
     full_optimizer_state,
     gather_on_main,
     gathered,
@@ -44,6 +45,9 @@ from surefit.training.distributed import (
     load_full_weights,
     local,
     max_over_processes,
+    process_micro_batches,
+    refuse_fsdp_fp16,
+    refuse_sharded,
     shard_model,
     share_from_main,
     sum_over_processes,
@@ -268,10 +272,10 @@ class _Fit:
         self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
         self.log, self.say, self.counters = log, say, counters
         self.where: Callable[[int], str] | None = None  # a training example's source row, for messages
-        _refuse_sharded(accelerator, settings.sharding)
+        refuse_sharded(accelerator, settings.sharding)
         self.sharded = settings.sharding == "fsdp"
         if self.sharded:
-            _refuse_fsdp_fp16(accelerator)
+            refuse_fsdp_fp16(accelerator)
             # Before the optimizer exists: it must hold the sharded parameters.
             model = shard_model(model, accelerator.device, say)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -645,39 +649,6 @@ def fit(
     return run.history
 
 
-def process_micro_batches(batch_size: int, micro_batch_size: int, processes: int) -> tuple[int, int]:
-    """``(micro-batch, accumulation)`` of one process: its share of a step is at most ``ceil(batch / processes)``
-    examples, cut into micro-batches of at most ``micro_batch_size`` (the most one process runs at once).
-
-    One process: ``(micro_batch_size, batch_size / micro_batch_size)``, as configured.
-    """
-    share = math.ceil(batch_size / processes)
-    micro = max(1, min(micro_batch_size, share))
-    return micro, math.ceil(share / micro)
-
-
-def describe_processes(batch_size: int, micro_batch_size: int, processes: int) -> str:
-    """How a global batch is split over processes and micro-batches, and what was done where it does not divide."""
-    micro, accum = process_micro_batches(batch_size, micro_batch_size, processes)
-    share, extra = divmod(batch_size, processes)
-    if micro * accum * processes == batch_size:
-        return (f"{processes} processes: batch {batch_size} = micro-batch {micro} x accumulation {accum} x "
-                f"{processes} processes (each step's examples are dealt to the processes by tokens; the same run as "
-                "one process)")
-    if not extra:
-        dealt = f"{share} to each process"
-    elif extra == 1:
-        dealt = f"{share + 1} to one process, {share} to the other{'s' if processes > 2 else ''}"
-    else:
-        dealt = f"{share + 1} to {extra} processes, {share} to the other{'s' if processes - extra > 1 else ''}"
-    cut = " + ".join(str(min(micro, share + (extra > 0) - i)) for i in range(0, share + (extra > 0), micro))
-    return (f"{processes} processes: batch {batch_size} is not micro-batch x accumulation x processes exactly; it "
-            f"stays {batch_size}: each step's examples are dealt by tokens ({dealt}) and cut into micro-batches of "
-            f"at most {micro} (the largest share runs as {cut}). The loss is normalised by the whole step's count, so the update is the "
-            "one a single process would make; a last step with fewer examples than processes leaves some without "
-            "any (they run a zero-weight pass)")
-
-
 def unused_parameters(model: Any, features: Sequence[dict[str, Any]], collate: Callable[[list[dict[str, Any]]], Any],
                       loss_fn: LossFn, accelerator: Any) -> list[str]:
     """Trainable parameters that a forward and backward of the first example leave without a gradient (a pooler under
@@ -698,39 +669,6 @@ def unused_parameters(model: Any, features: Sequence[dict[str, Any]], collate: C
         for n, b in model.named_buffers():
             b.copy_(buffers[n])
     return names
-
-
-def _refuse_sharded(accelerator: Any, sharding: str = "none") -> None:
-    """Sharding by accelerate itself is refused: its FSDP plugin and DeepSpeed wrap the model in their own engines,
-    whose checkpoints, evaluation and saving the loop does not drive. ``--sharding fsdp`` shards the model in
-    surefit's own code (FSDP2) and is the way to shard; an accelerate FSDP config is accepted with it (only its
-    process settings are used)."""
-    kind = str(getattr(accelerator, "distributed_type", "NO")).split(".")[-1]
-    if kind == "FSDP" and sharding == "fsdp":
-        return
-    if kind in ("FSDP", "DEEPSPEED"):
-        from surefit.errors import ConfigError
-
-        how = ("add --sharding fsdp (surefit then shards the model itself with FSDP2: parameters, gradients and "
-               "optimizer states; the accelerate config's fsdp_config is not used)" if kind == "FSDP" else
-               "use --sharding fsdp instead (FSDP2 in surefit's own loop: parameters, gradients and optimizer states "
-               "sharded, exact resume), e.g. surefit train --num_processes N --sharding fsdp, or accelerate launch "
-               "--config_file examples/accelerate/fsdp.yaml -m surefit train ... --sharding fsdp")
-        raise ConfigError(Problem(
-            f"accelerate is set up for {kind}, which surefit's loop does not train through: its checkpoints, "
-            "evaluation and final save read the whole model and optimizer, and under "
-            f"{kind} (accelerate's engine) each process holds only a shard of them",
-            "accelerate config", how))
-
-
-def _refuse_fsdp_fp16(accelerator: Any) -> None:
-    """fp16 needs a loss scaler that knows gradients are sharded; surefit's FSDP path supports bf16 and fp32."""
-    if getattr(accelerator, "scaler", None) is not None:
-        from surefit.errors import ConfigError
-
-        raise ConfigError(Problem("--sharding fsdp with fp16 mixed precision (a loss scaler over sharded gradients "
-                                  "is not supported)", "--precision",
-                                  "use --precision bf16 (GPUs from Ampere on) or --precision fp32"))
 
 
 def accumulate_step(

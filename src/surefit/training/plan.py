@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from surefit.errors import Problem, SurefitError
-from surefit.models import quantized_bits
+from surefit.models_lowbit import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in

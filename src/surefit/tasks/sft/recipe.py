@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import surefit.startup as startup
+import surefit.startup_cache as startup_cache
 from surefit.config import SFTConfig
 from surefit.data.augment import augment_conversations, augment_rows
 from surefit.data.collate import PadCollator
@@ -50,13 +51,12 @@ from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
 from surefit.models import (
     apply_lora,
-    keep_4bit_trainable,
     load_causal_lm,
     load_tokenizer,
     model_folder,
-    require_bitsandbytes,
     resolve_model,
 )
+from surefit.models_lowbit import keep_4bit_trainable, require_bitsandbytes
 from surefit.run_folder import EXCLUDED
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
 from surefit.training.distributed import sum_over_processes
@@ -448,11 +448,11 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
 
     doctor_args = {"batch_size": cfg.micro_batch_size, "max_length": cfg.max_seq_length, "generation": True}
     val_features = [e.features() for e in val_ex]
-    model_files = startup.files_identity(path)
+    model_files = startup_cache.files_identity(path)
     # The doctor and the planner read the model (its files + the settings), the tokenizer and these examples.
     cache_key = None if model_files is None or cfg.trust_remote_code else lambda: {
-        "model": model_files, "tokenizer": startup.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
-        "train": startup.features_digest(features), "validation": startup.features_digest(val_features),
+        "model": model_files, "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
+        "train": startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, features=features,

@@ -1,0 +1,207 @@
+"""The start-up cache: the results of work that depends only on content, the doctor's report and the planner's
+measurements. An entry is found by the SHA-256 of its key (the model's files, the tokenizer, the encoded examples,
+every setting and the versions of the code), so a changed input never finds an old entry. Entries are JSON, never
+pickles: a corrupt or edited entry is ignored with a note and recomputed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+# Bumped when an entry's layout changes: older entries then simply miss.
+CACHE_FORMAT = 1
+
+def digest(value: Any) -> str:
+    """SHA-256 of a JSON-able value, independent of dict order."""
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def features_digest(features: Iterable[Mapping[str, Any]] | None) -> str | None:
+    """SHA-256 of encoded examples (dicts of token-id lists or numbers), in order; ``None`` for no examples."""
+    if features is None:
+        return None
+    import numpy as np
+
+    h = hashlib.sha256()
+    n = 0
+    for item in features:
+        n += 1
+        for k in sorted(item):
+            v = item[k]
+            h.update(f"|{k}:".encode())
+            try:
+                a = np.asarray(v.detach().cpu() if hasattr(v, "detach") else v)
+                if a.dtype == object:
+                    raise TypeError
+                h.update(f"{a.dtype.str}{a.shape}".encode())
+                h.update(a.tobytes())
+            except (TypeError, ValueError):
+                h.update(json.dumps(v, sort_keys=True, default=repr).encode())
+        h.update(b"\n")
+    return f"{n}:{h.hexdigest()}"
+
+
+def files_identity(path: str | Path) -> list[list[Any]] | None:
+    """Every file under a folder (or the file) as ``[relative name, size, mtime_ns]``; ``None`` if it is not on disk.
+
+    Size and modification time identify a file without reading gigabytes of weights; any rewrite changes them.
+    """
+    p = Path(path)
+    if p.is_file():
+        st = p.stat()
+        return [[p.name, st.st_size, st.st_mtime_ns]]
+    if not p.is_dir():
+        return None
+    out = []
+    for f in sorted(p.rglob("*")):
+        if f.is_file():
+            st = f.stat()
+            out.append([str(f.relative_to(p)), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
+    """What of a tokenizer is not in its files: the template in force, special tokens, padding side, size."""
+    get = lambda name: getattr(tokenizer, name, None)  # noqa: E731
+    specials = get("special_tokens_map")
+    return {"class": type(tokenizer).__name__, "size": len(tokenizer) if hasattr(tokenizer, "__len__") else None,
+            "chat_template": get("chat_template"), "specials": specials if isinstance(specials, dict) else None,
+            "pad": get("pad_token_id"), "eos": get("eos_token_id"), "bos": get("bos_token_id"),
+            "padding_side": get("padding_side"), "max_length": get("model_max_length")}
+
+
+def code_identity() -> dict[str, Any]:
+    """The code that computed an entry: surefit's own files and the versions of the libraries it calls."""
+    import platform
+
+    import torch
+
+    versions: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("transformers", "peft", "accelerate"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:  # noqa: BLE001 - not installed: not used
+            versions[name] = None
+    root = Path(__file__).resolve().parent
+    versions["surefit"] = digest([[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
+                                  for f in sorted(root.rglob("*.py"))])
+    device = {"cuda": torch.cuda.is_available()}
+    if device["cuda"]:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        device.update(name=props.name, total=props.total_memory, count=torch.cuda.device_count())
+    versions["device"] = device
+    return versions
+
+
+# ------------------------------------------------------------------------------------------------------------ the cache
+
+
+def cache_dir() -> Path:
+    """``$SUREFIT_STARTUP_CACHE`` if set, else ``startup/`` in the model cache (``$SUREFIT_CACHE``, ``~/.cache/surefit``)."""
+    if os.environ.get("SUREFIT_STARTUP_CACHE"):
+        return Path(os.environ["SUREFIT_STARTUP_CACHE"])
+    return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit") / "startup"
+
+
+class StartupCache:
+    """JSON entries under ``folder/KIND/DIGEST.json``, each holding its key's digest and a checksum of its value.
+
+    Args:
+        folder: where entries live; ``None`` turns the cache off (nothing read or written).
+        say: where notes go (an ignored entry, a cache that cannot be written).
+    """
+
+    def __init__(self, folder: Path | None, say: Callable[[str], None] = print) -> None:
+        self.folder = folder
+        self.say = say
+
+    def status(self, key: Any, reused: bool) -> str:
+        """What the cache did for one kind of work, in words (``startup.json``'s ``cache``)."""
+        if self.folder is None:
+            return "off"
+        return "not cacheable" if key is None else "reused" if reused else "computed"
+
+    def _path(self, kind: str, key_digest: str) -> Path:
+        assert self.folder is not None
+        return self.folder / kind / f"{key_digest}.json"
+
+    def get(self, kind: str, key: Any) -> Any | None:
+        """The value stored under ``key``, or ``None`` (absent, off, or an entry that does not check out)."""
+        if self.folder is None or key is None:
+            return None
+        key_digest = digest([CACHE_FORMAT, kind, key])
+        path = self._path(kind, key_digest)
+        if not path.is_file():
+            return None
+        try:
+            entry = json.loads(path.read_text(encoding="utf-8"))
+            ok = (isinstance(entry, dict) and entry.get("format") == CACHE_FORMAT and entry.get("key") == key_digest
+                  and "value" in entry and entry.get("check") == digest(entry["value"]))
+            why = "its contents do not match their checksum or key"
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            ok, why = False, f"{type(e).__name__}: {e}"
+        if not ok:
+            self.say(f"note: ignored a damaged start-up cache entry {path} ({why}); recomputing it")
+            return None
+        return entry["value"]
+
+    def put(self, kind: str, key: Any, value: Any) -> None:
+        """Store ``value`` (JSON-able) under ``key``, atomically; a cache that cannot be written is only noted."""
+        if self.folder is None or key is None:
+            return
+        key_digest = digest([CACHE_FORMAT, kind, key])
+        path = self._path(kind, key_digest)
+        entry = {"format": CACHE_FORMAT, "kind": kind, "key": key_digest, "check": digest(value), "value": value}
+        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(entry, default=str), encoding="utf-8")
+            os.replace(tmp, path)  # a reader sees the whole entry or none
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            self.say(f"note: could not write the start-up cache ({path}: {e}); the next run recomputes it")
+
+
+# Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
+# one still finds the cached work. Every other setting is part of the key.
+NOT_IN_KEY = {"output_dir", "overwrite", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
+              "report_to", "log_samples", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "warmup",
+              "min_lr", "lr_scheduler", "max_grad_norm", "eval_every", "early_stopping", "keep_best", "on_nonfinite"}
+
+
+def run_key(cfg: Any, inputs: Callable[[], dict[str, Any]] | None, accelerator: Any) -> dict[str, Any] | None:
+    """The key of the doctor's and the planner's work: the task's ``inputs()`` (model files, tokenizer, encoded
+    examples), the settings they read, the processes and the code; ``None`` when the inputs have no identity."""
+    if inputs is None:
+        return None
+    from dataclasses import asdict
+
+    settings = {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_KEY}
+    return {"task": type(cfg).__name__, "inputs": inputs(), "settings": settings,
+            "processes": getattr(accelerator, "num_processes", 1), "code": code_identity()}
+
+
+def planner_memo(cache: StartupCache, key: Any) -> dict[str, Any]:
+    """The planner's stored measurements for ``key`` (``training/plan.make_plan``'s ``memo``), or ``{}``.
+
+    An entry of another shape (edited by hand, checksum and all) is ignored with a note."""
+    stored = cache.get("planner", key)
+    if stored is None:
+        return {}
+    acts = stored.get("saved_activations") if isinstance(stored, dict) else 0
+    probes = stored.get("probes", {}) if isinstance(stored, dict) else 0
+    ok = (acts is None or (isinstance(acts, list) and len(acts) == 2 and all(type(v) is int for v in acts))) \
+        and isinstance(probes, dict) and all(v is None or type(v) is int for v in probes.values())
+    if not ok:
+        cache.say("note: ignored a start-up cache entry for the memory planner that is not a measurement; "
+                  "recomputing it")
+        return {}
+    return dict(stored)
