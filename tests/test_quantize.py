@@ -142,12 +142,19 @@ def test_bf16_run_loads_in_16_bits_and_the_plan_counts_what_was_loaded(lm64, qa_
 
 
 _RSS = textwrap.dedent("""
-    import resource, sys, types
+    import sys, types
     import torch, transformers, peft
     from surefit.models import ModelSource, apply_lora, load_causal_lm
     from surefit.training.precision import store_frozen_in
     path = sys.argv[2]  # converted by the test beforehand: a conversion here would set the peak before the load
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+    # ru_maxrss is no measure here: Linux carries the parent's peak across fork and exec, and the parent is a test
+    # process that may hold gigabytes. Reset this process's peak (clear_refs 5) and read VmHWM instead.
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = status("VmRSS")
     dtype = None if sys.argv[1] == "fp32" else sys.argv[1]
     model = load_causal_lm(path, ModelSource("folder", path, "embedded"), dtype=dtype)
     cfg = types.SimpleNamespace(lora_r=16, resolved_lora_alpha=32, lora_dropout=0.0, lora_targets="all-linear",
@@ -157,7 +164,7 @@ _RSS = textwrap.dedent("""
         store_frozen_in(model, torch.bfloat16)  # what the planner does: nothing left to convert
     with torch.no_grad():  # every weight read once, as the first training step does
         total = sum(float(t.sum()) for t in [*model.parameters(), *model.buffers()])
-    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+    print(status("VmHWM") - before)
 """)
 
 
