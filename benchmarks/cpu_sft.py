@@ -165,11 +165,13 @@ def chat_rows(source: Path, tok: Any, workdir: Path) -> Path:
     data = json.loads(source.read_text(encoding="utf-8"))
     out = workdir / "chat_rows.jsonl"
     budget = MAX_LEN - 4  # room for the EOS and for tokens merging at the boundaries
+    seen: set[str] = set()  # the file repeats some first messages: one row each, so validation never sees training
     with out.open("w", encoding="utf-8") as fh:
         for conv in data:
             turns = conv["conversations"]
-            if not turns or turns[0]["from"] != "human":
+            if not turns or turns[0]["from"] != "human" or " ".join(turns[0]["value"].lower().split()) in seen:
                 continue
+            seen.add(" ".join(turns[0]["value"].lower().split()))
             prompt = DEFAULT_TEMPLATE.replace("{input}", turns[0]["value"])
             used = len(tok(prompt, add_special_tokens=False)["input_ids"])
             parts: list[str] = []
