@@ -277,6 +277,25 @@ def lora_targets(setting: str) -> str | list[str]:
     return "all-linear" if setting == "all-linear" else [t.strip() for t in setting.split(",") if t.strip()]
 
 
+def plain_lora_adapter(layer: Any) -> str | None:
+    """The one active adapter of a peft LoRA layer when the layer computes a plain ``W x + scale * B(A(x))``: not
+    merged, not DoRA, no adapter bias, plain ``Linear`` base, A and B; None otherwise. The fused training forward
+    and merged generation both rely on exactly that, so both ask here."""
+    import torch
+
+    if layer.disable_adapters or layer.merged:
+        return None
+    active = [n for n in layer.active_adapters if n in layer.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(name, False):
+        return None
+    if any(type(m) is not torch.nn.Linear for m in (layer.base_layer, layer.lora_A[name], layer.lora_B[name])):
+        return None
+    return name
+
+
 def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str = "", part: str | None = None) -> Any:
     """Wrap ``model`` (or its submodule ``part``, e.g. a classifier's ``backbone``) with LoRA adapters as ``cfg``
     (``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_targets``) says, and report what trains over the whole

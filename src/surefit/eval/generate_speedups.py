@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from surefit.models import plain_lora_adapter
+
 
 class Reserved(DynamicLayer):
     """A full-attention cache layer whose room for the new tokens is reserved once and written in place.
@@ -91,17 +93,10 @@ def _mergeable(layer: Any) -> str | None:
         from peft.tuners.lora import Linear as LoraLinear
     except ImportError:  # pragma: no cover - peft is a dependency
         return None
-    if type(layer) is not LoraLinear or layer.disable_adapters or layer.merged:
+    name = plain_lora_adapter(layer) if type(layer) is LoraLinear else None  # DoRA, biases: not a plain W + B @ A
+    if name is None:
         return None
-    active = [n for n in layer.active_adapters if n in layer.lora_A]
-    if len(active) != 1:
-        return None
-    name = active[0]
-    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(name, False):
-        return None  # DoRA and adapter biases are not a plain W + B @ A
-    base, a, b = layer.base_layer, layer.lora_A[name], layer.lora_B[name]
-    if type(base) is not torch.nn.Linear or type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear:
-        return None
+    base = layer.base_layer
     if type(base.weight.data) is not torch.Tensor or base.weight.data.is_meta:
         return None  # sharded (DTensor) or offloaded weights
     return name

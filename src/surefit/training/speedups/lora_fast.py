@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from surefit.models import plain_lora_adapter
 from surefit.training.dropout import SeededDropout
 
 _SPAN = 1 << 16
@@ -335,17 +336,11 @@ def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
     """The active adapter's name when the fused forward computes what peft's would; None otherwise."""
-    if args or kwargs or layer.disable_adapters or layer.merged:
-        return None
-    active = [n for n in layer.active_adapters if n in layer.lora_A]
-    if len(active) != 1:
-        return None
-    name = active[0]
-    if name in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(name, False):
+    name = None if args or kwargs else plain_lora_adapter(layer)
+    if name is None:
         return None
     base, a, b, drop = layer.base_layer, layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
-    if type(base) is not nn.Linear or type(a) is not nn.Linear or type(b) is not nn.Linear or a.bias is not None \
-            or b.bias is not None or type(drop) not in (nn.Dropout, SeededDropout, nn.Identity):
+    if a.bias is not None or b.bias is not None or type(drop) not in (nn.Dropout, SeededDropout, nn.Identity):
         return None
     if isinstance(drop, nn.Dropout) and (not 0.0 <= drop.p < 1.0 or (drop.p > 0 and effective_p(drop.p) == 0)):
         return None  # p below 2^-17 would round to no dropout at all: peft's own dropout keeps it
