@@ -63,19 +63,35 @@ def run_surefit(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> d
         raise SystemExit(f"surefit failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     f1 = [float(tok.split("=")[1]) for line in proc.stdout.splitlines() if line.startswith("epoch ")
           for tok in line.split() if tok.startswith("eval_f1=")]
-    return {"wall_s": round(wall, 1), "command": " ".join(cmd[1:]), "eval_f1_per_evaluation": f1}
+    # Where the wall time went: startup.json (command to step 1, the epoch-0 evaluation included) and metrics.jsonl.
+    startup = json.loads((out / "startup.json").read_text())
+    epochs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"type": "epoch"' in x]
+    split = {"start-up to step 1": startup["seconds"],
+             "training": sum(r.get("time_per_epoch", 0.0) for r in epochs),
+             "evaluations after each epoch (loss + generation)": sum(r.get("eval_seconds", 0.0) for r in epochs[1:])}
+    split["rest (checkpoints, final save, report, exit)"] = wall - sum(split.values())
+    return {"wall_s": round(wall, 1), "command": " ".join(cmd[1:]), "eval_f1_per_evaluation": f1,
+            "split_s": {k: round(v, 1) for k, v in split.items()},
+            "startup_phases_s": startup["phases"]}
 
 
 def run_trainer(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--epochs", str(args.epochs),
            "--precision", args.precision, "--work", str(work)]
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_env())
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"trainer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     rec = json.loads((work / "trainer.json").read_text())
-    return {"wall_s": round(wall, 1), **rec}
+    t = rec.pop("times")  # absolute times the worker's callbacks saw
+    split = {"start-up to step 1": t["train_begin"] - started,
+             "training": sum(e - b for b, e in zip(t["epoch_begin"], t["epoch_end"], strict=True)),
+             "generation + F1 after each epoch": sum(t["generate"]),
+             "validation loss after each epoch": sum(v - e - g for v, e, g in zip(t["evaluate"], t["epoch_end"],
+                                                                               t["generate"], strict=True))}
+    split["rest (final save, exit)"] = wall - sum(split.values())
+    return {"wall_s": round(wall, 1), **rec, "split_s": {k: round(v, 1) for k, v in split.items()}}
 
 
 def _env() -> dict[str, str]:
@@ -125,9 +141,24 @@ def worker(args: argparse.Namespace) -> None:
     eos = sorted({tok.eos_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])})
     bf16 = args.precision == "bf16"
     scores: list[float] = []
+    times: dict[str, Any] = {"epoch_begin": [], "epoch_end": [], "generate": [], "evaluate": []}
+
+    class Clock(TrainerCallback):  # listed before F1Callback: its on_epoch_end runs first
+        def on_train_begin(self, *a: Any, **kw: Any) -> None:
+            times["train_begin"] = time.time()
+
+        def on_epoch_begin(self, *a: Any, **kw: Any) -> None:
+            times["epoch_begin"].append(time.time())
+
+        def on_epoch_end(self, *a: Any, **kw: Any) -> None:
+            times["epoch_end"].append(time.time())
+
+        def on_evaluate(self, *a: Any, **kw: Any) -> None:
+            times["evaluate"].append(time.time())
 
     class F1Callback(TrainerCallback):
         def on_epoch_end(self, targs: Any, state: Any, control: Any, model: Any = None, **kw: Any) -> None:
+            t0 = time.time()
             model.eval()
             cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
                                    pad_token_id=tok.pad_token_id)
@@ -143,6 +174,7 @@ def worker(args: argparse.Namespace) -> None:
                     preds[i] = tok.decode(seq, skip_special_tokens=True).strip()
             scores.append(squad_scores(preds, golds)["f1"])
             model.train()
+            times["generate"].append(time.time() - t0)
 
     targs = TrainingArguments(output_dir=str(work / "trainer_run"), per_device_train_batch_size=4,
                               per_device_eval_batch_size=8, num_train_epochs=args.epochs, learning_rate=2e-4,
@@ -153,10 +185,10 @@ def worker(args: argparse.Namespace) -> None:
                               report_to="none", logging_strategy="no", seed=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=targs, train_dataset=train_ds, eval_dataset=val_ds,
                       data_collator=DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100),
-                      callbacks=[F1Callback()])
+                      callbacks=[Clock(), F1Callback()])
     trainer.train()
     model.save_pretrained(str(work / "trainer_run" / "final"))
-    (work / "trainer.json").write_text(json.dumps({"eval_f1_per_epoch": scores}))
+    (work / "trainer.json").write_text(json.dumps({"eval_f1_per_epoch": scores, "times": times}))
 
 
 def main() -> None:
@@ -204,7 +236,14 @@ def main() -> None:
         "| job | wall s | F1 per evaluation |", "|---|---|---|",
         f"| surefit train | {surefit['wall_s']} | {surefit['eval_f1_per_evaluation']} |",
         f"| Trainer + generate callback | {trainer['wall_s']} | {trainer['eval_f1_per_epoch']} |", "",
-        f"Goal: surefit >= {GOAL}x faster: {ratio}x, {result['goal']['result']}.", ""]), encoding="utf-8")
+        f"Goal: surefit >= {GOAL}x faster: {ratio}x, {result['goal']['result']}.", "",
+        "## Where the wall time went (seconds)", "",
+        "| job | " + " | ".join(["part", "seconds", "share"]) + " |", "|---|---|---|---|",
+        *[f"| {job} | {part} | {sec} | {sec / res['wall_s']:.0%} |" for job, res in (("surefit", surefit),
+          ("Trainer", trainer)) for part, sec in res["split_s"].items()], "",
+        "surefit's start-up by phase (startup.json): " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in sorted(surefit["startup_phases_s"].items(), key=lambda kv: -kv[1])
+            if v >= 0.1) + ".", ""]), encoding="utf-8")
 
 
 if __name__ == "__main__":
