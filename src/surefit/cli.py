@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from surefit.cli_finished import add_finished_run_commands, run_finished_run_command
-from surefit.config import TASK_CONFIGS, field_kind
+from surefit.config import field_kind
 from surefit.config_files import load_yaml
+from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import SurefitError
 
 
