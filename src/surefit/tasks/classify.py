@@ -32,7 +32,8 @@ from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, pe
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.run_folder import COLUMNS
 from surefit.run_folder.finished import Run
-from surefit.tasks.common import Evaluation, Loaded, Prepared, chunks, render_columns, rows_from_texts, train
+from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom

@@ -26,7 +26,8 @@ from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitE
 from surefit.models import load_factory
 from surefit.run_folder import COLUMNS
 from surefit.run_folder.finished import Run
-from surefit.tasks.common import Evaluation, Loaded, Prepared, render_columns, train
+from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.tasks.finished_common import Loaded
 from surefit.training.loss import classification_loss_sum
 from surefit.training.precision import make_accelerator, precision_name
 
