@@ -59,7 +59,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     from surefit.data.readers import read_rows
     from surefit.data.sampling import step_batches
-    from surefit.models import embedded_encoder_path
+    from surefit.models_gguf import embedded_encoder_path
 
     sst2 = Path(args.shared) / "sst2"
     problems: list = []

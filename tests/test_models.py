@@ -3,7 +3,8 @@ from pathlib import Path
 import pytest
 
 from surefit.errors import ModelError
-from surefit.models import EMBEDDED_LM_FILE, resolve_model
+from surefit.models import resolve_model
+from surefit.models_gguf import EMBEDDED_LM_FILE
 
 
 def test_resolve_local_folder_gguf_file_gguf_folder_and_hub_id(tmp_path, tiny_lm_dir):

@@ -269,7 +269,7 @@ def test_4bit_adapter_loads_with_plain_peft_on_the_unquantised_base_within_the_q
 
 @needs_bnb
 def test_eval_of_a_4bit_run_loads_it_quantised_and_reproduces_training(run4, capsys):
-    from surefit.run_folder import open_run
+    from surefit.run_folder.finished import open_run
     from surefit.tasks.sft import load
 
     out, _ = run4

@@ -13,7 +13,8 @@ import yaml
 
 from conftest import qa_rows
 from surefit.cli import main
-from surefit.config import ClassifyConfig, build_config
+from surefit.config import build_config
+from surefit.config_tasks import ClassifyConfig
 
 
 @pytest.fixture(scope="module")

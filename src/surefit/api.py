@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surefit.config import TASK_CONFIGS
+from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
 
 # Using a finished run lives in surefit/finished.py; its names stay importable from here.

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from surefit.cli_finished import add_finished_run_commands, run_finished_run_command
-from surefit.config import TASK_CONFIGS, field_kind
+from surefit.config import field_kind
 from surefit.config_files import load_yaml
+from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import SurefitError
 
 
@@ -132,7 +133,9 @@ def parse_train_config(argv: list[str]) -> Any:
     ns, unknown = build_parser().parse_known_args(["train", *argv])
     given = {k: v for k, v in vars(ns).items() if k not in {"command", "config", "num_processes"}}
     # Unknown flags join the other problems (with a did-you-mean) instead of argparse exiting on the first one.
-    extra = _unknown_flags(unknown)
+    from surefit.names import build_with_aliases, unknown_flags
+
+    extra = unknown_flags(unknown)
     config_path = ns.config
     if given.get("resume") and not config_path:
         # `surefit train --resume --output_dir OUT` continues the run with the config it was started with.
@@ -149,27 +152,7 @@ def parse_train_config(argv: list[str]) -> Any:
 
         raise ConfigError(Problem(f"unknown task {task!r}", "--task", f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
     yaml_values = {k: v for k, v in yaml_values.items() if k != "task"}
-    from surefit.names import build_with_aliases
-
     return build_with_aliases(cls, yaml_values, {**given, **extra}, yaml_name=str(config_path))
-
-
-def _unknown_flags(unknown: list[str]) -> dict[str, Any]:
-    """Leftover argv -> {name: value} so that build_config reports them as unknown settings."""
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(unknown):
-        tok = unknown[i]
-        if tok.startswith("--"):
-            name, _, value = tok[2:].partition("=")
-            if not value and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
-                value = unknown[i + 1]
-                i += 1
-            out[name] = value
-        else:
-            out[f"(stray argument) {tok}"] = tok
-        i += 1
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

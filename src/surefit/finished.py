@@ -1,5 +1,5 @@
 """Python API for a finished run folder: ``evaluate``, ``predict``, ``export`` and ``report`` (the CLI's commands of
-the same names). Each opens the run through ``run_folder.open_run`` (a run folder is data, not code) and hands it to
+the same names). Each opens the run through ``run_folder.finished.open_run`` (a run folder is data, not code) and hands it to
 its task module. Training is ``api.py``; these names are importable from there too.
 """
 
@@ -36,7 +36,7 @@ def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = F
     """The finished run and its task module; ``final/`` must hold what the task saves. The code the run's config
     names (head, model or data factory, remote code) only runs with ``allow_code`` / ``trust_remote_code``."""
     from surefit.models import quiet_libraries
-    from surefit.run_folder import open_run
+    from surefit.run_folder.finished import open_run
 
     quiet_libraries()
     r = open_run(run, allow_code=allow_code, trust_remote_code=trust_remote_code, say=say)
@@ -195,7 +195,7 @@ def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: b
 
     ``allow_code``, ``trust_remote_code``: as for :func:`evaluate`.
     """
-    from surefit.run_folder import export_folder
+    from surefit.run_folder.finished import export_folder
 
     r, task = _open(run, allow_code, trust_remote_code, say)
     what: list[str] = []

@@ -174,3 +174,21 @@ def resolve_layer(source: dict[str, Any], known: Collection[str], source_name: s
             continue
         out[key] = raw
     return out
+
+
+def unknown_flags(unknown: list[str]) -> dict[str, Any]:
+    """Leftover argv -> {name: value} so that build_config reports them as unknown settings."""
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(unknown):
+        tok = unknown[i]
+        if tok.startswith("--"):
+            name, _, value = tok[2:].partition("=")
+            if not value and i + 1 < len(unknown) and not unknown[i + 1].startswith("--"):
+                value = unknown[i + 1]
+                i += 1
+            out[name] = value
+        else:
+            out[f"(stray argument) {tok}"] = tok
+        i += 1
+    return out

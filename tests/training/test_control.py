@@ -236,7 +236,8 @@ def test_log_samples_is_refused_for_custom_models():
 
 
 def test_a_gpu_preset_without_a_gpu_says_so_and_leaves_checkpointing_off_unless_asked(monkeypatch):
-    from surefit.config import ClassifyConfig, build_config
+    from surefit.config import build_config
+    from surefit.config_tasks import ClassifyConfig
     from surefit.tasks.common import gpu_preset_without_gpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

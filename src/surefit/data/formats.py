@@ -20,6 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from surefit.data.conversation_shapes import (
+    RowProblems,
+    json_list,
+    messages_from_alpaca,
+    messages_from_openai,
+    messages_from_sharegpt,
+    parse_tools,
+)
 from surefit.data.readers import SKIP_HINT, Rejected
 from surefit.data.rows import Row
 from surefit.errors import Problem
@@ -132,7 +140,7 @@ def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_fiel
     roles = {**SHAREGPT_ROLES, **(role_map or {})}
     speakers: list[str] = []
     for r in rows:
-        conv = _json_list(r.fields.get("conversations"))
+        conv = json_list(r.fields.get("conversations"))
         if isinstance(conv, list):
             for m in conv:
                 s = m.get("from", m.get("role")) if isinstance(m, dict) else None
@@ -145,160 +153,7 @@ def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_fiel
     return FormatChoice(name, True, ("conversations", "tools", "system"), "conversations / from / value", shown, roles)
 
 
-def _text(content: Any) -> str | None:
-    """A message's content as text: a string, or a list of text parts (``{"type": "text", "text": ...}``)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if isinstance(p, str):
-                parts.append(p)
-            elif isinstance(p, dict) and isinstance(p.get("text"), str) and p.get("type", "text") == "text":
-                parts.append(p["text"])
-            else:
-                return None
-        return "".join(parts)
-    return None
-
-
-class _RowProblems:
-    """The problems of one row, each with its turn (1-based) where there is one."""
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, str]] = []  # (kind, text)
-
-    def add(self, kind: str, text: str) -> None:
-        self.items.append((kind, text))
-
-
-def _parse_tools(value: Any, bad: _RowProblems) -> list | None:
-    if value is None or value == "" or value == []:
-        return None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            bad.add("tools", f"'tools' is not valid JSON ({e.msg} at character {e.pos})")
-            return None
-    if isinstance(value, dict):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        bad.add("tools", f"'tools' is not a list of tool objects (got {type(value).__name__})")
-        return None
-    return value
-
-
-def _tool_call(value: str) -> list | None:
-    """ShareGPT ``function_call`` text -> OpenAI ``tool_calls`` (``None`` when it is not a JSON call object)."""
-    try:
-        call = json.loads(value)
-    except ValueError:
-        return None
-    calls = call if isinstance(call, list) else [call]
-    out = []
-    for c in calls:
-        if not isinstance(c, dict) or not isinstance(c.get("name"), str):
-            return None
-        args = c.get("arguments", c.get("parameters", {}))
-        out.append({"type": "function", "function": {"name": c["name"], "arguments": args}})
-    return out
-
-
-def _json_list(items: Any) -> Any:
-    """A list stored as JSON text (CSV and some exports write conversations that way) -> the list."""
-    if isinstance(items, str) and items.lstrip().startswith("["):
-        try:
-            return json.loads(items)
-        except ValueError:
-            return items
-    return items
-
-
-def _messages_from_openai(items: Any, bad: _RowProblems, field_name: str, train: bool = True) -> list[dict]:
-    items = _json_list(items)
-    if not isinstance(items, list) or not items:
-        bad.add("shape", f"'{field_name}' is not a non-empty list of messages")
-        return []
-    out = []
-    for turn, m in enumerate(items, 1):
-        if not isinstance(m, dict):
-            bad.add("shape", f"turn {turn}: a {type(m).__name__}, not a message object")
-            continue
-        role = m.get("role")
-        content = _text(m.get("content")) if m.get("content") is not None else ""
-        if content is None:
-            bad.add("shape", f"turn {turn}: content is neither text nor a list of text parts")
-            content = ""
-        msg: dict[str, Any] = {"role": role, "content": content}
-        if m.get("tool_calls"):
-            msg["tool_calls"] = m["tool_calls"]
-        for k in ("name", "tool_call_id"):
-            if k in m:
-                msg[k] = m[k]
-        if role == "assistant":
-            msg["train"] = train
-        out.append(msg)
-    return out
-
-
-def _messages_from_sharegpt(items: Any, roles: dict[str, str], bad: _RowProblems) -> list[dict]:
-    items = _json_list(items)
-    if not isinstance(items, list) or not items:
-        bad.add("shape", "'conversations' is not a non-empty list of turns")
-        return []
-    out = []
-    for turn, m in enumerate(items, 1):
-        if not isinstance(m, dict):
-            bad.add("shape", f"turn {turn}: a {type(m).__name__}, not a turn object")
-            continue
-        speaker = m.get("from", m.get("role"))
-        value = m.get("value", m.get("content"))
-        role = roles.get(speaker) if isinstance(speaker, str) else None
-        if role is None:
-            out.append({"role": speaker, "content": value if isinstance(value, str) else ""})
-            continue
-        text = _text(value) if value is not None else ""
-        if text is None:
-            bad.add("shape", f"turn {turn}: 'value' is not text")
-            text = ""
-        if role == "assistant tool call":
-            msg = {"role": "assistant", "content": text, "train": True}
-            calls = _tool_call(text)
-            if calls:
-                msg["tool_calls"] = calls
-            out.append(msg)
-        else:
-            out.append({"role": role, "content": text} | ({"train": True} if role == "assistant" else {}))
-    return out
-
-
-def _messages_from_alpaca(f: dict, bad: _RowProblems) -> list[dict]:
-    out: list[dict] = []
-    system = f.get("system")
-    if isinstance(system, str) and system.strip():
-        out.append({"role": "system", "content": system})
-    history = f.get("history") or []
-    if not isinstance(history, list):
-        bad.add("shape", "'history' is not a list of [instruction, response] pairs")
-        history = []
-    for i, pair in enumerate(history, 1):
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(x, str) for x in pair)):
-            bad.add("shape", f"history item {i} is not an [instruction, response] pair of texts")
-            continue
-        out += [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1], "train": True}]
-    instruction, extra = f.get("instruction"), f.get("input")
-    if not isinstance(instruction, str):
-        instruction = ""
-    # An empty optional input is left out cleanly: no dangling blank lines in the prompt.
-    user = "\n\n".join(t for t in (instruction, extra if isinstance(extra, str) else "") if t and t.strip())
-    out.append({"role": "user", "content": user})
-    output = f.get("output")
-    out.append({"role": "assistant", "content": output if isinstance(output, str) else "", "train": True})
-    return out
-
-
-def check_messages(messages: list[dict], bad: _RowProblems, complete: bool = True) -> None:
+def check_messages(messages: list[dict], bad: RowProblems, complete: bool = True) -> None:
     """Known roles, no empty turn, a possible order: system first, no two assistant turns in a row, ends on an
     assistant turn."""
     first = next((t for t, m in enumerate(messages, 1) if m["role"] != "system"), None)
@@ -345,27 +200,27 @@ def to_conversations(rows: list[Row], choice: FormatChoice, source: str, problem
     out: list[Row] = []
     by_kind: dict[str, list[tuple[str, str]]] = {}
     for row in rows:
-        bad = _RowProblems()
+        bad = RowProblems()
         f = row.fields
         tools = None
         if choice.name == "messages":
-            messages = _messages_from_openai(f.get("messages"), bad, "messages")
-            tools = _parse_tools(f.get("tools"), bad)
+            messages = messages_from_openai(f.get("messages"), bad, "messages")
+            tools = parse_tools(f.get("tools"), bad)
         elif choice.name == "sharegpt":
-            messages = _messages_from_sharegpt(f.get("conversations"), choice.role_map, bad)
+            messages = messages_from_sharegpt(f.get("conversations"), choice.role_map, bad)
             system = f.get("system")
             if isinstance(system, str) and system.strip() and not (messages and messages[0]["role"] == "system"):
                 messages.insert(0, {"role": "system", "content": system})
-            tools = _parse_tools(f.get("tools"), bad)
+            tools = parse_tools(f.get("tools"), bad)
         elif choice.name == "alpaca":
             for name in ("instruction", "output"):
                 if not isinstance(f.get(name), str) or not f[name].strip():
                     bad.add("missing", f"'{name}' is missing or empty")
-            messages = _messages_from_alpaca(f, bad) if not bad.items else []
+            messages = messages_from_alpaca(f, bad) if not bad.items else []
         else:  # conversational prompt / completion: the prompt's assistant turns are context, not trained
-            messages = (_messages_from_openai(f.get("prompt"), bad, "prompt", train=False)
-                        + _messages_from_openai(f.get("completion"), bad, "completion"))
-            tools = _parse_tools(f.get("tools"), bad)
+            messages = (messages_from_openai(f.get("prompt"), bad, "prompt", train=False)
+                        + messages_from_openai(f.get("completion"), bad, "completion"))
+            tools = parse_tools(f.get("tools"), bad)
         if not any(k in ("shape", "missing") for k, _ in bad.items):
             check_messages(messages, bad, complete)
         if not bad.items:

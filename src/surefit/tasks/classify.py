@@ -20,7 +20,7 @@ from torch import nn
 
 import surefit.startup as startup
 import surefit.startup_cache as startup_cache
-from surefit.config import ClassifyConfig
+from surefit.config_tasks import ClassifyConfig
 from surefit.data.classes import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.collate import PadCollator
 from surefit.data.readers import Rejected, check_text_fields, field_not_found, read_checked, read_splits
@@ -30,8 +30,10 @@ from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_input_problems
 from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
-from surefit.run_folder import COLUMNS, Run
-from surefit.tasks.common import Evaluation, Loaded, Prepared, chunks, render_columns, rows_from_texts, train
+from surefit.run_folder import COLUMNS
+from surefit.run_folder.finished import Run
+from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom

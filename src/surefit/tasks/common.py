@@ -12,17 +12,16 @@ Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import surefit.startup as startup
 import surefit.startup_cache as startup_cache
-from surefit.data.rows import Row
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
-from surefit.errors import ConfigError, Problem, raise_if
+from surefit.errors import Problem
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
     STARTUP,
@@ -237,46 +236,9 @@ def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
     return report
 
 
-# ------------------------------------------------------------------------------------------------------------ using a run
-
-
-@dataclass
-class Loaded:
-    """A finished run's model, ready for inference, with what its task needs to encode inputs."""
-
-    model: Any
-    tokenizer: Any
-    accelerator: Any
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def rows_from_texts(inputs: str | list[str] | None, text_fields: list[tuple[str, str]]) -> list[Row]:
-    """Rows for ``surefit predict --input TEXT ...``; every empty input is reported at once."""
-    texts = [inputs] if isinstance(inputs, str) else list(inputs or [])
-    problems = []
-    if len(text_fields) > 1:
-        problems.append(Problem(f"the run classifies text pairs ('{text_fields[0][0]}' + '{text_fields[1][0]}'); "
-                                "--input gives one text", "--input", "give rows holding both fields with --file"))
-    rows = []
-    for i, text in enumerate(texts):
-        where = "--input" if len(texts) == 1 else f"--input #{i + 1}"
-        if not isinstance(text, str) or not text.strip():
-            problems.append(Problem(f"empty input ({text!r})", where, "give the text to predict on"))
-        rows.append(Row({text_fields[0][0]: text}, where, i))
-    if not texts:
-        problems.append(Problem("no input given", "--input", "give the text to predict on"))
-    raise_if(problems, ConfigError)
-    return rows
-
-
 def render_columns(table: list[dict[str, str]]) -> str:
     """The kept / dropped / why table of a run's columns (``columns.json``), as printed before training."""
     width = max(len(r["column"]) for r in table)
     lines = [f"  {'column'.ljust(width)}  kept?    why"]
     lines += [f"  {r['column'].ljust(width)}  {r['status'].ljust(7)}  {r['why']}" for r in table]
     return "\n".join(lines)
-
-
-def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]

@@ -18,14 +18,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from surefit.config import CustomConfig
+from surefit.config_tasks import CustomConfig
 from surefit.data.shards import TensorData, load_tensor_data
 from surefit.doctor import check
 from surefit.doctor.shapes import diagnose, first_layers, trace
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if, raise_input_problems
 from surefit.models import load_factory
-from surefit.run_folder import COLUMNS, Run
-from surefit.tasks.common import Evaluation, Loaded, Prepared, render_columns, train
+from surefit.run_folder import COLUMNS
+from surefit.run_folder.finished import Run
+from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.tasks.finished_common import Loaded
 from surefit.training.loss import classification_loss_sum
 from surefit.training.precision import make_accelerator, precision_name
 

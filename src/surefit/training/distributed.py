@@ -415,3 +415,39 @@ def refuse_fsdp_fp16(accelerator: Any) -> None:
         raise ConfigError(Problem("--sharding fsdp with fp16 mixed precision (a loss scaler over sharded gradients "
                                   "is not supported)", "--precision",
                                   "use --precision bf16 (GPUs from Ampere on) or --precision fp32"))
+
+
+def tell_ddp_about_unused(model: Any, first_batch: Callable[[], dict[str, Any]], loss_fn: Callable[..., Any],
+                          accelerator: Any, say: Callable[[str], None]) -> None:
+    """DDP must be told about trainable parameters that get no gradient, or it fails at the next step; looking for
+    them walks the autograd graph every step, so it is only switched on when a first forward and backward finds some."""
+    if getattr(accelerator, "ddp_handler", None) is None:
+        return
+    unused = unused_parameters(model, first_batch, loss_fn, accelerator)
+    accelerator.ddp_handler.find_unused_parameters = bool(unused)
+    if unused:
+        say(f"{len(unused)} trainable parameters get no gradient (e.g. {unused[0]}): DDP looks for them every step")
+
+
+def unused_parameters(model: Any, first_batch: Callable[[], dict[str, Any]], loss_fn: Callable[..., Any],
+                      accelerator: Any) -> list[str]:
+    """Trainable parameters that a forward and backward of the first example leave without a gradient (a pooler under
+    a head that ignores it, say). The random generators and the buffers (BatchNorm statistics) are put back."""
+    import torch
+
+    model.to(accelerator.device)
+    model.zero_grad(set_to_none=True)
+    device = torch.device(accelerator.device)
+    devices = [device.index or 0] if device.type == "cuda" else []
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=devices):
+        batch = {k: v.to(device) for k, v in first_batch().items()}
+        with accelerator.autocast():
+            loss, _ = loss_fn(model, batch)
+        loss.backward()
+    names = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    return names

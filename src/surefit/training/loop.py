@@ -51,6 +51,7 @@ from surefit.training.distributed import (
     shard_model,
     share_from_main,
     sum_over_processes,
+    tell_ddp_about_unused,
     world_size,
 )
 from surefit.training.dropout import UNKEYED, training_rows
@@ -286,14 +287,8 @@ class _Fit:
         self.schedule = settings.schedule(len(features))
         self.scheduler = make_scheduler(optimizer, self.schedule)
         # A sharded model skips accelerate's prepare, which would wrap it in DDP (or accelerate's own FSDP).
-        if not self.sharded and world_size() > 1 and getattr(accelerator, "ddp_handler", None) is not None and features:
-            unused = unused_parameters(model, features, collate, loss_fn, accelerator)
-            # DDP must be told about parameters that get no gradient, or it fails at the next step; looking for them
-            # walks the autograd graph every step, so only when there are some.
-            accelerator.ddp_handler.find_unused_parameters = bool(unused)
-            if unused:
-                say(f"{len(unused)} trainable parameters get no gradient (e.g. {unused[0]}): DDP looks for them every "
-                    "step")
+        if not self.sharded and world_size() > 1 and features:
+            tell_ddp_about_unused(model, lambda: collate([features[0]]), loss_fn, accelerator, say)
         self.model, self.optimizer = (model, optimizer) if self.sharded else accelerator.prepare(model, optimizer)
         self.world, self.main = accelerator.num_processes, accelerator.is_main_process
         if self.world != world_size():
@@ -647,28 +642,6 @@ def fit(
         # The final save (final/) runs on the main process alone after this: it keeps the full parameters.
         gather_on_main(run.model)
     return run.history
-
-
-def unused_parameters(model: Any, features: Sequence[dict[str, Any]], collate: Callable[[list[dict[str, Any]]], Any],
-                      loss_fn: LossFn, accelerator: Any) -> list[str]:
-    """Trainable parameters that a forward and backward of the first example leave without a gradient (a pooler under
-    a head that ignores it, say). The random generators and the buffers (BatchNorm statistics) are put back."""
-    model.to(accelerator.device)
-    model.zero_grad(set_to_none=True)
-    device = torch.device(accelerator.device)
-    devices = [device.index or 0] if device.type == "cuda" else []
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    with torch.random.fork_rng(devices=devices):
-        batch = _to_device(collate([features[0]]), device)
-        with accelerator.autocast():
-            loss, _ = loss_fn(model, batch)
-        loss.backward()
-    names = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
-    return names
 
 
 def accumulate_step(

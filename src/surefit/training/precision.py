@@ -74,7 +74,7 @@ def _process_settings() -> dict[str, Any]:
     """How several processes are set up (no effect on one process).
 
     ``cpu``: without a GPU, accelerate only forms a group of CPU processes (gloo) when told it runs on the CPU.
-    ``find_unused_parameters``: decided in ``fit`` (:func:`unused_parameters`) before the model is wrapped.
+    ``find_unused_parameters``: decided before the model is wrapped (``distributed.tell_ddp_about_unused``).
     ``timeout``: the others wait while the main process evaluates.
     """
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs

@@ -26,8 +26,8 @@ from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.models_lowbit import keep_4bit_trainable
-from surefit.run_folder import Run
-from surefit.tasks.common import Loaded, chunks, rows_from_texts
+from surefit.run_folder.finished import Run
+from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.recipe import (
     FINAL_FILES,
     Encoder,

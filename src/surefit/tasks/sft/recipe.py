@@ -338,7 +338,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             early += e.problems
     with startup.phase("reading data"):
         train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
-    with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models.gguf_to_folder)
+    with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models_gguf.gguf_to_folder)
         path = model_folder(source, log=say)
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)

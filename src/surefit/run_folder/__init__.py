@@ -1,5 +1,6 @@
 """The run folder (``--output_dir``), and the one place that knows its layout: what a run writes where, replacing or
-resuming a previous run, the final save, and opening a finished run for ``eval``, ``predict`` and ``export``.
+resuming a previous run, and the final save. ``run_folder/finished.py`` opens a finished run for ``eval``,
+``predict`` and ``export``, with the names defined here.
 
 Layout (every name a run writes; a previous run's copies are only replaced with ``--overwrite``)::
 
@@ -31,13 +32,12 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surefit.config import TASK_CONFIGS, build_config, config_to_dict, save_config
+from surefit.config import config_to_dict, save_config
 from surefit.config_files import load_yaml
-from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
+from surefit.errors import Problem
 from surefit.training import integrity, untrusted
 from surefit.training.checkpoint import latest_checkpoint
 from surefit.training.checkpoint import verify as verify_checkpoint
@@ -270,185 +270,3 @@ def write_run_report(out: Path, accelerator: Any = None, say: Say = print) -> No
     except Exception as e:  # noqa: BLE001 - the model is saved; a page that cannot be drawn must not fail the run
         say(f"warning: could not write {out / 'report.html'}: {type(e).__name__}: {e} "
             f"(retry with: surefit report --run {out})")
-
-
-# ------------------------------------------------------------------------------------------------------------ a finished run
-
-
-@dataclass
-class Run:
-    """A finished run folder.
-
-    Attributes:
-        folder: the run folder; final: ``folder/final``; cfg: the config it was trained with.
-        report: ``data_report.json`` (``{}`` if absent); last_epoch: the last epoch record of ``metrics.jsonl``.
-        plan: ``memory_plan.json`` (``{}`` if absent): the evaluation batch and frozen-weight dtype training used.
-    """
-
-    folder: Path
-    cfg: Any
-    final: Path
-    report: dict[str, Any] = field(default_factory=dict)
-    last_epoch: dict[str, Any] | None = None
-    plan: dict[str, Any] = field(default_factory=dict)
-    say: Say = print
-
-    @property
-    def eval_batch_size(self) -> int:
-        return int(self.plan.get("eval_batch_size") or self.cfg.resolved_eval_batch_size)
-
-    @property
-    def frozen_dtype(self) -> str | None:
-        """``bf16``/``fp16`` when training stored the frozen (non-LoRA) weights in 16 bits under mixed precision."""
-        return self.plan.get("frozen_dtype")
-
-    @property
-    def precision(self) -> str:
-        """The precision training ran in (``memory_plan.json``; the config's setting for runs without a plan), so
-        that ``precision: auto`` resolves for evaluation as it did for training."""
-        return self.plan.get("precision") or self.cfg.precision
-
-    @property
-    def task(self) -> str:
-        return self.cfg.task
-
-    @property
-    def config_path(self) -> Path:
-        return self.folder / CONFIG
-
-    def where(self, key: str) -> str:
-        """How a setting of the run is named in messages: the file and the key."""
-        return f"{self.config_path} '{key}'"
-
-    def require(self, *groups: tuple[str, ...]) -> None:
-        """``final/`` must hold every file of one of ``groups`` (the task's save format)."""
-        if any(all((self.final / name).exists() for name in group) for group in groups):
-            return
-        wanted = " or ".join(" + ".join(group) for group in groups)
-        held = sorted(p.name for p in self.final.iterdir())[:8]
-        raise SurefitError(Problem(f"{self.final} does not hold a trained {self.task} model: expected {wanted} (it "
-                                   f"holds: {', '.join(held) or 'nothing'})", "--run",
-                                   "the run folder is incomplete or was changed by hand; train the run again"))
-
-    def config_problem(self, e: SurefitError, keys: tuple[str, ...]) -> SurefitError:
-        """Problems a task names by flag (``--model``, ``--head``) are about the run's config.yaml here; say so."""
-        hint = (f" Relative paths in {self.config_path} are resolved from the current folder ({Path.cwd()}): run "
-                "surefit from the folder the training ran in, or edit the path in config.yaml.")
-        problems = []
-        for p in e.problems:
-            key = next((k for k in keys if p.where == f"--{k}"), None)
-            if key is None:
-                problems.append(p)
-            else:
-                problems.append(Problem(p.what, self.where(key), (p.fix.rstrip(".") + "." if p.fix else "") + hint))
-        return type(e)(problems)
-
-    def check_training_data(self) -> None:
-        """The run's own data must be reachable to re-derive its validation split."""
-        problems = []
-        for key in ("data", "val_data"):
-            value = getattr(self.cfg, key)
-            factory = self.task == "custom" and ":" in str(value)  # a dataset factory module:make, not a path
-            if value and not factory and not Path(value).exists():
-                problems.append(Problem(
-                    f"the run's {'training' if key == 'data' else 'validation'} data {value!r} is not found from "
-                    f"{Path.cwd()}; the validation split is re-derived from it", self.where(key),
-                    "run surefit from the folder the training ran in, or pass --data FILE to evaluate on other data"))
-        raise_if(problems, DataError)
-        for key, (path, why) in self.changed_data().items():
-            self.say(f"warning: the run's {'training' if key == 'data' else 'validation'} data {path} {why} since "
-                     f"training ({self.folder / DATA_FILES}): the validation split re-derived from it may not be the "
-                     "one training scored, and the numbers may not match metrics.jsonl")
-
-    def changed_data(self) -> dict[str, tuple[str, str]]:
-        """The run's data files whose contents differ from what training read (``data_files.json``)."""
-        return untrusted.changed_data(self.folder / DATA_FILES, self.cfg)
-
-    def validation_described(self) -> str:
-        changed = self.changed_data()
-        note = " (CHANGED since training)" if ("val_data" if self.cfg.val_data else "data") in changed else ""
-        if self.cfg.val_data:
-            return f"validation data {self.cfg.val_data} (read as in training){note}"
-        return f"validation split of {self.cfg.data} (re-derived as in training){note}"
-
-
-_RUN_FIX = "pass the folder given as --output_dir to `surefit train` (it holds config.yaml, metrics.jsonl and final/)"
-
-
-def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code: bool = False,
-             say: Say = print) -> Run:
-    """Check and read a finished run folder; every problem names the folder (or file) and what to pass instead.
-
-    A run folder is data: the code its config.yaml names (a ``head``, a ``model`` factory, a ``data`` factory,
-    ``trust_remote_code``) is only run when this command line allows it (``allow_code``, ``trust_remote_code``);
-    ``final/`` is verified against its manifest; the JSON files read are checked for what they must hold.
-    """
-    folder = Path(run)
-    if not folder.exists():
-        raise SurefitError(Problem(f"no such folder: {folder} (looked in {Path.cwd()})", "--run", _RUN_FIX))
-    if not folder.is_dir():
-        raise SurefitError(Problem(f"{folder} is a file, not a run folder", "--run", _RUN_FIX))
-    config_path = folder / CONFIG
-    if not config_path.is_file():
-        if (folder.parent / CONFIG).is_file() and folder.name in (FINAL, CHECKPOINTS):
-            fix = f"pass the run folder itself: --run {folder.parent}"
-        else:
-            fix = _RUN_FIX
-        held = sorted(p.name for p in folder.iterdir())[:8]
-        raise SurefitError(Problem(f"{folder} has no config.yaml, so it is not a surefit run folder (it holds: "
-                                   f"{', '.join(held) or 'nothing'})", "--run", fix))
-    values = load_yaml(config_path)
-    task = str(values.pop("task", "sft"))
-    cls = TASK_CONFIGS.get(task)
-    if cls is None:
-        raise ConfigError(Problem(f"unknown task {task!r} in {config_path}", f"{config_path} 'task'",
-                                  f"use one of: {', '.join(sorted(TASK_CONFIGS))}"))
-    cfg = build_config(cls, values, None, yaml_name=str(config_path))
-    raise_if(untrusted.code_problems(cfg, config_path, allow_code, trust_remote_code), ConfigError)
-    final = folder / FINAL
-    if not final.is_dir():
-        if (folder / CHECKPOINTS).is_dir() and any((folder / CHECKPOINTS).iterdir()):
-            fix = (f"finish the training first: surefit train --config {config_path} --output_dir {folder} --resume "
-                   "(it continues from the newest checkpoint and writes final/)")
-        else:
-            fix = "train the run to the end: final/ is written after the last epoch"
-        raise SurefitError(Problem(f"{folder} has no final/ folder: the run did not finish (interrupted, failed, or "
-                                   "still training)", "--run", fix))
-    untrusted.verify_final(final, say)
-    report = untrusted.read_json(folder / DATA_REPORT, "what happened to the data", untrusted.DATA_REPORT_KEYS)
-    plan = untrusted.read_json(folder / MEMORY_PLAN, "the memory plan", untrusted.PLAN_KEYS)
-    return Run(folder, cfg, final, report, untrusted.last_epoch(folder / METRICS), plan, say)
-
-
-def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
-    """Write an export of ``run`` to ``dest`` atomically: ``write(tmp)`` fills a temporary folder beside ``dest``,
-    which then replaces it. ``dest`` may not be a file, the run itself, a folder holding it or anything inside it,
-    and a non-empty ``dest`` is refused unless ``overwrite``."""
-    _check_destination(run, dest, overwrite)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.parent / f".{dest.name}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        if dest.exists():
-            shutil.rmtree(dest)
-        tmp.rename(dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest
-
-
-def _check_destination(run: Run, dest: Path, overwrite: bool) -> None:
-    if dest.exists() and not dest.is_dir():
-        raise SurefitError(Problem(f"{dest} is a file", "--to", "pass a folder path (new or empty)"))
-    resolved, folder = dest.resolve(), run.folder.resolve()
-    if folder.is_relative_to(resolved) or resolved.is_relative_to(folder):
-        inside = "is" if resolved == folder else "holds" if folder.is_relative_to(resolved) else "is inside"
-        raise SurefitError(Problem(f"{dest} {inside} the run folder {run.folder}; exporting there would replace the run's "
-                                   "files (its checkpoints, final/ or records)", "--to",
-                                   "pass a folder outside the run"))
-    if dest.is_dir() and any(dest.iterdir()) and not overwrite:
-        held = sorted(p.name for p in dest.iterdir())
-        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-        raise SurefitError(Problem(f"{dest} is not empty (it holds {shown}); exporting would replace it", "--to",
-                                   "pass a new or empty folder, or --overwrite to replace its contents"))
