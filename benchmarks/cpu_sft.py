@@ -251,7 +251,9 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     settings = dict(task="sft", data=str(workdir / "train.jsonl"), val_data=str(workdir / "val.jsonl"),
                     epochs=EPOCHS, batch_size=BATCH, max_seq_length=MAX_LEN, lora_r=LORA_R, lora_alpha=LORA_ALPHA,
                     lora_dropout=LORA_DROPOUT, lr=LR, warmup_ratio=WARMUP_RATIO, seed=SEED, output_dir=str(out),
-                    **opts)
+                    # The anchors' prompt: without it surefit would use the model's own chat template (its default for
+                    # a model that ships one), other tokens than the anchors train on.
+                    template=spec["template"], **opts)
     t0 = time.perf_counter()
     result = surefit.train(**settings)
     t_end = time.perf_counter()
