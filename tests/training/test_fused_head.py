@@ -302,6 +302,9 @@ def _ddp_worker(rank, fused, port, out):
             (loss / n).backward()
         if rank == 0:
             torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+        # Both processes close the group together: one that tore gloo down while the other still held its pair
+        # aborted once ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
