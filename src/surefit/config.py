@@ -254,6 +254,14 @@ class SFTConfig(TrainConfig):
     truncation: Literal["drop_oldest", "exclude"] = opt(
         "drop_oldest", "A conversation longer than --max_seq_length: drop its oldest exchanges (the system turn stays) "
         "or exclude it. Either way it is counted and listed; an assistant turn is never cut.")
+    thinking: Literal["train_empty", "switch_off"] = opt(
+        "train_empty", "A row without reasoning, on a template that writes an empty think block before the answer: "
+        "'train_empty' trains the block with the answer (the model learns to answer without thinking unprompted); "
+        "'switch_off' renders such rows with the template's thinking switch off (enable_thinking=False), so the "
+        "block is in the prompt, and predict/eval prompt with thinking off. The choice and its count are printed.")
+    system_turn: Literal["fold", "refuse"] = opt(
+        "fold", "A system turn on a template that rejects the system role (Gemma 1/2): 'fold' writes its text at the "
+        "start of the first user turn (counted and printed); 'refuse' reports the template's error.")
     metric: str = opt(
         "auto", "Scores of the generated answers: 'squad' (token F1 + normalised exact match, for extractive "
         "answers), 'rouge_l' (ROUGE-L + normalised exact match, for open-ended answers), or your own "

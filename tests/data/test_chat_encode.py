@@ -119,7 +119,7 @@ def test_a_template_whose_prefix_render_is_not_a_prefix_is_named_with_the_turn()
     _, _, failures, _ = encode_conversations([Row({"messages": msgs}, "f.jsonl line 2", 0)], tok, fmt,
                                              ChatEncodeSettings(2048))
     assert failures and failures[0][0] == "f.jsonl line 2"
-    assert "chat template (my.jinja)" in failures[0][1] and "turn 3" in failures[0][1] and "not a prefix" in failures[0][1]
+    assert "chat template (my.jinja)" in failures[0][1] and "turn 3" in failures[0][1] and "not the start of the training render" in failures[0][1]
 
 
 def test_a_template_without_terminator_is_refused():

@@ -102,8 +102,32 @@ def messages_from_openai(items: Any, bad: RowProblems, field_name: str, train: b
                 msg[k] = m[k]
         if role == "assistant":
             msg["train"] = train
+            _take_reasoning(msg, m, turn, bad)
         out.append(msg)
     return out
+
+
+def _take_reasoning(msg: dict, source: dict, turn: int, bad: RowProblems) -> None:
+    """An assistant turn's reasoning -> ``msg["reasoning"]``: from ``reasoning_content``, ``reasoning`` or
+    ``thinking`` (the names models' tooling uses), or an inline ``<think>...</think>`` at the start of the content."""
+    found = [(k, source[k]) for k in REASONING_KEYS if source.get(k) not in (None, "")]
+    if found:
+        key, value = found[0]
+        if not isinstance(value, str):
+            bad.add("shape", f"turn {turn}: '{key}' is not text")
+            return
+        msg["reasoning"] = value
+        return
+    content = msg["content"]
+    stripped = content.lstrip()
+    if stripped.startswith("<think>") and "</think>" in stripped:
+        inner, _, answer = stripped[len("<think>"):].partition("</think>")
+        if inner.strip():
+            msg["reasoning"] = inner.strip("\n")
+        msg["content"] = answer.lstrip("\n")
+
+
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
 
 
 def messages_from_sharegpt(items: Any, roles: dict[str, str], bad: RowProblems) -> list[dict]:
@@ -126,7 +150,11 @@ def messages_from_sharegpt(items: Any, roles: dict[str, str], bad: RowProblems) 
         if text is None:
             bad.add("shape", f"turn {turn}: 'value' is not text")
             text = ""
-        if role == "assistant tool call":
+        if role == "assistant":
+            msg = {"role": "assistant", "content": text, "train": True}
+            _take_reasoning(msg, m, turn, bad)
+            out.append(msg)
+        elif role == "assistant tool call":
             msg = {"role": "assistant", "content": text, "train": True}
             calls = _tool_call(text)
             if calls:

@@ -14,6 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from surefit.data.chat_render import (
+    REASONING_FIELDS,
+    TemplateLimit,
+    TemplateProblem,
+    common_prefix,
+    plain_message,
+    render,
+)
 from surefit.data.rows import Row
 
 DEFAULT_TEMPLATE = (
@@ -293,16 +301,27 @@ class ChatFormat:
         takes_tools: the template renders ``tools`` itself; otherwise they go into the system turn as JSON.
         takes_tool_calls: the template renders an assistant turn's ``tool_calls``; otherwise the call is written
             into the turn's content as JSON (so the model still learns to make it).
+        reasoning_fields: the message fields the template reads reasoning from (``reasoning_content``,
+            ``thinking``, ``reasoning``); empty: it reads none.
+        reads_inline_think: the template takes an inline ``<think>...</think>`` out of the content itself.
+        thinking_switch: the template has a thinking switch (``enable_thinking``).
     """
 
     source: str
     name: str
     takes_tools: bool
     takes_tool_calls: bool
+    reasoning_fields: tuple[str, ...] = ()
+    reads_inline_think: bool = False
+    thinking_switch: bool = False
 
 
 def chat_format(source: str, name: str) -> ChatFormat:
-    return ChatFormat(source, name, "tools" in source, "tool_calls" in source)
+    import re
+
+    fields = tuple(f for f in REASONING_FIELDS if re.search(rf"\b{f}\b", source))
+    return ChatFormat(source, name, "tools" in source, "tool_calls" in source, fields, "</think>" in source,
+                      "enable_thinking" in source)
 
 
 def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_name: str | None) -> tuple[ChatFormat | None, str]:
@@ -343,18 +362,143 @@ def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_n
                  ".jinja sets one)"
 
 
-class TemplateProblem(Exception):
-    """A chat template that cannot label a row by position (caught and reported with the row)."""
+# Probe texts: rendered once per template to learn what it writes around a turn (no real text contains them).
+_PROBE_USER = "\u2063PROBE_USER\u2063"
+_PROBE_REASONING = "\u2063PROBE_REASONING\u2063"
+_PROBE_ANSWER = "\u2063PROBE_ANSWER\u2063"
+
+
+@dataclass(frozen=True)
+class TemplateTraits:
+    """What probe renders tell about a template (computed once per template and tokenizer).
+
+    Attributes:
+        closing: what a render without a generation prompt ends with that a conversation continuing does not
+            have (Phi-3's ``eos_token``); ``""`` for most templates.
+        rejects_system: rendering a system turn raises an error, a conversation without one renders.
+        reasoning_marks: ``(before, between)``: what the template writes before a probe turn's reasoning and between
+            it and the answer, after the generation prompt; ``None`` when the template does not write reasoning.
+        next_turn: the special token a template without an end-of-turn token writes next after an answer (the next
+            role's header), which then ends the turn.
+    """
+
+    closing: str
+    rejects_system: bool
+    reasoning_marks: tuple[str, str] | None
+    next_turn: str = ""  # the special token that starts the turn after an assistant turn (GLM's "<|user|>")
+
+
+_TRAITS: dict[tuple, TemplateTraits] = {}
+
+
+def template_variables(tokenizer: Any) -> dict[str, Any]:
+    """What a template reads besides the messages: the special tokens (``bos_token``, ``eos_token``, ...)."""
+    return dict(getattr(tokenizer, "special_tokens_map", {}) or {})
+
+
+def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
+    """Probe renders of ``fmt``: its closing suffix, whether it rejects a system turn, how it marks reasoning."""
+    key = (fmt.source, tuple(sorted(template_variables(tokenizer).items())))
+    if key in _TRAITS:
+        return _TRAITS[key]
+    variables = template_variables(tokenizer)
+    user = [{"role": "user", "content": _PROBE_USER}]
+
+    def r(msgs: list[dict], gen: bool) -> str:
+        return render(fmt.source, fmt.name, msgs, None, gen, variables)
+
+    def after(a: str, b: str) -> str:
+        """What ``b`` has after the tokens it shares with ``a`` (compared in tokens: a shared "<|" is no boundary)."""
+        ta, tb = _ids(tokenizer, a), _ids(tokenizer, b)
+        n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
+        return tokenizer.decode(tb[n:], skip_special_tokens=False)
+
+    plain, prompt = r(user, False), r(user, True)
+    closing = after(prompt, plain)
+    try:
+        r([{"role": "system", "content": _PROBE_USER}, *user], False)
+        rejects_system = False
+    except TemplateLimit:
+        raise
+    except TemplateProblem:
+        rejects_system = True
+    marks = None
+    turn = {"role": "assistant", "content": _PROBE_ANSWER}
+    if fmt.reasoning_fields or fmt.reads_inline_think:
+        turn = plain_message({**turn, "reasoning": _PROBE_REASONING}, fmt.reasoning_fields)
+        if not fmt.reasoning_fields:
+            turn["content"] = f"<think>\n{_PROBE_REASONING}\n</think>\n\n{_PROBE_ANSWER}"
+    try:
+        span = r([*user, turn], False)[len(prompt):]
+    except TemplateProblem:
+        span = ""
+    if _PROBE_REASONING in span and _PROBE_ANSWER in span.split(_PROBE_REASONING, 1)[1]:
+        between = span.split(_PROBE_REASONING, 1)[1].split(_PROBE_ANSWER, 1)[0]
+        marks = (span.split(_PROBE_REASONING, 1)[0], between)
+    next_turn = ""
+    try:
+        answered = [*user, {"role": "assistant", "content": _PROBE_ANSWER}]
+        follow = _ids(tokenizer, after(r(answered, False), r([*answered, *user], False)).lstrip())[:1]
+        if follow and follow[0] in _special_ids(tokenizer):
+            next_turn = tokenizer.decode(follow, skip_special_tokens=False)
+    except TemplateProblem:
+        pass
+    _TRAITS[key] = traits = TemplateTraits(closing, rejects_system, marks, next_turn)
+    return traits
+
+
+def split_reasoning(text: str, traits: TemplateTraits | None) -> dict[str, str] | None:
+    """A generated turn (special tokens kept) -> ``{"reasoning", "answer"}`` where the template marks reasoning
+    (the text it writes between a turn's reasoning and its answer, learned from a probe render); ``None`` otherwise.
+    """
+    if traits is None or traits.reasoning_marks is None:
+        return None
+    before, between = traits.reasoning_marks
+    cut = between.strip()
+    if not cut or cut not in text:
+        return {"reasoning": "", "answer": text.strip()}
+    reasoning, answer = text.split(cut, 1)
+    opener = before.strip()
+    if opener and reasoning.lstrip().startswith(opener):
+        reasoning = reasoning.lstrip()[len(opener):]
+    # what the template writes between reasoning and answer may be several marks (gpt-oss's channel switch)
+    rest = between[between.index(cut) + len(cut):].strip()
+    if rest and answer.lstrip().startswith(rest):
+        answer = answer.lstrip()[len(rest):]
+    return {"reasoning": reasoning.strip(), "answer": answer.strip()}
+
+
+@dataclass
+class ChatEncodeSettings:
+    """How conversations are encoded: what is trained, what long conversations lose, the thinking choice and what
+    happens to a system turn the template rejects."""
+
+    max_seq_length: int
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    truncation: Literal["drop_oldest", "exclude"] = "drop_oldest"
+    thinking: Literal["train_empty", "switch_off"] = "train_empty"
+    system_turn: Literal["fold", "refuse"] = "fold"
+
+
+def row_variables(tokenizer: Any, fmt: ChatFormat, messages: list[dict], thinking: str) -> dict[str, Any]:
+    """Template variables for one conversation: the special tokens, and the thinking switch off for a row without
+    reasoning under ``--thinking switch_off`` (as inference prompts with ``enable_thinking=False``)."""
+    variables = template_variables(tokenizer)
+    if thinking == "switch_off" and fmt.thinking_switch and not any(m.get("reasoning") for m in messages):
+        variables["enable_thinking"] = False
+    return variables
 
 
 def render_chat(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
-                add_generation_prompt: bool) -> str:
-    """The template's text for ``messages`` (internal form, see :mod:`surefit.data.formats`)."""
+                add_generation_prompt: bool, variables: dict[str, Any] | None = None,
+                system_turn: str = "fold") -> str:
+    """The template's text for ``messages`` (internal form, see :mod:`surefit.data.formats`), rendered in the
+    sandbox (:mod:`surefit.data.chat_render`) as the model's own tooling passes them."""
     import json
 
     msgs = []
     for m in messages:
-        msg = {k: v for k, v in m.items() if k != "train"}
+        msg = dict(m)
         if msg.get("tool_calls") and not fmt.takes_tool_calls:
             calls = [c.get("function", c) for c in msg.pop("tool_calls")]
             if not msg["content"].strip():
@@ -363,7 +507,10 @@ def render_chat(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: li
             # The content holds the call's JSON too (ShareGPT function_call): the template writes the call itself.
             if m["content"].strip().startswith(("{", "[")):
                 msg["content"] = ""
-        msgs.append(msg)
+        if msg.get("reasoning") and not fmt.reasoning_fields:
+            # A template with no reasoning field: the reasoning goes inline, where such templates (and models) read it
+            msg["content"] = f"<think>\n{msg['reasoning']}\n</think>\n\n{msg['content']}"
+        msgs.append(plain_message(msg, fmt.reasoning_fields))
     kwargs: dict[str, Any] = {}
     if tools and fmt.takes_tools:
         kwargs["tools"] = tools
@@ -373,20 +520,34 @@ def render_chat(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: li
             msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
         else:
             msgs.insert(0, {"role": "system", "content": note})
+    if variables is None:
+        variables = template_variables(tokenizer)
+    if (msgs and msgs[0]["role"] == "system" and system_turn == "fold" and len(msgs) > 1
+            and msgs[1]["role"] == "user" and template_traits(tokenizer, fmt).rejects_system):
+        msgs = [{**msgs[1], "content": msgs[0]["content"] + "\n\n" + msgs[1]["content"]}, *msgs[2:]]
     try:
-        return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             chat_template=fmt.source, **kwargs)
-    except Exception as e:  # a Jinja error raised by the template itself (e.g. "roles must alternate")
-        raise TemplateProblem(f"chat template ({fmt.name}) failed to render: {e}") from e
+        return render(fmt.source, fmt.name, msgs, kwargs.get("tools"), add_generation_prompt, variables)
+    except TemplateLimit:
+        raise
+    except TemplateProblem:
+        # Some templates concatenate a call's arguments as text (OpenAI's own form: a JSON string), others take
+        # an object: the arguments are passed as a JSON string when the object fails.
+        if not any(not isinstance(c.get("function", c).get("arguments", ""), str)
+                   for m in msgs for c in m.get("tool_calls") or []):
+            raise
+        msgs = [{**m, "tool_calls": [_string_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+                for m in msgs]
+        return render(fmt.source, fmt.name, msgs, kwargs.get("tools"), add_generation_prompt, variables)
 
 
-@dataclass
-class ChatEncodeSettings:
-    """How conversations are encoded: what is trained and what long conversations lose."""
+def _string_arguments(call: dict) -> dict:
+    import json
 
-    max_seq_length: int
-    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
-    truncation: Literal["drop_oldest", "exclude"] = "drop_oldest"
+    fn = call.get("function", call)
+    if isinstance(fn.get("arguments"), str):
+        return call
+    fn = {**fn, "arguments": json.dumps(fn.get("arguments", {}), ensure_ascii=False)}
+    return {**call, "function": fn} if "function" in call else fn
 
 
 def _trained_turns(messages: list[dict], train_on: str) -> list[int]:
@@ -401,110 +562,212 @@ def _special_ids(tokenizer: Any) -> set[int]:
     return ids
 
 
+@dataclass
+class Labelled:
+    """One encoded example of a conversation.
+
+    Attributes:
+        input_ids, labels: the example (labels -100 outside the trained spans).
+        prompt_len: where the last trained turn begins (generation feeds the ids before it).
+        terminators: the special ids that end the trained turns (generation stops on them).
+        text: the rendered text.
+        scaffolds: per trained turn without reasoning, what the template writes between the generation prompt and
+            the answer (an empty think block, a channel header); ``""`` where nothing.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+    prompt_len: int
+    terminators: set[int]
+    text: str
+    scaffolds: list[str] = field(default_factory=list)
+
+
+def _differ(a: str, b: str) -> str:
+    """Where two texts part, in words."""
+    i = common_prefix(a, b)
+    back = i
+    while back > max(0, i - 40) and a[back - 1] not in "\n >":  # show whole tokens: "<think>", not "think>"
+        back -= 1
+    i = back if back > max(0, i - 40) else i
+    return (f"at character {i}: the generation prompt has {a[i:i + 40]!r}, the training render has "
+            f"{b[i:i + 40]!r} (after {a[max(0, i - 30):i]!r})")
+
+
 def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
-                       train_on: str) -> tuple[list[int], list[int], int, set[int], str]:
+                       settings: ChatEncodeSettings | str = "all_assistant") -> list[Labelled]:
     """Token ids and labels of one conversation, labels by position.
 
-    Each trained assistant turn's span is the text between the render of the turns before it (with the generation
-    prompt) and the render of the turns up to it: the assistant's content plus what the template writes after it.
-    Its tokens up to the terminator are trained; whitespace after the terminator is not.
-    Each piece of text between span boundaries is tokenized on its own, so the spans are exact token spans.
-
-    Returns:
-        ``(input_ids, labels, prompt_len, terminator_ids, text)``: ``prompt_len`` is where the last trained turn
-        begins (generation feeds the ids before it); ``terminator_ids`` are the special ids the template writes
-        after an assistant turn (generation stops on them).
+    For each trained assistant turn, the prompt generation would build (the turns before it with the generation
+    prompt, the thinking switch as the run sets it) must be a prefix of the render up to and including the turn:
+    the text between the two is what the model must write, trained whole: template scaffolding (a think block, a
+    channel header), reasoning, the answer, and the token that ends the turn. Whitespace after that token is not
+    trained. Where each such render is also a prefix of the full render, the conversation is one example; where the
+    template rewrites earlier turns (Qwen3 drops their reasoning), each trained turn is its own example, the
+    conversation up to it, as the model sees it at inference.
 
     Raises:
-        TemplateProblem: the template's render of a prefix is not a prefix of the full render, a span does not
-            decode to its own text, or the span is not the assistant's content plus a terminator.
+        TemplateProblem: the generation prompt is not the start of the training render (names the turn and the first
+            differing characters), the template drops the turn's content or reasoning, or nothing ends the turn.
     """
-    full = render_chat(tokenizer, fmt, messages, tools, add_generation_prompt=False)
-    spans: list[tuple[int, int, int]] = []
-    for k in _trained_turns(messages, train_on):
-        before = render_chat(tokenizer, fmt, messages[:k], tools, add_generation_prompt=True)
-        upto = render_chat(tokenizer, fmt, messages[: k + 1], tools, add_generation_prompt=False)
-        if not (upto.startswith(before) and full.startswith(upto)):
-            raise TemplateProblem(
-                f"chat template ({fmt.name}): the render of the conversation up to turn {k + 1} is not a prefix of "
-                "the full render, so the assistant turn cannot be labelled by position")
-        spans.append((len(before), len(upto), k))
-    if not spans:
+    if isinstance(settings, str):
+        settings = ChatEncodeSettings(max_seq_length=1 << 62, train_on=settings)  # type: ignore[arg-type]
+    traits = template_traits(tokenizer, fmt)
+    variables = row_variables(tokenizer, fmt, messages, settings.thinking)
+
+    def r(msgs: list[dict], gen: bool) -> str:
+        return render_chat(tokenizer, fmt, msgs, tools, gen, variables, settings.system_turn)
+
+    turns = _trained_turns(messages, settings.train_on)
+    if not turns:
         raise TemplateProblem("no assistant turn to train")
+    closing = traits.closing
+
+    def body(text: str) -> str:
+        return text[: len(text) - len(closing)] if closing and text.endswith(closing) else text
+
+    full = r(messages, False)
+    renders = []
+    stable = True
+    for k in turns:
+        before, upto = r(messages[:k], True), r(messages[: k + 1], False)
+        if not upto.startswith(before):
+            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the prompt generation builds is not "
+                                  f"the start of the training render, so training would not match inference; they "
+                                  f"part {_differ(before, upto)}")
+        stable = stable and body(full).startswith(body(upto))
+        renders.append((k, before, upto))
+    if stable:
+        spans = [(k, len(before), len(body(upto))) for k, before, upto in renders]
+        return [_tokenize(tokenizer, fmt, traits, messages, tools, full, spans, renders[-1][1], r)]
+    return [_tokenize(tokenizer, fmt, traits, messages, tools, upto, [(k, len(before), len(body(upto)))], before, r)
+            for k, before, upto in renders]
+
+
+def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages: list[dict], tools: list | None,
+              text: str, spans: list[tuple[int, int, int]], last_prompt: str, r: Any) -> Labelled:
+    """Ids and labels of ``text`` with the character ``spans`` ``(turn, start, end)`` trained up to the token that
+    ends each turn. Each piece between span boundaries is tokenized on its own, so the spans are exact token spans;
+    the last span's prompt is checked against the prompt generation tokenizes whole."""
     specials = _special_ids(tokenizer)
     ids: list[int] = []
     labels: list[int] = []
     terminators: set[int] = set()
+    scaffolds: list[str] = []
     pos = 0
     prompt_len = 0
-    for start, end, k in spans:
+    for n, (k, start, end) in enumerate(spans):
         if start > pos:
-            piece = _ids(tokenizer, full[pos:start])
+            piece = _ids(tokenizer, text[pos:start])
             ids += piece
             labels += [-100] * len(piece)
         prompt_len = len(ids)
-        text = full[start:end]
-        piece = _ids(tokenizer, text)
-        if tokenizer.decode(piece, skip_special_tokens=False) != text:
+        span = text[start:end]
+        cut = _answer_end(span, messages[k], fmt, k)
+        scaffolds.append("" if messages[k].get("reasoning") else span[: _answer_start(span, messages[k])])
+        head, tail = _ids(tokenizer, span[:cut]), _ids(tokenizer, span[cut:])
+        if tokenizer.decode(head + tail, skip_special_tokens=False) != span:
             raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the assistant span's tokens do not "
-                                  f"decode to its text {text[:60]!r}")
-        _check_span(text, messages[k], piece, specials, fmt, k, tokenizer)
-        terminators |= {t for t in piece if t in specials}
-        # Whitespace the template writes after the terminator (ChatML's "\n") stays in the input but is not trained:
-        # generation stops at the terminator. After the last turn it is left out, so the sequence ends on it.
-        last = max(i for i, t in enumerate(piece) if t in specials) + 1
-        tail = piece[last:]
-        at_end = end == spans[-1][1] and not full[end:].strip()
-        ids += piece[:last] if at_end else piece
-        labels += piece[:last] + ([] if at_end else [-100] * len(tail))
-        pos = len(full) if at_end else end
-    if pos < len(full):
-        piece = _ids(tokenizer, full[pos:])
+                                  f"decode to its text {span[:60]!r}")
+        ends = [i for i, t in enumerate(tail) if t in specials]
+        if ends:
+            last = ends[-1] + 1
+            terminators.add(tail[ends[-1]])
+            ids += head + tail
+            labels += head + tail[:last] + [-100] * (len(tail) - last)
+            pos = end
+            continue
+        # No end-of-turn token in the span: the token the template writes next ends the turn (the next role's header
+        # or EOS); it is trained and becomes a stop id.
+        ids += head + tail
+        labels += head + tail
+        after = text[end:]
+        if n == len(spans) - 1 and not after.strip():
+            # The last turn: what would come next ends it (a closing EOS, else the next turn's header).
+            after = traits.closing if traits.closing.strip() else traits.next_turn
+            text = text[:end] + after
+        nxt = _ids(tokenizer, after.lstrip())[:1]
+        if not nxt or nxt[0] not in specials:
+            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: writes no end-of-turn token after the "
+                                  f"assistant's answer (after it: {span[cut:]!r}, then {after[:30]!r}), so the model "
+                                  "would never learn to stop")
+        ws = _ids(tokenizer, after[: len(after) - len(after.lstrip())])
+        ids += ws + nxt
+        labels += [-100] * len(ws) + nxt
+        terminators.add(nxt[0])
+        pos = end + len(after) - len(after.lstrip()) + len(tokenizer.decode(nxt, skip_special_tokens=False))
+    rest = text[pos:]
+    closing = traits.closing.strip()
+    if rest.strip() and rest.strip() == closing and all(t in specials for t in _ids(tokenizer, closing)):
+        # A closing EOS after the last turn (Phi-3): trained there only, so the sequence ends as the template ends it
+        ws, tail = _ids(tokenizer, rest[: rest.index(closing)]), _ids(tokenizer, closing)
+        ids += ws + tail
+        labels += [-100] * len(ws) + tail
+    elif rest.strip():
+        piece = _ids(tokenizer, rest)
         ids += piece
         labels += [-100] * len(piece)
-    return ids, labels, prompt_len, terminators, full
+    # Whitespace after the last terminator (ChatML's "\n") is left out: the sequence ends on the terminator.
+    while ids and labels[-1] == -100 and not tokenizer.decode(ids[-1:], skip_special_tokens=False).strip():
+        ids.pop()
+        labels.pop()
+    # Training = inference, in tokens: the prompt of the last trained turn is what generation tokenizes.
+    whole = _ids(tokenizer, last_prompt)
+    if whole != ids[:prompt_len]:
+        i = next((j for j, (a, b) in enumerate(zip(whole, ids[:prompt_len], strict=False)) if a != b), min(len(whole), prompt_len))
+        raise TemplateProblem(f"chat template ({fmt.name}), turn {spans[-1][0] + 1}: the generation prompt "
+                              f"tokenizes differently from the training example at token {i} "
+                              f"({tokenizer.decode(whole[i:i + 3])!r} vs {tokenizer.decode(ids[i:i + 3])!r})")
+    return Labelled(ids, labels, prompt_len, terminators, text, scaffolds)
 
 
-def _check_span(text: str, message: dict, piece: list[int], specials: set[int], fmt: ChatFormat, k: int,
-                tokenizer: Any) -> None:
-    """A trained span is the assistant's content (or its tool call), then only what the template writes after every
-    assistant turn: whitespace and at least one special token (the terminator the model must learn to stop on)."""
+def _answer_start(span: str, message: dict) -> int:
     content = message["content"].strip()
-    body = text.lstrip()
-    if content and body.startswith(content):
-        after = body[len(content):]
-    elif message.get("tool_calls"):
+    i = span.rfind(content) if content else -1
+    return max(i, 0)
+
+
+def _answer_end(span: str, message: dict, fmt: ChatFormat, k: int) -> int:
+    """Where the assistant's answer (or its tool call) ends in its trained span; the template must write the content
+    and the reasoning of the turn (dropping them would train something else than the row)."""
+    reasoning = (message.get("reasoning") or "").strip()
+    if reasoning and reasoning not in span:
+        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the template drops this turn's reasoning "
+                              f"(the trained span is {span[:80]!r}), so it would not be trained")
+    content = message["content"].strip()
+    if message.get("tool_calls"):
         names = [c.get("function", c).get("name", "") for c in message["tool_calls"]]
-        if not all(n in text for n in names):
-            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the tool call "
-                                  f"{', '.join(names)} is not in the trained span {text[:80]!r}")
-        return
-    else:
-        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the trained span {text[:80]!r} does not "
-                              "start with the assistant's content (the template changes it)")
-    if not any(t in specials for t in piece):
-        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: writes no end-of-turn token after the "
-                              f"assistant's answer (after it: {after!r}), so the model would never learn to stop")
-    rest = after
-    for t in sorted({tokenizer.convert_ids_to_tokens(i) for i in piece if i in specials}, key=len, reverse=True):
-        rest = rest.replace(t, "")
-    if rest.strip():
-        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: writes text other than its end-of-turn "
-                              f"token after the assistant's answer ({after!r}), which would be trained")
+        found = [span.rfind(n) for n in names]
+        if min(found) < 0:
+            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the tool call {', '.join(names)} is "
+                                  f"not in the trained span {span[:80]!r}")
+        if not content or content.startswith(("{", "[")):
+            i = max(found)
+            return i + len(names[found.index(i)])
+    if content and content in span:
+        return span.rfind(content) + len(content)
+    raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the trained span {span[:80]!r} does not hold "
+                          "the assistant's content (the template changes or drops it)")
+
+
+def _drop_candidates(messages: list[dict]) -> list[list[dict]]:
+    """The conversation without its 1, 2, ... oldest exchanges (the system turn stays)."""
+    start = 1 if messages and messages[0]["role"] == "system" else 0
+    first = next((j for j in range(start, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
+    cuts = [j for j in range(first + 1, len(messages)) if messages[j]["role"] == "user"]
+    return [messages[:start] + messages[j:] for j in cuts]
 
 
 def _drop_oldest(messages: list[dict]) -> list[dict] | None:
     """The conversation without its oldest exchange (the system turn stays); ``None`` when nothing can go."""
-    start = 1 if messages and messages[0]["role"] == "system" else 0
-    for j in range(start + 1, len(messages)):
-        if messages[j]["role"] == "user" and any(m["role"] == "assistant" for m in messages[start:j]):
-            return messages[:start] + messages[j:]
-    return None
+    cands = _drop_candidates(messages)
+    return cands[0] if cands else None
 
 
 @dataclass
 class ChatReport(EncodeReport):
-    """Encoding counts for conversations: turns dropped to fit, per-role turns and tokens."""
+    """Encoding counts for conversations: turns dropped to fit, per-role turns and tokens, examples per
+    conversation, the thinking choice and system turns folded."""
 
     turns_dropped: int = 0
     rows_shortened: list[tuple[str, int]] = field(default_factory=list)  # (where, turns dropped)
@@ -512,9 +775,29 @@ class ChatReport(EncodeReport):
     tools_rows: int = 0  # rows that give tool schemas
     tool_call_turns: int = 0  # assistant turns that call a tool
     tools_how: str = ""  # how the template got them, in words
+    examples: int = 0  # encoded examples (more than rows where the template rewrites earlier turns)
+    split_rows: int = 0  # conversations that became one example per trained turn
+    reasoning_turns: int = 0  # assistant turns with reasoning
+    reasoning_inline: int = 0  # ... written inline as <think>...</think> (the template reads no reasoning field)
+    scaffold: dict[str, int] = field(default_factory=dict)  # what the template writes before an answer -> turns
+    thinking: str = "train_empty"
+    thinking_rows: int = 0  # rows rendered with the thinking switch off (--thinking switch_off)
+    system_folded: int = 0  # system turns written into the first user turn
 
     def summary(self) -> str:
         base = super().summary()
+        if self.split_rows:
+            base += (f"; {self.split_rows} conversations became {self.split_examples} examples: the template rewrites "
+                     "earlier turns (e.g. drops their reasoning), so each trained turn is its own example, rendered "
+                     "as at inference")
+        if self.reasoning_turns:
+            base += f"; {self.reasoning_turns} assistant turns with reasoning (trained with the answer)"
+            if self.reasoning_inline:
+                base += (f", {self.reasoning_inline} of them written into the answer as <think>...</think> (the "
+                         "template reads no reasoning field)")
+        if self.system_folded:
+            base += (f"; {self.system_folded} system turns written at the start of the first user turn (the template "
+                     "rejects the system role; --system_turn refuse keeps its error)")
         if self.tools_rows:
             base += f"; {self.tools_rows} rows give tools ({self.tools_how})"
         if self.rows_shortened:
@@ -522,46 +805,58 @@ class ChatReport(EncodeReport):
                      f"{self.turns_dropped} turns dropped, system kept)")
         return base
 
+    split_examples: int = 0
+
+    def thinking_line(self) -> str | None:
+        """The thinking choice, where it applied: what the template writes before an answer without reasoning."""
+        if self.thinking == "switch_off" and self.thinking_rows:
+            return (f"thinking: {self.thinking_rows} rows without reasoning rendered with the template's thinking "
+                    "switch off (--thinking switch_off): the empty think block is in the prompt, not trained; "
+                    "predict and eval prompt with thinking off")
+        if not self.scaffold:
+            return None
+        shown = ", ".join(f"{t!r} ({n} turns)" for t, n in sorted(self.scaffold.items(), key=lambda x: -x[1])[:3])
+        return (f"thinking: the template writes {shown} before an answer without reasoning; trained with the answer "
+                "(--thinking train_empty, the default: the model learns to write it at inference; --thinking "
+                "switch_off puts it in the prompt where the template has a thinking switch)")
+
 
 def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, settings: ChatEncodeSettings,
                          split: str = "train") -> tuple[list[Example], ChatReport, list[tuple[str, str]], set[int]]:
     """Encode conversation rows (``messages`` / ``tools`` fields); labels by position on the template's render.
 
     Long conversations lose their oldest exchanges first (``drop_oldest``; the system turn stays) or are excluded
-    (``exclude``); an assistant turn is never cut. Both are counted in the report.
+    (``exclude``); an assistant turn is never cut. Both are counted in the report. The fit is found with one render
+    per step of a binary search, so a long conversation costs about one labelling of what is kept.
 
     Returns:
         ``(examples, report, template_problems, terminator_ids)``: ``template_problems`` are ``(where, text)`` of
         rows the template cannot label (the caller reports them; nothing trains on a mislabelled row).
+
+    Raises:
+        ConfigError: the template ran past the render limits (it would do so on any row).
     """
-    report = ChatReport(split=split, rows=len(rows))
+    from surefit.errors import ConfigError, Problem
+
+    report = ChatReport(split=split, rows=len(rows), thinking=settings.thinking)
     examples: list[Example] = []
     failures: list[tuple[str, str]] = []
     terminators: set[int] = set()
+    traits = None
     for row in rows:
         messages: list[dict] | None = row.fields["messages"]
         tools = row.fields.get("tools")
-        dropped = 0
         try:
-            while True:
-                ids, labels, prompt_len, term, _ = label_conversation(tokenizer, fmt, messages, tools,
-                                                                     settings.train_on)
-                if len(ids) <= settings.max_seq_length:
-                    break
-                shorter = _drop_oldest(messages) if settings.truncation == "drop_oldest" else None
-                if shorter is None or not _trained_turns(shorter, settings.train_on):
-                    how = ("even with only its last exchange" if settings.truncation == "drop_oldest"
-                           else "(--truncation exclude)")
-                    report.excluded.append((row.where, f"{len(ids)} tokens {how}; --max_seq_length is "
-                                                       f"{settings.max_seq_length}"))
-                    messages = None
-                    break
-                dropped += len(messages) - len(shorter)
-                messages = shorter
+            traits = traits or template_traits(tokenizer, fmt)
+            messages, labelled, dropped, why = _fit(tokenizer, fmt, messages, tools, settings)
+        except TemplateLimit as e:
+            raise ConfigError(Problem(str(e), f"{row.where}", "use a chat template that renders in bounded time "
+                                      "and size (--chat_format chatml|llama3|gemma|FILE.jinja)")) from None
         except TemplateProblem as e:
             failures.append((row.where, str(e)))
             continue
         if messages is None:
+            report.excluded.append((row.where, why))
             continue
         if dropped:
             report.turns_dropped += dropped
@@ -569,20 +864,74 @@ def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, setti
         for m in messages:
             report.roles[m["role"]] = report.roles.get(m["role"], 0) + 1
             report.tool_call_turns += bool(m.get("tool_calls"))
+            if m["role"] == "assistant" and m.get("reasoning"):
+                report.reasoning_turns += 1
+                report.reasoning_inline += not fmt.reasoning_fields
         if tools:
             report.tools_rows += 1
             report.tools_how = ("passed to the chat template" if fmt.takes_tools else "the chat template takes no "
                                 "tools: written into the system turn as JSON")
-        terminators |= term
-        ex = Example(input_ids=ids, labels=labels, prompt_len=prompt_len, row=row)
-        examples.append(ex)
-        report.tokens += len(ids)
-        report.supervised_tokens += ex.num_supervised
-        report.longest_target = max(report.longest_target, len(ids) - prompt_len)
-    report.encoded = len(examples)
+        if messages[0]["role"] == "system" and traits.rejects_system and settings.system_turn == "fold":
+            report.system_folded += 1
+        if "enable_thinking" in row_variables(tokenizer, fmt, messages, settings.thinking):
+            report.thinking_rows += 1
+        if len(labelled) > 1:
+            report.split_rows += 1
+            report.split_examples += len(labelled)
+        for lab in labelled:
+            for s in lab.scaffolds:
+                if s.strip():
+                    report.scaffold[s] = report.scaffold.get(s, 0) + 1
+            terminators |= lab.terminators
+            ex = Example(input_ids=lab.input_ids, labels=lab.labels, prompt_len=lab.prompt_len, row=row)
+            examples.append(ex)
+            report.tokens += len(ex.input_ids)
+            report.supervised_tokens += ex.num_supervised
+            report.longest_target = max(report.longest_target, len(ex.input_ids) - ex.prompt_len)
+        report.encoded += 1
+    report.examples = len(examples)
     return examples, report, failures, terminators
 
 
-def chat_prompt(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None) -> list[int]:
-    """Generation prompt ids: the conversation so far, then the assistant header."""
-    return _ids(tokenizer, render_chat(tokenizer, fmt, messages, tools, add_generation_prompt=True))
+def _fit(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
+         settings: ChatEncodeSettings) -> tuple[list[dict] | None, list[Labelled], int, str]:
+    """The conversation (oldest exchanges dropped to fit, or ``None``: excluded), its examples, the turns dropped
+    and, when excluded, why. The length is measured on the full render; the search over how many exchanges to drop
+    is a binary search, and only the kept conversation is labelled."""
+    limit = settings.max_seq_length
+    variables = row_variables(tokenizer, fmt, messages, settings.thinking)
+
+    def length(msgs: list[dict]) -> int:
+        return len(_ids(tokenizer, render_chat(tokenizer, fmt, msgs, tools, False, variables, settings.system_turn)))
+
+    cands = _drop_candidates(messages) if settings.truncation == "drop_oldest" else []
+    cands = [c for c in cands if _trained_turns(c, settings.train_on)]
+    first = 0  # candidates before it are known not to fit
+    kept = messages
+    if length(messages) > limit:
+        lo, hi = 0, len(cands)  # smallest i with cands[i] fitting; len(cands): none
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if length(cands[mid]) <= limit:
+                hi = mid
+            else:
+                lo = mid + 1
+        first = lo + 1
+        kept = cands[lo] if lo < len(cands) else None  # type: ignore[assignment]
+    while kept is not None:
+        labelled = label_conversation(tokenizer, fmt, kept, tools, settings)
+        longest = max(len(lab.input_ids) for lab in labelled)
+        if longest <= limit:
+            return kept, labelled, len(messages) - len(kept), ""
+        kept = cands[first] if first < len(cands) else None  # type: ignore[assignment]
+        first += 1
+    how = "even with only its last exchange" if settings.truncation == "drop_oldest" else "(--truncation exclude)"
+    return None, [], 0, f"{length(messages)} tokens {how}; --max_seq_length is {limit}"
+
+
+def chat_prompt(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
+                thinking: str = "train_empty", system_turn: str = "fold") -> list[int]:
+    """Generation prompt ids: the conversation so far, then what the template writes for generation, with the
+    thinking switch as training set it."""
+    variables = row_variables(tokenizer, fmt, messages, thinking)
+    return _ids(tokenizer, render_chat(tokenizer, fmt, messages, tools, True, variables, system_turn))

@@ -279,19 +279,27 @@ class Encoder:
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
             return encode_rows(rows, self.tokenizer, self.prompt, split=split, **_encode_settings(self.cfg))
-        settings = ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation)
-        examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat, settings, split)
+        examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat,
+                                                                       self.chat_settings(), split)
         self.terminators |= terminators
         if failures and not skip:
             shown = "; ".join(f"{w}: {why}" for w, why in failures[:5])
             more = f" and {len(failures) - 5} more" if len(failures) > 5 else ""
-            raise DataError(Problem(f"{len(failures)} {split} row{'s' if len(failures) != 1 else ''} cannot be rendered and labelled by position with "
-                                    f"the chat template: {shown}{more}", "--chat_format",
-                                    "use a chat template that renders these conversations, and whose render of a "
-                                    "conversation's start is the start of its full render (e.g. --chat_format chatml), "
-                                    "or pass --on_bad_rows skip to exclude these rows (listed)"))
+            n = len(failures)
+            which = "" if split == "all" else f"{split} "  # inspect encodes every row: "3 rows", not "3 all rows"
+            raise DataError(Problem(f"{n} {which}row{'s' if n != 1 else ''} cannot be rendered and labelled by "
+                                    f"position with the chat template: {shown}{more}", "--chat_format",
+                                    "use a chat template whose generation prompt is the start of its render of the "
+                                    "assistant turn and that writes the turn's content and reasoning (e.g. "
+                                    "--chat_format chatml or a fixed FILE.jinja), or pass --on_bad_rows skip to "
+                                    "exclude these rows (listed)"))
         report.excluded += failures
         return examples, report
+
+    def chat_settings(self) -> ChatEncodeSettings:
+        return ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation,
+                                  getattr(self.cfg, "thinking", "train_empty"),
+                                  getattr(self.cfg, "system_turn", "fold"))
 
     def prompt_ids(self, row: Row, room: int) -> tuple[list[int], int]:
         """Generation prompt of a row and how many tokens were cut from it: a conversation continues with the next
@@ -303,7 +311,8 @@ class Encoder:
         messages = list(row.fields["messages"])
         while messages and messages[-1]["role"] == "assistant":  # predict the last answer again
             messages.pop()
-        ids = chat_prompt(self.tokenizer, self.chat, messages, row.fields.get("tools"))
+        st = self.chat_settings()
+        ids = chat_prompt(self.tokenizer, self.chat, messages, row.fields.get("tools"), st.thinking, st.system_turn)
         full = len(ids)
         while len(ids) > room:
             start = 1 if messages[0]["role"] == "system" else 0
@@ -311,7 +320,8 @@ class Encoder:
             if nxt is None:
                 break
             messages = messages[:start] + messages[nxt:]
-            ids = chat_prompt(self.tokenizer, self.chat, messages, row.fields.get("tools"))
+            ids = chat_prompt(self.tokenizer, self.chat, messages, row.fields.get("tools"), st.thinking,
+                              st.system_turn)
         return ids, full - len(ids)
 
 
@@ -353,6 +363,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
     for rep in (train_rep, val_rep):
         say(rep.summary())
+        if rep is train_rep and (line := getattr(rep, "thinking_line", lambda: None)()):
+            say(line)
         for where, why in rep.excluded[:10]:
             say(f"  excluded {where}: {why}")
         if len(rep.excluded) > 10:
