@@ -11,11 +11,20 @@ tokens.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from surefit.data.encode import ChatEncodeSettings, chat_format, chat_prompt, encode_conversations
+from surefit.data.encode import (
+    ChatEncodeSettings,
+    chat_format,
+    chat_prompt,
+    encode_conversations,
+    special_texts,
+    split_reasoning,
+    template_traits,
+)
 from surefit.data.rows import Row
 
 trl = pytest.importorskip("trl", reason="the shipped templates are read from the trl package (pip install -e .[dev])")
@@ -236,3 +245,47 @@ def test_gpt_oss_channel_header_and_analysis_are_trained_with_the_answer():
 def test_no_template_is_left_untested():
     shipped = {p.stem for p in TEMPLATES.glob("*.jinja")}
     assert set(ALL) <= shipped
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_think", "gptoss", "glm4moe"])
+def test_a_generated_turn_splits_into_reasoning_and_answer_where_the_template_marks_them(name):
+    tok, fmt, row, (examples, _, _, _) = _encode(name, "reasoning")
+    generated = tok.decode(_runs(examples[-1])[-1], skip_special_tokens=False)  # what the model is taught to write
+    parts = split_reasoning(generated, template_traits(tok, fmt))
+    for special in special_texts(tok):
+        parts = {k: v.replace(special, "").strip() for k, v in parts.items()}
+    assert parts == {"reasoning": "Add six to forty-two.", "answer": "48."}
+
+
+REASONING_ROWS = [
+    {"messages": [{"role": "user", "content": f"What is {a} plus {b}?"},
+                  {"role": "assistant", "content": f"{a + b}.", "reasoning_content": f"Add {a} and {b}."}]}
+    for a in range(4) for b in range(4)]
+
+
+def test_qwen3_template_end_to_end_trains_reasoning_and_predicts_it_apart(tmp_path, capsys):
+    from conftest import build_tiny_lm
+    from surefit.cli import main
+
+    tok = shipped_tokenizer("qwen3")
+    model_dir = tmp_path / "qwen3-tiny"
+    build_tiny_lm(tok).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = tmp_path / "reasoning.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in REASONING_ROWS))
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(model_dir), "--data", str(data), "--epochs", "1", "--batch_size", "4",
+                 "--max_seq_length", "256", "--output_dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "messages[].reasoning_content  kept" in text
+    assert "assistant turns with reasoning (trained with the answer)" in text
+    ask = tmp_path / "ask.jsonl"
+    ask.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 1 plus 2?"}]}) + "\n")
+    assert main(["predict", "--run", str(out), "--file", str(ask)]) == 0
+    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert set(record) >= {"reasoning", "answer", "prediction"} and record["prediction"] == record["answer"]
+    assert main(["inspect", "--task", "sft", "--model", str(model_dir), "--data", str(data), "--limit", "1",
+                 "--show", "1"]) == 0
+    shown = capsys.readouterr().out
+    assert "<|im_start|>user\nWhat is 0 plus 0?<|im_end|>\n<|im_start|>assistant\n[[<think>\nAdd 0 and 0.\n</think>" \
+           "\n\n0.<|im_end|>]]" in shown

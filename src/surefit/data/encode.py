@@ -423,11 +423,10 @@ def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
     except TemplateProblem:
         rejects_system = True
     marks = None
-    turn = {"role": "assistant", "content": _PROBE_ANSWER}
-    if fmt.reasoning_fields or fmt.reads_inline_think:
-        turn = plain_message({**turn, "reasoning": _PROBE_REASONING}, fmt.reasoning_fields)
-        if not fmt.reasoning_fields:
-            turn["content"] = f"<think>\n{_PROBE_REASONING}\n</think>\n\n{_PROBE_ANSWER}"
+    turn = plain_message({"role": "assistant", "content": _PROBE_ANSWER, "reasoning": _PROBE_REASONING},
+                         fmt.reasoning_fields)
+    if not fmt.reasoning_fields:  # written inline, as render_chat writes reasoning for such a template
+        turn["content"] = f"<think>\n{_PROBE_REASONING}\n</think>\n\n{_PROBE_ANSWER}"
     try:
         span = r([*user, turn], False)[len(prompt):]
     except TemplateProblem:
@@ -447,16 +446,17 @@ def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
     return traits
 
 
-def split_reasoning(text: str, traits: TemplateTraits | None) -> dict[str, str] | None:
+def split_reasoning(text: str, traits: TemplateTraits | None, native: bool = True) -> dict[str, str] | None:
     """A generated turn (special tokens kept) -> ``{"reasoning", "answer"}`` where the template marks reasoning
     (the text it writes between a turn's reasoning and its answer, learned from a probe render); ``None`` otherwise.
+    ``native=False`` (a template that reads no reasoning; surefit wrote it inline): ``None`` unless the text has it.
     """
     if traits is None or traits.reasoning_marks is None:
         return None
     before, between = traits.reasoning_marks
     cut = between.strip()
     if not cut or cut not in text:
-        return {"reasoning": "", "answer": text.strip()}
+        return {"reasoning": "", "answer": text.strip()} if native else None
     reasoning, answer = text.split(cut, 1)
     opener = before.strip()
     if opener and reasoning.lstrip().startswith(opener):
@@ -553,6 +553,11 @@ def _string_arguments(call: dict) -> dict:
 def _trained_turns(messages: list[dict], train_on: str) -> list[int]:
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True)]
     return turns[-1:] if train_on == "last_assistant" else turns
+
+
+def special_texts(tokenizer: Any) -> list[str]:
+    """The special tokens as text, longest first (to take them out of a decoded generation)."""
+    return sorted({tokenizer.convert_ids_to_tokens(i) for i in _special_ids(tokenizer)}, key=len, reverse=True)
 
 
 def _special_ids(tokenizer: Any) -> set[int]:

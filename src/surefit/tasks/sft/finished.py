@@ -137,7 +137,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                               merge_lora=getattr(cfg, "eval_merge_lora", False),
                                               share_prompts=getattr(cfg, "eval_share_prefixes", False),
                                               fused=getattr(cfg, "fused_cross_entropy", True),
-                                              metric=choose_metric(cfg, bool(run.report.get("format_conversational"))))
+                                              metric=choose_metric(cfg, bool(run.report.get("format_conversational"))),
+                                              answer=encoder.answer_of())
     records = prediction_records(examples, preds, golds, input_field)
     if rep.excluded:
         metrics["excluded_rows"] = len(rep.excluded)
@@ -217,14 +218,18 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             prompts.append(ids)
             cut.append(n_cut)
         lengths: list[int] = []
+        raw: list[str] = []
         preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
                                max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
                                lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
-                               share_prefixes=getattr(cfg, "eval_share_prefixes", False))
+                               share_prefixes=getattr(cfg, "eval_share_prefixes", False), raw=raw)
         batch = []
-        for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
+        for row, pred, n_cut, n, text in zip(part, preds, cut, lengths, raw, strict=True):
             rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
                    "stopped": "end of turn" if n < max_new else f"max_new_tokens ({max_new})"}
+            parts = encoder.reasoning_answer(text)
+            if parts is not None:  # the template marks reasoning: both, apart; "prediction" is the answer
+                rec.update(prediction=parts["answer"], reasoning=parts["reasoning"], answer=parts["answer"])
             if n_cut:
                 rec["input_tokens_cut"] = n_cut
                 what = "oldest turns" if conversational else f"input tokens cut from the {cfg.truncation_side}"

@@ -31,6 +31,9 @@ from surefit.data.encode import (
     encode_prompts,
     encode_rows,
     resolve_chat_template,
+    special_texts,
+    split_reasoning,
+    template_traits,
 )
 from surefit.data.formats import (
     FormatChoice,
@@ -296,6 +299,35 @@ class Encoder:
         report.excluded += failures
         return examples, report
 
+    def reasoning_answer(self, raw: str) -> dict[str, str] | None:
+        """A generated turn (special tokens kept) -> ``{"reasoning", "answer"}`` where the template marks them."""
+        if self.chat is None:
+            return None
+        native = bool(self.chat.reasoning_fields or self.chat.reads_inline_think)
+        parts = split_reasoning(raw, template_traits(self.tokenizer, self.chat), native)
+        if parts is None:
+            return None
+        specials = special_texts(self.tokenizer)
+        for tok in specials:
+            parts = {k: v.replace(tok, "") for k, v in parts.items()}
+        return {k: v.strip() for k, v in parts.items()}
+
+    def answer_of(self) -> Callable[[str], str] | None:
+        """The answer of a generated turn, for the metrics (``None``: the whole turn is the answer)."""
+        if self.chat is None or template_traits(self.tokenizer, self.chat).reasoning_marks is None:
+            return None
+        specials = special_texts(self.tokenizer)
+
+        def answer(raw: str) -> str:
+            parts = self.reasoning_answer(raw)
+            if parts is not None:
+                return parts["answer"]
+            for tok in specials:
+                raw = raw.replace(tok, "")
+            return raw.strip()
+
+        return answer
+
     def chat_settings(self) -> ChatEncodeSettings:
         return ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation,
                                   getattr(self.cfg, "thinking", "train_empty"),
@@ -425,7 +457,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
                                                   merge_lora=cfg.eval_merge_lora,
                                                   share_prompts=cfg.eval_share_prefixes, generate=cfg.eval_generate,
-                                                  metric=metric, fused=cfg.fused_cross_entropy)
+                                                  metric=metric, fused=cfg.fused_cross_entropy,
+                                                  answer=encoder.answer_of())
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
@@ -530,7 +563,7 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
                    max_new_tokens: int, batch_size: int, accelerator: Any, say: Say = print,
                    progress: bool = False, lengths: list[int] | None = None, merge_lora: bool = False,
-                   share_prefixes: bool = False) -> list[str]:
+                   share_prefixes: bool = False, raw: list[str] | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
     With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
@@ -584,6 +617,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
     if lengths is not None:
         lengths += [len(g) for g in generated]
+    if raw is not None:  # special tokens kept: where the template marks reasoning and answer (channels, think tags)
+        raw += [tokenizer.decode(g, skip_special_tokens=False) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
 
 
@@ -591,7 +626,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
                       eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
                       say: Say = print, share_prefixes: bool = True, merge_lora: bool = False,
                       share_prompts: bool = False, generate: bool = True, metric: str = "squad",
-                      fused: bool = True) -> tuple[dict[str, float], list[str],
+                      fused: bool = True, answer: Callable[[str], str] | None = None) -> tuple[dict[str, float], list[str],
                                                                              list[list[str]]]:
     """Validation loss (per supervised token) and, with ``generate``, SQuAD F1 / exact match (normalised) and
     ROUGE-L of greedy generations against the gold answers (a conversation's gold is its last assistant turn).
@@ -620,9 +655,12 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
     )
     if not generate:
         return {"eval_loss": loss}, [], []
+    raw: list[str] = []
     preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
                            max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
-                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts)
+                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts, raw=raw)
+    if answer is not None:  # a reasoning template: the metrics score the answer, not the reasoning before it
+        preds = [answer(r) for r in raw]
     golds = [_golds(e.row, target_field) for e in examples]
     return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
 
