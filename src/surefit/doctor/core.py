@@ -113,6 +113,10 @@ CODES: dict[str, str] = {
     "new-head-frozen": "layers the loader initialised fresh (classifier, score, pooler) that stay frozen under PEFT "
                        "(not trainable, not in modules_to_save)",
     "turn-end-masked": "the chat template's end-of-turn token after a trained answer has label -100",
+    "assistant-mask-degenerate": "a TRL assistant / completion mask of all ones or all zeros",
+    "scaffold-masked": "template scaffolding before an answer (think block, channel header) masked while the "
+                       "answer is trained",
+    "chat-template-differs": "the tokenizer's chat template differs from the one the model ships",
     "dataset-item-failed": "the dry run could not read an item from the dataset",
     "collate-failed": "the dry run could not collate a batch",
     "forward-failed": "the dry run's forward pass or loss failed",

@@ -306,6 +306,16 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
               "turns": roles, "shortened": len(getattr(rep, "rows_shortened", [])), "excluded": len(rep.excluded)}
     say(f"{rep.encoded}/{rep.rows} rows encoded; {rep.tokens} tokens, {rep.supervised_tokens} supervised "
         f"({100.0 * rep.supervised_tokens / max(rep.tokens, 1):.1f}%)")
+    if getattr(rep, "split_rows", 0):
+        say(f"{rep.split_rows} conversations became {rep.split_examples} examples: the template rewrites earlier "
+            "turns (e.g. drops their reasoning), so each trained turn is its own example, rendered as at inference")
+    if getattr(rep, "reasoning_turns", 0):
+        say(f"reasoning: {rep.reasoning_turns} assistant turns carry reasoning, trained with their answer")
+    if (line := getattr(rep, "thinking_line", lambda: None)()):
+        say(line)
+    if getattr(rep, "system_folded", 0):
+        say(f"system turns: {rep.system_folded} written at the start of the first user turn (the template rejects "
+            "the system role; --system_turn refuse keeps its error)")
     if roles:
         trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
         say("turns per role: " + ", ".join(f"{r} {n}" for r, n in roles.items()) + f"; supervised: {trained} "
