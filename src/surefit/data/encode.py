@@ -637,9 +637,12 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
     for k in turns:
         before, upto = r(messages[:k], True), r(messages[: k + 1], False)
         if not upto.startswith(before):
+            hint = ("; this turn has reasoning, and the template's generation prompt does not let the model write it "
+                    "(thinking off): train such rows with the model's thinking template, or without their reasoning"
+                    if messages[k].get("reasoning") else "")
             raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the prompt generation builds is not "
                                   f"the start of the training render, so training would not match inference; they "
-                                  f"part {_differ(before, upto)}")
+                                  f"part {_differ(before, upto)}{hint}")
         stable = stable and body(full).startswith(body(upto))
         renders.append((k, before, upto))
     if stable:
