@@ -188,3 +188,44 @@ def messages_from_alpaca(f: dict, bad: RowProblems) -> list[dict]:
     output = f.get("output")
     out.append({"role": "assistant", "content": output if isinstance(output, str) else "", "train": True})
     return out
+
+
+# Keys of a message and what becomes of them (the rest of a message's keys are reported as dropped).
+_MESSAGE_KEYS = {
+    "role": "the turn's role", "content": "the turn's text", "from": "the turn's speaker", "value": "the turn's text",
+    "tool_calls": "the assistant's tool calls, passed to the template", "name": "passed to the template",
+    "tool_call_id": "passed to the template", "train": "whether the turn is trained",
+}
+
+
+def message_fields(rows: list, fmt: str, conversational: bool, sample: int = 1000) -> list[dict[str, str]]:
+    """The keys inside the rows' messages: reasoning (kept, trained with the answer) and keys nothing reads."""
+    container = {"messages": ("messages",), "sharegpt": ("conversations",),
+                 "prompt_completion": ("prompt", "completion")}.get(fmt)
+    if not container or not conversational:
+        return []
+    counts: dict[str, int] = {}
+    inline = 0
+    for r in rows[:sample]:
+        for c in container:
+            items = json_list(r.fields.get(c))
+            for m in items if isinstance(items, list) else []:
+                if not isinstance(m, dict):
+                    continue
+                for k, v in m.items():
+                    if v is not None:
+                        counts[k] = counts.get(k, 0) + 1
+                text = m.get("content", m.get("value"))
+                inline += isinstance(text, str) and text.lstrip().startswith("<think>") and "</think>" in text
+    out = []
+    for k, n in counts.items():
+        col = f"{container[0]}[].{k}"
+        if k in REASONING_KEYS:
+            out.append({"column": col, "status": "kept", "why": f"reasoning of {n} assistant turns: passed to the "
+                        "template in the field it reads, trained with the answer"})
+        elif k not in _MESSAGE_KEYS:
+            out.append({"column": col, "status": "dropped", "why": f"a message key no format reads ({n} turns)"})
+    if inline:
+        out.append({"column": f"{container[0]}[].content <think>", "status": "kept",
+                    "why": f"inline reasoning of {inline} turns: taken out of the content as the turn's reasoning"})
+    return out

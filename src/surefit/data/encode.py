@@ -14,13 +14,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from surefit.data.chat_render import (
-    REASONING_FIELDS,
+from surefit.data.chat_render import (  # noqa: F401 - re-exported: templates, probes, the sandboxed render
+    BUILTIN_CHAT_TEMPLATES,
+    ChatFormat,
     TemplateLimit,
     TemplateProblem,
-    common_prefix,
-    plain_message,
-    render,
+    TemplateTraits,
+    _special_ids,
+    answer_end,
+    answer_start,
+    chat_format,
+    differ,
+    render_chat,
+    row_variables,
+    special_texts,
+    split_reasoning,
+    template_traits,
+    thinking_line,
 )
 from surefit.data.rows import Row
 
@@ -255,75 +265,6 @@ def encode_prompts(
 
 # ------------------------------------------------------------------------------------------------------------ conversations
 
-# Built-in chat templates for base models that ship none. Each writes a terminator token after every turn, renders a
-# system turn, a tool turn and the tool schemas (as a system note), and ends a generation prompt with the assistant
-# header, so the render of a prefix is a prefix of the full render.
-BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
-    "chatml": (
-        "{% if tools %}{{ '<|im_start|>system\\n' }}{% if messages[0]['role'] == 'system' %}"
-        "{{ messages[0]['content'] + '\\n\\n' }}{% endif %}{{ 'You can call these tools:\\n' + (tools | tojson) + "
-        "'<|im_end|>\\n' }}{% endif %}"
-        "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
-        "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    ),
-    "llama3": (
-        "{{ bos_token }}{% if tools %}{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' }}"
-        "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
-        "{{ 'You can call these tools:\\n' + (tools | tojson) + '<|eot_id|>' }}{% endif %}"
-        "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
-        "{{ '<|start_header_id|>' + ('ipython' if m['role'] == 'tool' else m['role']) + '<|end_header_id|>\\n\\n' + "
-        "m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
-    ),
-    "gemma": (
-        "{{ bos_token }}{% set ns = namespace(system='') %}"
-        "{% if messages[0]['role'] == 'system' %}{% set ns.system = messages[0]['content'] + '\\n\\n' %}{% endif %}"
-        "{% if tools %}{% set ns.system = ns.system + 'You can call these tools:\\n' + (tools | tojson) + '\\n\\n' %}"
-        "{% endif %}{% set ns.first = true %}"
-        "{% for m in messages %}{% if m['role'] != 'system' %}"
-        "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
-        "{% if ns.first and m['role'] == 'user' %}{{ ns.system }}{% set ns.first = false %}{% endif %}"
-        "{{ m['content'] + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-    ),
-}
-TOOLS_NOTE = "You can call these tools:\n"
-
-
-@dataclass(frozen=True)
-class ChatFormat:
-    """A chat template and what it takes.
-
-    Attributes:
-        source: the Jinja text.
-        name: how it is named to the user: ``"the model's own"``, ``"chatml"``, a file path.
-        takes_tools: the template renders ``tools`` itself; otherwise they go into the system turn as JSON.
-        takes_tool_calls: the template renders an assistant turn's ``tool_calls``; otherwise the call is written
-            into the turn's content as JSON (so the model still learns to make it).
-        reasoning_fields: the message fields the template reads reasoning from (``reasoning_content``,
-            ``thinking``, ``reasoning``); empty: it reads none.
-        reads_inline_think: the template takes an inline ``<think>...</think>`` out of the content itself.
-        thinking_switch: the template has a thinking switch (``enable_thinking``).
-    """
-
-    source: str
-    name: str
-    takes_tools: bool
-    takes_tool_calls: bool
-    reasoning_fields: tuple[str, ...] = ()
-    reads_inline_think: bool = False
-    thinking_switch: bool = False
-
-
-def chat_format(source: str, name: str) -> ChatFormat:
-    import re
-
-    fields = tuple(f for f in REASONING_FIELDS if re.search(rf"\b{f}\b", source))
-    return ChatFormat(source, name, "tools" in source, "tool_calls" in source, fields, "</think>" in source,
-                      "enable_thinking" in source)
-
-
 def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_name: str | None) -> tuple[ChatFormat | None, str]:
     """Which chat template renders conversations, and why, in words.
 
@@ -362,112 +303,6 @@ def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_n
                  ".jinja sets one)"
 
 
-# Probe texts: rendered once per template to learn what it writes around a turn (no real text contains them).
-_PROBE_USER = "\u2063PROBE_USER\u2063"
-_PROBE_REASONING = "\u2063PROBE_REASONING\u2063"
-_PROBE_ANSWER = "\u2063PROBE_ANSWER\u2063"
-
-
-@dataclass(frozen=True)
-class TemplateTraits:
-    """What probe renders tell about a template (computed once per template and tokenizer).
-
-    Attributes:
-        closing: what a render without a generation prompt ends with that a conversation continuing does not
-            have (Phi-3's ``eos_token``); ``""`` for most templates.
-        rejects_system: rendering a system turn raises an error, a conversation without one renders.
-        reasoning_marks: ``(before, between)``: what the template writes before a probe turn's reasoning and between
-            it and the answer, after the generation prompt; ``None`` when the template does not write reasoning.
-        next_turn: the special token a template without an end-of-turn token writes next after an answer (the next
-            role's header), which then ends the turn.
-    """
-
-    closing: str
-    rejects_system: bool
-    reasoning_marks: tuple[str, str] | None
-    next_turn: str = ""  # the special token that starts the turn after an assistant turn (GLM's "<|user|>")
-
-
-_TRAITS: dict[tuple, TemplateTraits] = {}
-
-
-def template_variables(tokenizer: Any) -> dict[str, Any]:
-    """What a template reads besides the messages: the special tokens (``bos_token``, ``eos_token``, ...)."""
-    return dict(getattr(tokenizer, "special_tokens_map", {}) or {})
-
-
-def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
-    """Probe renders of ``fmt``: its closing suffix, whether it rejects a system turn, how it marks reasoning."""
-    key = (fmt.source, tuple(sorted(template_variables(tokenizer).items())))
-    if key in _TRAITS:
-        return _TRAITS[key]
-    variables = template_variables(tokenizer)
-    user = [{"role": "user", "content": _PROBE_USER}]
-
-    def r(msgs: list[dict], gen: bool) -> str:
-        return render(fmt.source, fmt.name, msgs, None, gen, variables)
-
-    def after(a: str, b: str) -> str:
-        """What ``b`` has after the tokens it shares with ``a`` (compared in tokens: a shared "<|" is no boundary)."""
-        ta, tb = _ids(tokenizer, a), _ids(tokenizer, b)
-        n = next((i for i, (x, y) in enumerate(zip(ta, tb, strict=False)) if x != y), min(len(ta), len(tb)))
-        return tokenizer.decode(tb[n:], skip_special_tokens=False)
-
-    plain, prompt = r(user, False), r(user, True)
-    closing = after(prompt, plain)
-    try:
-        r([{"role": "system", "content": _PROBE_USER}, *user], False)
-        rejects_system = False
-    except TemplateLimit:
-        raise
-    except TemplateProblem:
-        rejects_system = True
-    marks = None
-    turn = plain_message({"role": "assistant", "content": _PROBE_ANSWER, "reasoning": _PROBE_REASONING},
-                         fmt.reasoning_fields)
-    if not fmt.reasoning_fields:  # written inline, as render_chat writes reasoning for such a template
-        turn["content"] = f"<think>\n{_PROBE_REASONING}\n</think>\n\n{_PROBE_ANSWER}"
-    try:
-        span = r([*user, turn], False)[len(prompt):]
-    except TemplateProblem:
-        span = ""
-    if _PROBE_REASONING in span and _PROBE_ANSWER in span.split(_PROBE_REASONING, 1)[1]:
-        between = span.split(_PROBE_REASONING, 1)[1].split(_PROBE_ANSWER, 1)[0]
-        marks = (span.split(_PROBE_REASONING, 1)[0], between)
-    next_turn = ""
-    try:
-        answered = [*user, {"role": "assistant", "content": _PROBE_ANSWER}]
-        follow = _ids(tokenizer, after(r(answered, False), r([*answered, *user], False)).lstrip())[:1]
-        if follow and follow[0] in _special_ids(tokenizer):
-            next_turn = tokenizer.decode(follow, skip_special_tokens=False)
-    except TemplateProblem:
-        pass
-    _TRAITS[key] = traits = TemplateTraits(closing, rejects_system, marks, next_turn)
-    return traits
-
-
-def split_reasoning(text: str, traits: TemplateTraits | None, native: bool = True) -> dict[str, str] | None:
-    """A generated turn (special tokens kept) -> ``{"reasoning", "answer"}`` where the template marks reasoning
-    (the text it writes between a turn's reasoning and its answer, learned from a probe render); ``None`` otherwise.
-    ``native=False`` (a template that reads no reasoning; surefit wrote it inline): ``None`` unless the text has it.
-    """
-    if traits is None or traits.reasoning_marks is None:
-        return None
-    before, between = traits.reasoning_marks
-    cut = between.strip()
-    if not cut or cut not in text:
-        return {"reasoning": "", "answer": text.strip()} if native else None
-    reasoning, answer = text.split(cut, 1)
-    opener = before.strip()
-    if opener and reasoning.lstrip().startswith(opener):
-        reasoning = reasoning.lstrip()[len(opener):]
-    # what the template writes between reasoning and answer may be several marks (gpt-oss's channel switch)
-    rest = between[between.index(cut) + len(cut):].strip()
-    if rest and answer.lstrip().startswith(rest):
-        answer = answer.lstrip()[len(rest):]
-    return {"reasoning": reasoning.strip(), "answer": answer.strip()}
-
-
 @dataclass
 class ChatEncodeSettings:
     """How conversations are encoded: what is trained, what long conversations lose, the thinking choice and what
@@ -480,104 +315,17 @@ class ChatEncodeSettings:
     system_turn: Literal["fold", "refuse"] = "fold"
 
 
-def row_variables(tokenizer: Any, fmt: ChatFormat, messages: list[dict], thinking: str) -> dict[str, Any]:
-    """Template variables for one conversation: the special tokens, and the thinking switch off for a row without
-    reasoning under ``--thinking switch_off`` (as inference prompts with ``enable_thinking=False``)."""
-    variables = template_variables(tokenizer)
-    if thinking == "switch_off" and fmt.thinking_switch and not any(m.get("reasoning") for m in messages):
-        variables["enable_thinking"] = False
-    return variables
-
-
-def render_chat(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
-                add_generation_prompt: bool, variables: dict[str, Any] | None = None,
-                system_turn: str = "fold") -> str:
-    """The template's text for ``messages`` (internal form, see :mod:`surefit.data.formats`), rendered in the
-    sandbox (:mod:`surefit.data.chat_render`) as the model's own tooling passes them."""
-    import json
-
-    msgs = []
-    for m in messages:
-        msg = dict(m)
-        if msg.get("tool_calls") and not fmt.takes_tool_calls:
-            calls = [c.get("function", c) for c in msg.pop("tool_calls")]
-            if not msg["content"].strip():
-                msg["content"] = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
-        elif msg.get("tool_calls") and fmt.takes_tool_calls:
-            # The content holds the call's JSON too (ShareGPT function_call): the template writes the call itself.
-            if m["content"].strip().startswith(("{", "[")):
-                msg["content"] = ""
-        if msg.get("reasoning") and not fmt.reasoning_fields:
-            # A template with no reasoning field: the reasoning goes inline, where such templates (and models) read it
-            msg["content"] = f"<think>\n{msg['reasoning']}\n</think>\n\n{msg['content']}"
-        msgs.append(plain_message(msg, fmt.reasoning_fields))
-    kwargs: dict[str, Any] = {}
-    if tools and fmt.takes_tools:
-        kwargs["tools"] = tools
-    elif tools:
-        note = TOOLS_NOTE + json.dumps(tools, ensure_ascii=False)
-        if msgs and msgs[0]["role"] == "system":
-            msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + note}
-        else:
-            msgs.insert(0, {"role": "system", "content": note})
-    if variables is None:
-        variables = template_variables(tokenizer)
-    if (msgs and msgs[0]["role"] == "system" and system_turn == "fold" and len(msgs) > 1
-            and msgs[1]["role"] == "user" and template_traits(tokenizer, fmt).rejects_system):
-        msgs = [{**msgs[1], "content": msgs[0]["content"] + "\n\n" + msgs[1]["content"]}, *msgs[2:]]
-    try:
-        return render(fmt.source, fmt.name, msgs, kwargs.get("tools"), add_generation_prompt, variables)
-    except TemplateLimit:
-        raise
-    except TemplateProblem:
-        # Some templates concatenate a call's arguments as text (OpenAI's own form: a JSON string), others take
-        # an object: the arguments are passed as a JSON string when the object fails.
-        if not any(not isinstance(c.get("function", c).get("arguments", ""), str)
-                   for m in msgs for c in m.get("tool_calls") or []):
-            raise
-        msgs = [{**m, "tool_calls": [_string_arguments(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
-                for m in msgs]
-        return render(fmt.source, fmt.name, msgs, kwargs.get("tools"), add_generation_prompt, variables)
-
-
-def _string_arguments(call: dict) -> dict:
-    import json
-
-    fn = call.get("function", call)
-    if isinstance(fn.get("arguments"), str):
-        return call
-    fn = {**fn, "arguments": json.dumps(fn.get("arguments", {}), ensure_ascii=False)}
-    return {**call, "function": fn} if "function" in call else fn
-
-
 def _trained_turns(messages: list[dict], train_on: str) -> list[int]:
     turns = [k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("train", True)]
     return turns[-1:] if train_on == "last_assistant" else turns
-
-
-def special_texts(tokenizer: Any) -> list[str]:
-    """The special tokens as text, longest first (to take them out of a decoded generation)."""
-    return sorted({tokenizer.convert_ids_to_tokens(i) for i in _special_ids(tokenizer)}, key=len, reverse=True)
-
-
-def _special_ids(tokenizer: Any) -> set[int]:
-    ids = set(tokenizer.all_special_ids)
-    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-    ids |= {i for i, t in added.items() if getattr(t, "special", False)}
-    return ids
 
 
 @dataclass
 class Labelled:
     """One encoded example of a conversation.
 
-    Attributes:
-        input_ids, labels: the example (labels -100 outside the trained spans).
-        prompt_len: where the last trained turn begins (generation feeds the ids before it).
-        terminators: the special ids that end the trained turns (generation stops on them).
-        text: the rendered text.
-        scaffolds: per trained turn without reasoning, what the template writes between the generation prompt and
-            the answer (an empty think block, a channel header); ``""`` where nothing.
+    ``prompt_len``: where the last trained turn begins; ``terminators``: the ids that end the trained turns (stop
+    ids); ``scaffolds``: per trained turn without reasoning, what the template writes before the answer.
     """
 
     input_ids: list[int]
@@ -586,17 +334,6 @@ class Labelled:
     terminators: set[int]
     text: str
     scaffolds: list[str] = field(default_factory=list)
-
-
-def _differ(a: str, b: str) -> str:
-    """Where two texts part, in words."""
-    i = common_prefix(a, b)
-    back = i
-    while back > max(0, i - 40) and a[back - 1] not in "\n >":  # show whole tokens: "<think>", not "think>"
-        back -= 1
-    i = back if back > max(0, i - 40) else i
-    return (f"at character {i}: the generation prompt has {a[i:i + 40]!r}, the training render has "
-            f"{b[i:i + 40]!r} (after {a[max(0, i - 30):i]!r})")
 
 
 def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
@@ -642,7 +379,7 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
                     if messages[k].get("reasoning") else "")
             raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the prompt generation builds is not "
                                   f"the start of the training render, so training would not match inference; they "
-                                  f"part {_differ(before, upto)}{hint}")
+                                  f"part {differ(before, upto)}{hint}")
         stable = stable and body(full).startswith(body(upto))
         renders.append((k, before, upto))
     if stable:
@@ -671,8 +408,8 @@ def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages:
             labels += [-100] * len(piece)
         prompt_len = len(ids)
         span = text[start:end]
-        cut = _answer_end(span, messages[k], fmt, k)
-        scaffolds.append("" if messages[k].get("reasoning") else span[: _answer_start(span, messages[k])])
+        cut = answer_end(span, messages[k], fmt, k)
+        scaffolds.append("" if messages[k].get("reasoning") else span[: answer_start(span, messages[k])])
         head, tail = _ids(tokenizer, span[:cut]), _ids(tokenizer, span[cut:])
         if tokenizer.decode(head + tail, skip_special_tokens=False) != span:
             raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the assistant span's tokens do not "
@@ -729,47 +466,12 @@ def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages:
     return Labelled(ids, labels, prompt_len, terminators, text, scaffolds)
 
 
-def _answer_start(span: str, message: dict) -> int:
-    content = message["content"].strip()
-    i = span.rfind(content) if content else -1
-    return max(i, 0)
-
-
-def _answer_end(span: str, message: dict, fmt: ChatFormat, k: int) -> int:
-    """Where the assistant's answer (or its tool call) ends in its trained span; the template must write the content
-    and the reasoning of the turn (dropping them would train something else than the row)."""
-    reasoning = (message.get("reasoning") or "").strip()
-    if reasoning and reasoning not in span:
-        raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the template drops this turn's reasoning "
-                              f"(the trained span is {span[:80]!r}), so it would not be trained")
-    content = message["content"].strip()
-    if message.get("tool_calls"):
-        names = [c.get("function", c).get("name", "") for c in message["tool_calls"]]
-        found = [span.rfind(n) for n in names]
-        if min(found) < 0:
-            raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the tool call {', '.join(names)} is "
-                                  f"not in the trained span {span[:80]!r}")
-        if not content or content.startswith(("{", "[")):
-            i = max(found)
-            return i + len(names[found.index(i)])
-    if content and content in span:
-        return span.rfind(content) + len(content)
-    raise TemplateProblem(f"chat template ({fmt.name}), turn {k + 1}: the trained span {span[:80]!r} does not hold "
-                          "the assistant's content (the template changes or drops it)")
-
-
 def _drop_candidates(messages: list[dict]) -> list[list[dict]]:
     """The conversation without its 1, 2, ... oldest exchanges (the system turn stays)."""
     start = 1 if messages and messages[0]["role"] == "system" else 0
     first = next((j for j in range(start, len(messages)) if messages[j]["role"] == "assistant"), len(messages))
     cuts = [j for j in range(first + 1, len(messages)) if messages[j]["role"] == "user"]
     return [messages[:start] + messages[j:] for j in cuts]
-
-
-def _drop_oldest(messages: list[dict]) -> list[dict] | None:
-    """The conversation without its oldest exchange (the system turn stays); ``None`` when nothing can go."""
-    cands = _drop_candidates(messages)
-    return cands[0] if cands else None
 
 
 @dataclass
@@ -816,17 +518,8 @@ class ChatReport(EncodeReport):
     split_examples: int = 0
 
     def thinking_line(self) -> str | None:
-        """The thinking choice, where it applied: what the template writes before an answer without reasoning."""
-        if self.thinking == "switch_off" and self.thinking_rows:
-            return (f"thinking: {self.thinking_rows} rows without reasoning rendered with the template's thinking "
-                    "switch off (--thinking switch_off): the empty think block is in the prompt, not trained; "
-                    "predict and eval prompt with thinking off")
-        if not self.scaffold:
-            return None
-        shown = ", ".join(f"{t!r} ({n} turns)" for t, n in sorted(self.scaffold.items(), key=lambda x: -x[1])[:3])
-        return (f"thinking: the template writes {shown} before an answer without reasoning; trained with the answer "
-                "(--thinking train_empty, the default: the model learns to write it at inference; --thinking "
-                "switch_off puts it in the prompt where the template has a thinking switch)")
+        """The thinking choice, where it applied (see :func:`surefit.data.chat_render.thinking_line`)."""
+        return thinking_line(self.thinking, self.thinking_rows, self.scaffold)
 
 
 def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, settings: ChatEncodeSettings,

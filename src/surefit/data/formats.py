@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from surefit.data.conversation_shapes import (
-    REASONING_KEYS,
     RowProblems,
     json_list,
+    message_fields,
     messages_from_alpaca,
     messages_from_openai,
     messages_from_sharegpt,
@@ -270,48 +270,7 @@ def field_table(rows: list[Row], choice: FormatChoice, extra_used: tuple[str, ..
         else:
             table.append({"column": name, "status": "dropped",
                           "why": f"not part of the {choice.name} format{where}; name it in --template to use it"})
-    return table + _message_fields(rows, choice)
-
-
-# Keys of a message and what becomes of them (the rest of a message's keys are reported as dropped).
-_MESSAGE_KEYS = {
-    "role": "the turn's role", "content": "the turn's text", "from": "the turn's speaker", "value": "the turn's text",
-    "tool_calls": "the assistant's tool calls, passed to the template", "name": "passed to the template",
-    "tool_call_id": "passed to the template", "train": "whether the turn is trained",
-}
-
-
-def _message_fields(rows: list[Row], choice: FormatChoice, sample: int = 1000) -> list[dict[str, str]]:
-    """The keys inside the rows' messages: reasoning (kept, trained with the answer) and keys nothing reads."""
-    container = {"messages": ("messages",), "sharegpt": ("conversations",),
-                 "prompt_completion": ("prompt", "completion")}.get(choice.name)
-    if not container or not choice.conversational:
-        return []
-    counts: dict[str, int] = {}
-    inline = 0
-    for r in rows[:sample]:
-        for c in container:
-            items = json_list(r.fields.get(c))
-            for m in items if isinstance(items, list) else []:
-                if not isinstance(m, dict):
-                    continue
-                for k, v in m.items():
-                    if v is not None:
-                        counts[k] = counts.get(k, 0) + 1
-                text = m.get("content", m.get("value"))
-                inline += isinstance(text, str) and text.lstrip().startswith("<think>") and "</think>" in text
-    out = []
-    for k, n in counts.items():
-        col = f"{container[0]}[].{k}"
-        if k in REASONING_KEYS:
-            out.append({"column": col, "status": "kept", "why": f"reasoning of {n} assistant turns: passed to the "
-                        "template in the field it reads, trained with the answer"})
-        elif k not in _MESSAGE_KEYS:
-            out.append({"column": col, "status": "dropped", "why": f"a message key no format reads ({n} turns)"})
-    if inline:
-        out.append({"column": f"{container[0]}[].content <think>", "status": "kept",
-                    "why": f"inline reasoning of {inline} turns: taken out of the content as the turn's reasoning"})
-    return out
+    return table + message_fields(rows, choice.name, choice.conversational)
 
 
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")

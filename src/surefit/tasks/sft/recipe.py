@@ -18,6 +18,7 @@ import surefit.startup as startup
 import surefit.startup_cache as startup_cache
 from surefit.config import SFTConfig
 from surefit.data.augment import augment_conversations, augment_rows
+from surefit.data.chat_render import answer_of, reasoning_answer
 from surefit.data.collate import PadCollator
 from surefit.data.encode import (
     ChatEncodeSettings,
@@ -31,9 +32,6 @@ from surefit.data.encode import (
     encode_prompts,
     encode_rows,
     resolve_chat_template,
-    special_texts,
-    split_reasoning,
-    template_traits,
 )
 from surefit.data.formats import (
     FormatChoice,
@@ -301,32 +299,11 @@ class Encoder:
 
     def reasoning_answer(self, raw: str) -> dict[str, str] | None:
         """A generated turn (special tokens kept) -> ``{"reasoning", "answer"}`` where the template marks them."""
-        if self.chat is None:
-            return None
-        native = bool(self.chat.reasoning_fields or self.chat.reads_inline_think)
-        parts = split_reasoning(raw, template_traits(self.tokenizer, self.chat), native)
-        if parts is None:
-            return None
-        specials = special_texts(self.tokenizer)
-        for tok in specials:
-            parts = {k: v.replace(tok, "") for k, v in parts.items()}
-        return {k: v.strip() for k, v in parts.items()}
+        return None if self.chat is None else reasoning_answer(self.tokenizer, self.chat, raw)
 
     def answer_of(self) -> Callable[[str], str] | None:
         """The answer of a generated turn, for the metrics (``None``: the whole turn is the answer)."""
-        if self.chat is None or template_traits(self.tokenizer, self.chat).reasoning_marks is None:
-            return None
-        specials = special_texts(self.tokenizer)
-
-        def answer(raw: str) -> str:
-            parts = self.reasoning_answer(raw)
-            if parts is not None:
-                return parts["answer"]
-            for tok in specials:
-                raw = raw.replace(tok, "")
-            return raw.strip()
-
-        return answer
+        return None if self.chat is None else answer_of(self.tokenizer, self.chat)
 
     def chat_settings(self) -> ChatEncodeSettings:
         return ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation,
