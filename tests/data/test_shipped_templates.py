@@ -289,3 +289,18 @@ def test_qwen3_template_end_to_end_trains_reasoning_and_predicts_it_apart(tmp_pa
     shown = capsys.readouterr().out
     assert "<|im_start|>user\nWhat is 0 plus 0?<|im_end|>\n<|im_start|>assistant\n[[<think>\nAdd 0 and 0.\n</think>" \
            "\n\n0.<|im_end|>]]" in shown
+
+
+def test_a_refused_row_is_counted_in_words_with_its_fix(tmp_path):
+    from surefit.config import SFTConfig
+    from surefit.errors import DataError
+    from surefit.tasks.sft.recipe import Encoder
+
+    tok = shipped_tokenizer("qwen3_5_nothink")
+    enc = Encoder(SFTConfig(data="x.jsonl", output_dir=str(tmp_path)), tok, "", chat=chat_format(tok.chat_template, "nothink"))
+    row = Row({"messages": _messages("reasoning"), "tools": None}, "r.jsonl line 1", 0)
+    with pytest.raises(DataError) as e:
+        enc.encode([row], "all")
+    text = str(e.value)
+    assert "1 row cannot be rendered" in text and "all rows" not in text
+    assert "r.jsonl line 1: chat template (nothink), turn 2" in text and "thinking off" in text

@@ -545,11 +545,10 @@ def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, setti
     terminators: set[int] = set()
     traits = None
     for row in rows:
-        messages: list[dict] | None = row.fields["messages"]
         tools = row.fields.get("tools")
         try:
             traits = traits or template_traits(tokenizer, fmt)
-            messages, labelled, dropped, why = _fit(tokenizer, fmt, messages, tools, settings)
+            messages, labelled, dropped, why = _fit(tokenizer, fmt, row.fields["messages"], tools, settings)
         except TemplateLimit as e:
             raise ConfigError(Problem(str(e), f"{row.where}", "use a chat template that renders in bounded time "
                                       "and size (--chat_format chatml|llama3|gemma|FILE.jinja)")) from None
