@@ -189,6 +189,8 @@ def test_reasoning_template_report_names_the_rewrite_and_the_empty_think_block()
     tok, fmt, row, (examples, rep, failures, _) = _encode("qwen3", "three")
     assert failures == [] and len(examples) == 3
     assert ("1 conversations became 3 examples: the template rewrites earlier turns" in rep.summary())
+    # each example is scored against its own turn's answer
+    assert [e.row.fields["messages"][-1]["content"] for e in examples] == ["Hello, how can I help?", "Paris.", "Madrid."]
     assert rep.scaffold == {"<think>\n\n</think>\n\n": 3}
     assert "'<think>\\n\\n</think>\\n\\n' (3 turns)" in rep.thinking_line()
 

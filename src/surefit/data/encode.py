@@ -334,6 +334,7 @@ class Labelled:
     terminators: set[int]
     text: str
     scaffolds: list[str] = field(default_factory=list)
+    turn: int = -1  # the last trained turn (its answer is the example's gold)
 
 
 def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
@@ -463,7 +464,7 @@ def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages:
         raise TemplateProblem(f"chat template ({fmt.name}), turn {spans[-1][0] + 1}: the generation prompt "
                               f"tokenizes differently from the training example at token {i} "
                               f"({tokenizer.decode(whole[i:i + 3])!r} vs {tokenizer.decode(ids[i:i + 3])!r})")
-    return Labelled(ids, labels, prompt_len, terminators, text, scaffolds)
+    return Labelled(ids, labels, prompt_len, terminators, text, scaffolds, spans[-1][0])
 
 
 def _drop_candidates(messages: list[dict]) -> list[list[dict]]:
@@ -583,7 +584,9 @@ def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, setti
                 if s.strip():
                     report.scaffold[s] = report.scaffold.get(s, 0) + 1
             terminators |= lab.terminators
-            ex = Example(input_ids=lab.input_ids, labels=lab.labels, prompt_len=lab.prompt_len, row=row)
+            # An example of one turn answers that turn: its row holds the conversation up to it (gold, input)
+            one = row if len(labelled) == 1 else row.with_fields(messages=messages[: lab.turn + 1])
+            ex = Example(input_ids=lab.input_ids, labels=lab.labels, prompt_len=lab.prompt_len, row=one)
             examples.append(ex)
             report.tokens += len(ex.input_ids)
             report.supervised_tokens += ex.num_supervised
