@@ -19,9 +19,10 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from surefit.config_checks import (
-    EXAMPLES,
+    NONFINITE,
     at_least,
     divisors,
+    nonfinite_problems,
     output_dir_problems,
     report_to_problems,
     split_names,
@@ -156,24 +157,19 @@ class TrainConfig:
         at_least(p, self, "save_every", 0)
         if self.resume and self.overwrite:
             p.append(Problem("--resume and --overwrite both given", "--overwrite", "use one: continue the run, or replace it"))
-        # NaN passes every comparison below (nan <= 0 is False), and AdamW raises on it only after the run started.
-        for name in ("lr", "weight_decay", "max_grad_norm", "warmup_ratio", "lora_dropout", "val_fraction"):
-            value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                p.append(Problem(f"must be a finite number (got {value})", f"--{name}",
-                                 f"e.g. --{name} {EXAMPLES.get(name, '0.1')}"))
-        if not 0.0 <= self.val_fraction < 1.0:
+        p += nonfinite_problems(self)
+        if math.isfinite(self.val_fraction) and not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
         if self.lr <= 0 and math.isfinite(self.lr):
             p.append(Problem(f"must be > 0 (got {self.lr})", "--lr", "e.g. --lr 2e-4"))
         for name in ("weight_decay", "max_grad_norm", "lora_dropout"):
             if getattr(self, name) < 0 and math.isfinite(getattr(self, name)):
                 p.append(Problem(f"must be >= 0 (got {getattr(self, name)})", f"--{name}"))
-        if not 0.0 <= self.warmup_ratio < 1.0:
+        if math.isfinite(self.warmup_ratio) and not 0.0 <= self.warmup_ratio < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.warmup_ratio})", "--warmup_ratio"))
         if self.gpu_memory_gb is not None and str(self.gpu_memory_gb) != "auto":
             try:
-                ok = float(self.gpu_memory_gb) > 0
+                ok = math.isfinite(float(self.gpu_memory_gb)) and float(self.gpu_memory_gb) > 0
             except ValueError:
                 ok = False
             if not ok:
@@ -427,7 +423,10 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
                 problems.append(Problem(f"{e} (in the {source_name})", f"--{key}"))
     # Range and cross-field checks run on the values that did convert, so one report holds every problem.
     cfg = cls(**values)
-    problems += cfg.problems()
+    found = cfg.problems()
+    # A NaN or infinite value is named once as such: the range checks it also fails would only repeat it.
+    nonfinite = {q.where for q in found if q.what.startswith(NONFINITE)}
+    problems += [q for q in found if q.where not in nonfinite or q.what.startswith(NONFINITE)]
     if problems:
         raise ConfigError(problems)
     # Not a field: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).
