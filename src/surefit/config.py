@@ -377,10 +377,30 @@ def convert(value: Any, tp: Any) -> Any:
         except (TypeError, ValueError):
             raise ValueError(f"expected a number, got {value!r}") from None
     else:
-        out = str(value)
+        out = _text(value)
     if choices is not None and out not in choices:
         raise ValueError(f"expected one of {', '.join(map(str, choices))}; got {value!r}")
     return out
+
+
+def _text(value: Any) -> str:
+    """A text setting's value: text, a path, or a number YAML read as one. An object (a DataFrame, a ``datasets``
+    table, rows in a list) is refused by its kind: its ``str()`` would be read as a file name."""
+    import os
+
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    kind = type(value).__module__.split(".")[0] + "." + type(value).__name__
+    if isinstance(value, (list, tuple)):
+        kind = f"a list of {len(value)} {type(value[0]).__name__ if value else 'items'}" + ("s" if len(value) != 1 else "")
+    elif isinstance(value, dict):
+        kind = f"a dict with keys {', '.join(map(str, list(value)[:5]))}"
+    raise ValueError(f"expected text (a file path or a name), got {kind}; surefit reads data from files, so a run "
+                     "can be resumed and evaluated from its config. Save the rows as JSON Lines and pass the path: "
+                     "df.to_json('train.jsonl', orient='records', lines=True) for a pandas DataFrame, "
+                     "ds.to_json('train.jsonl') for a datasets.Dataset, or one json.dumps(row) a line for dicts")
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -407,6 +427,7 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}),
               (overrides_name, overrides or {}))
     given_later: set[str] = set()
+    unconverted: set[str] = set()  # a setting whose value did not convert is not checked again as missing
     for index, (source_name, source) in enumerate(layers):
         if index > 0:  # the YAML file and the flags: what the user gave, over the preset
             given_later |= {str(k).replace("-", "_") for k in source}
@@ -421,12 +442,14 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
                 values[key] = convert(raw, known[key].type)
             except ValueError as e:
                 problems.append(Problem(f"{e} (in the {source_name})", f"--{key}"))
+                unconverted.add(f"--{key}")
     # Range and cross-field checks run on the values that did convert, so one report holds every problem.
     cfg = cls(**values)
     found = cfg.problems()
     # A NaN or infinite value is named once as such: the range checks it also fails would only repeat it.
     nonfinite = {q.where for q in found if q.what.startswith(NONFINITE)}
-    problems += [q for q in found if q.where not in nonfinite or q.what.startswith(NONFINITE)]
+    problems += [q for q in found if q.where not in unconverted
+                 and (q.where not in nonfinite or q.what.startswith(NONFINITE))]
     if problems:
         raise ConfigError(problems)
     # Not a field: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).

@@ -25,7 +25,7 @@ from surefit.data.readers import check_text_fields, read_checked
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.models_lowbit import keep_4bit_trainable
+from surefit.models_lowbit import import_peft, keep_4bit_trainable
 from surefit.run_folder.finished import Run
 from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.recipe import (
@@ -68,7 +68,7 @@ def load(run: Run, say: Say = print, as_trained: bool = True, merge_dtype: str |
     final_source = ModelSource("folder", str(run.final), str(run.final))
     tokenizer, _ = load_tokenizer(str(run.final), final_source, cfg.trust_remote_code)
     if (run.final / "adapter_config.json").is_file():
-        from peft import PeftModel
+        PeftModel = import_peft().PeftModel  # noqa: N806 - the class, as `from peft import` would name it
 
         path, source = _base_model(run, say)
         # Adapters marked trainable as in training: what stays frozen is what training may have stored in 16 bits.
