@@ -71,7 +71,7 @@ def check_tool_calls(calls: Any, turn: int, bad: RowProblems) -> None:
             load_json(args, _MAX_ARGS_DEPTH)
         except ValueError as e:
             name = function.get("name") if isinstance(function.get("name"), str) else f"number {i}"
-            reason = f"{e.msg} at character {e.pos}" if isinstance(e, json.JSONDecodeError) else str(e)
+            reason = str(e)
             bad.add("shape", f"turn {turn}: the 'arguments' of tool call {name!r} are not valid JSON ({reason}): "
                     f"{args[:80]!r}; write them with json.dumps")
 
