@@ -70,18 +70,20 @@ def _parse_delimited(
     wrong_count = _Capped(problems, source, "lines", rejects)
     too_big = _Capped(problems, source, "lines", rejects)
     merged = _Capped(problems, source, "records", rejects)
-    spanning: list[tuple[int, list[tuple[int, str]], str]] = []  # (row position, lines, raw) of records with breaks
+    spanning: list[tuple[int, list[tuple[int, str]], _Raw]] = []  # (row position, lines, raw) of records with breaks
     profile = _Columns()
 
     try:
         header: list[str] | None = None
         last_line = 0
         for record in reader:
-            lines, current[:] = list(current), []
+            lines = current.copy()
+            current.clear()
             first_line, last_line = lines[0][0] if lines else last_line + 1, reader.line_num
-            raw = _clip("".join(text for _, text in lines).removesuffix("\n"))
+            # The record's text, built only for a record that is rejected or reported (most are neither).
+            raw = _Raw(lines)
             where = f"{source} line {first_line}"
-            over = next((n for n, _ in lines if n in decoded.oversized), None)
+            over = next((n for n, _ in lines if n in decoded.oversized), None) if decoded.oversized else None
             if over is not None and header is not None:
                 too_big.add(
                     Problem(
@@ -89,12 +91,12 @@ def _parse_delimited(
                         where=where,
                         fix="split the text into smaller rows, or remove the record",
                     ),
-                    raw=raw,
+                    raw=str(raw),
                 )
                 continue
             if not record or (len(record) == 1 and not record[0].strip()):
                 continue
-            bad_at = next((n for n, _ in lines if n in decoded.bad_lines), None)
+            bad_at = next((n for n, _ in lines if n in decoded.bad_lines), None) if decoded.bad_lines else None
             if header is None:
                 if bad_at is not None:
                     # Column names with replaced bytes would match no field; the header is the file's, not a row's.
@@ -115,7 +117,7 @@ def _parse_delimited(
                 reason, raw_line = decoded.bad_lines[bad_at]
                 if bad_at != first_line:
                     reason += f" (line {bad_at}, inside this record)"
-                rejects.append(Rejected(where, reason, raw if first_line != last_line else raw_line))
+                rejects.append(Rejected(where, reason, str(raw) if first_line != last_line else raw_line))
                 continue
             if len(record) != len(header):
                 spans = (f" (a quote opened at line {first_line} closes at line {last_line}: lines {first_line}-"
@@ -126,12 +128,12 @@ def _parse_delimited(
                         where=where,
                         fix=_cell_fix(kind),
                     ),
-                    raw=raw,
+                    raw=str(raw),
                 )
                 continue
             if first_line != last_line and quoting != csv.QUOTE_NONE:
                 spanning.append((len(rows), lines, raw))
-            elif len(record) > 1:
+            elif len(record) > 1 and profile.rows < _Columns.MAX_ROWS:
                 profile.add(record)
             rows.append(Row(fields=dict(zip(header, record, strict=True)), where=where, index=len(rows)))
             if limit is not None and len(rows) >= limit:
@@ -153,7 +155,7 @@ def _parse_delimited(
         for position, lines, raw in spanning:
             stray = _stray_quote(lines, header or [], profile, delimiter, source, kind)
             if stray is not None:
-                merged.add(stray, raw=raw)
+                merged.add(stray, raw=str(raw))
                 dropped.add(position)
         if dropped:
             kept = [r for i, r in enumerate(rows) if i not in dropped]
@@ -167,11 +169,24 @@ def _parse_delimited(
     return rows, issues
 
 
+class _Raw:
+    """A record's text from its lines, made when first asked for (``str``)."""
+
+    __slots__ = ("lines",)
+
+    def __init__(self, lines: list[tuple[int, str]]) -> None:
+        self.lines = lines
+
+    def __str__(self) -> str:
+        return _clip("".join(text for _, text in self.lines).removesuffix("\n")) or ""
+
+
 class _Columns:
     """What the one-line records show of each column: a column whose values are all numbers, or a few values that
     repeat (labels), constrains what a line can hold in it."""
 
     _MAX_VALUES = 20
+    MAX_ROWS = 10_000  # enough to know a column; the rest of a big file is not profiled
 
     def __init__(self) -> None:
         self.rows = 0
