@@ -61,3 +61,13 @@ def test_json_settings_nested_too_deep_are_configuration_problems(depth):
 def test_json_nested_within_the_limit_is_accepted():
     cfg = build_config(TASK_CONFIGS["custom"], None, _required("custom") | {"model_args": '{"a": [[[1]]]}'})
     assert cfg.model_args == '{"a": [[[1]]]}'
+
+
+def test_a_yaml_mapping_for_a_json_setting_is_that_json_and_an_object_for_a_path_is_refused_by_kind():
+    cfg = build_config(TASK_CONFIGS["custom"], {"model_args": {"vocab": 271, "dims": [1, 2]}}, _required("custom"))
+    assert cfg.model_args == '{"vocab": 271, "dims": [1, 2]}'
+    with pytest.raises(ConfigError) as e:
+        build_config(TASK_CONFIGS["sft"], {"data": ["a.jsonl", "b.jsonl"], "template": {"x": 1}}, {})
+    assert sorted((p.where, p.what.split(" (in")[0]) for p in e.value.problems) == [
+        ("--data", "expected text (a file path or a name), got a list of 2 strs"),
+        ("--template", "expected text (a file path or a name), got a dict with keys x")]

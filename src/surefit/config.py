@@ -397,10 +397,13 @@ def _text(value: Any) -> str:
         kind = f"a list of {len(value)} {type(value[0]).__name__ if value else 'items'}" + ("s" if len(value) != 1 else "")
     elif isinstance(value, dict):
         kind = f"a dict with keys {', '.join(map(str, list(value)[:5]))}"
-    raise ValueError(f"expected text (a file path or a name), got {kind}; surefit reads data from files, so a run "
-                     "can be resumed and evaluated from its config. Save the rows as JSON Lines and pass the path: "
-                     "df.to_json('train.jsonl', orient='records', lines=True) for a pandas DataFrame, "
-                     "ds.to_json('train.jsonl') for a datasets.Dataset, or one json.dumps(row) a line for dicts")
+    raise ValueError(f"expected text (a file path or a name), got {kind}")
+
+
+# Said after a data setting that got an object: the rows must be in a file that the run's config can name.
+_SAVE_ROWS = ("; surefit reads data from files, so a run can be resumed and evaluated from its config. Save the rows "
+              "as JSON Lines and pass the path: df.to_json('train.jsonl', orient='records', lines=True) for a pandas "
+              "DataFrame, ds.to_json('train.jsonl') for a datasets.Dataset, or one json.dumps(row) a line for dicts")
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -438,10 +441,15 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
                 fix = f"did you mean '{close[0]}'?" if close else "see `surefit train --help` for the settings"
                 problems.append(Problem(f"unknown setting '{key}' (in the {source_name})", f"--{key}", fix))
                 continue
+            if key.endswith("_args") and isinstance(raw, dict):
+                import json
+
+                raw = json.dumps(raw)  # a YAML mapping for a JSON setting (model_args, head_args) means that JSON
             try:
                 values[key] = convert(raw, known[key].type)
             except ValueError as e:
-                problems.append(Problem(f"{e} (in the {source_name})", f"--{key}"))
+                advice = _SAVE_ROWS if key in ("data", "val_data") and str(e).startswith("expected text") else ""
+                problems.append(Problem(f"{e} (in the {source_name}){advice}", f"--{key}"))
                 unconverted.add(f"--{key}")
     # Range and cross-field checks run on the values that did convert, so one report holds every problem.
     cfg = cls(**values)
