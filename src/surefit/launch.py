@@ -113,8 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         processes = int(parsed.nproc_per_node) if str(parsed.nproc_per_node).isdigit() else len(e.failures)
         lost = lost_by_launcher({r: f.exitcode for r, f in e.failures.items()}, processes, _output_dir(args))
         if lost is not None:
-            print(lost.render(), file=sys.stderr)
-            return lost.exit_code
+            print(lost.render(), file=sys.stderr)  # the exit code stays the processes' own, as below
         failure = e.failures.get(0) or e.get_first_failure()[1]
         code = failure.exitcode
         return 128 - code if code < 0 else code
