@@ -352,3 +352,33 @@ def test_quantize_is_refused_where_it_cannot_work(argv, says, tmp_path, capsys):
     assert main(["train", "--data", str(data), "--quantize", "4bit", "--output_dir", str(tmp_path / "o"), *argv]) != 0
     captured = capsys.readouterr()
     assert says in captured.out + captured.err
+
+
+@needs_bnb
+@pytest.mark.parametrize("hide", ["absent", "broken"])
+def test_export_merge_of_a_4bit_run_needs_no_bitsandbytes_and_eval_names_it(run4, tmp_path, hide):
+    """``absent``: None in sys.modules (how Python spells 'not installed'). ``broken``: an installed bitsandbytes
+    whose import fails as a missing native library does; peft imports it whenever it is installed."""
+    out, _ = run4
+    fake = tmp_path / "site"
+    (fake / "bitsandbytes").mkdir(parents=True)
+    (fake / "bitsandbytes" / "__init__.py").write_text(
+        'raise OSError("libbitsandbytes_cpu.so: cannot open shared object file")\n')
+    hiding = ('sys.modules["bitsandbytes"] = None' if hide == "absent" else f"sys.path.insert(0, {str(fake)!r})")
+    script = f"import sys\n{hiding}\nfrom surefit.cli import main\nsys.exit(main(sys.argv[1:]))\n"
+    env = {"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300,
+                              env=env)
+
+    done = run("export", "--run", str(out), "--merge", "--to", str(tmp_path / "merged"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "merged" / "model.safetensors").is_file()
+    done = run("eval", "--run", str(out))
+    text = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in text
+    expected = ("which is not installed" if hide == "absent" else
+                "which is installed but cannot be loaded on this machine (OSError: libbitsandbytes_cpu.so")
+    assert f"--quantize 4bit needs bitsandbytes, {expected}" in text
+    assert "pip install 'surefit[quantize]'" in text

@@ -179,7 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                 return launch(processes, ["train", *rest])
             from surefit.api import train
 
-            train(cfg)
+            try:
+                train(cfg)
+            except Exception as e:
+                from surefit.training.distributed import process_index
+                from surefit.training.lost_worker import lost_here, peer_gone
+
+                if world_size() > 1 and peer_gone(e):  # a collective found another process of the run gone
+                    raise lost_here(e, process_index(), world_size(), cfg.output_dir) from e
+                raise
             finish()
             return 0
         if command == "doctor":

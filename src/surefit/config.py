@@ -19,9 +19,10 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from surefit.config_checks import (
-    EXAMPLES,
+    NONFINITE,
     at_least,
     divisors,
+    nonfinite_problems,
     output_dir_problems,
     report_to_problems,
     split_names,
@@ -156,24 +157,19 @@ class TrainConfig:
         at_least(p, self, "save_every", 0)
         if self.resume and self.overwrite:
             p.append(Problem("--resume and --overwrite both given", "--overwrite", "use one: continue the run, or replace it"))
-        # NaN passes every comparison below (nan <= 0 is False), and AdamW raises on it only after the run started.
-        for name in ("lr", "weight_decay", "max_grad_norm", "warmup_ratio", "lora_dropout", "val_fraction"):
-            value = getattr(self, name)
-            if isinstance(value, float) and not math.isfinite(value):
-                p.append(Problem(f"must be a finite number (got {value})", f"--{name}",
-                                 f"e.g. --{name} {EXAMPLES.get(name, '0.1')}"))
-        if not 0.0 <= self.val_fraction < 1.0:
+        p += nonfinite_problems(self)
+        if math.isfinite(self.val_fraction) and not 0.0 <= self.val_fraction < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.val_fraction})", "--val_fraction", "e.g. --val_fraction 0.1"))
         if self.lr <= 0 and math.isfinite(self.lr):
             p.append(Problem(f"must be > 0 (got {self.lr})", "--lr", "e.g. --lr 2e-4"))
         for name in ("weight_decay", "max_grad_norm", "lora_dropout"):
             if getattr(self, name) < 0 and math.isfinite(getattr(self, name)):
                 p.append(Problem(f"must be >= 0 (got {getattr(self, name)})", f"--{name}"))
-        if not 0.0 <= self.warmup_ratio < 1.0:
+        if math.isfinite(self.warmup_ratio) and not 0.0 <= self.warmup_ratio < 1.0:
             p.append(Problem(f"must be in [0, 1) (got {self.warmup_ratio})", "--warmup_ratio"))
         if self.gpu_memory_gb is not None and str(self.gpu_memory_gb) != "auto":
             try:
-                ok = float(self.gpu_memory_gb) > 0
+                ok = math.isfinite(float(self.gpu_memory_gb)) and float(self.gpu_memory_gb) > 0
             except ValueError:
                 ok = False
             if not ok:
@@ -389,10 +385,33 @@ def convert(value: Any, tp: Any) -> Any:
         except (TypeError, ValueError):
             raise ValueError(f"expected a number, got {value!r}") from None
     else:
-        out = str(value)
+        out = _text(value)
     if choices is not None and out not in choices:
         raise ValueError(f"expected one of {', '.join(map(str, choices))}; got {value!r}")
     return out
+
+
+def _text(value: Any) -> str:
+    """A text setting's value: text, a path, or a number YAML read as one. An object (a DataFrame, a ``datasets``
+    table, rows in a list) is refused by its kind: its ``str()`` would be read as a file name."""
+    import os
+
+    if isinstance(value, (str, int, float)):
+        return str(value)
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    kind = type(value).__module__.split(".")[0] + "." + type(value).__name__
+    if isinstance(value, (list, tuple)):
+        kind = f"a list of {len(value)} {type(value[0]).__name__ if value else 'items'}" + ("s" if len(value) != 1 else "")
+    elif isinstance(value, dict):
+        kind = f"a dict with keys {', '.join(map(str, list(value)[:5]))}"
+    raise ValueError(f"expected text (a file path or a name), got {kind}")
+
+
+# Said after a data setting that got an object: the rows must be in a file that the run's config can name.
+_SAVE_ROWS = ("; surefit reads data from files, so a run can be resumed and evaluated from its config. Save the rows "
+              "as JSON Lines and pass the path: df.to_json('train.jsonl', orient='records', lines=True) for a pandas "
+              "DataFrame, ds.to_json('train.jsonl') for a datasets.Dataset, or one json.dumps(row) a line for dicts")
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -419,6 +438,7 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     layers = ((f"preset {preset_name}", preset_values), (yaml_name, yaml_values or {}),
               (overrides_name, overrides or {}))
     given_later: set[str] = set()
+    unconverted: set[str] = set()  # a setting whose value did not convert is not checked again as missing
     for index, (source_name, source) in enumerate(layers):
         if index > 0:  # the YAML file and the flags: what the user gave, over the preset
             given_later |= {str(k).replace("-", "_") for k in source}
@@ -429,13 +449,23 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
                 fix = f"did you mean '{close[0]}'?" if close else "see `surefit train --help` for the settings"
                 problems.append(Problem(f"unknown setting '{key}' (in the {source_name})", f"--{key}", fix))
                 continue
+            if key.endswith("_args") and isinstance(raw, dict):
+                import json
+
+                raw = json.dumps(raw)  # a YAML mapping for a JSON setting (model_args, head_args) means that JSON
             try:
                 values[key] = convert(raw, known[key].type)
             except ValueError as e:
-                problems.append(Problem(f"{e} (in the {source_name})", f"--{key}"))
+                advice = _SAVE_ROWS if key in ("data", "val_data") and str(e).startswith("expected text") else ""
+                problems.append(Problem(f"{e} (in the {source_name}){advice}", f"--{key}"))
+                unconverted.add(f"--{key}")
     # Range and cross-field checks run on the values that did convert, so one report holds every problem.
     cfg = cls(**values)
-    problems += cfg.problems()
+    found = cfg.problems()
+    # A NaN or infinite value is named once as such: the range checks it also fails would only repeat it.
+    nonfinite = {q.where for q in found if q.what.startswith(NONFINITE)}
+    problems += [q for q in found if q.where not in unconverted
+                 and (q.where not in nonfinite or q.what.startswith(NONFINITE))]
     if problems:
         raise ConfigError(problems)
     # Not a field: the settings only the preset gave (a GPU preset's CPU-only slowdowns are dropped on a CPU).

@@ -5,6 +5,7 @@ the output folder. ``config.py``'s dataclasses call them from their ``problems()
 from __future__ import annotations
 
 import difflib
+import math
 import typing
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,27 @@ from typing import Any
 from surefit.errors import Problem
 
 EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns clipping off)", "warmup_ratio": "0.05",
-             "lora_dropout": "0.05", "val_fraction": "0.1"}
+             "lora_dropout": "0.05", "val_fraction": "0.1", "warmup": "100 (steps) or 0.05 (of the steps)",
+            "min_lr": "0", "max_memory_gb": "8"}
 
+
+NONFINITE = "must be a finite number"
+
+
+def nonfinite_problems(cfg: Any) -> list[Problem]:
+    """Every float setting of ``cfg`` that is NaN or infinite, whatever its name: one check over the dataclass's
+    fields, so a float setting added later is covered. NaN passes every range check (``nan < 0`` is False), and
+    the optimizer or scheduler would raise on it only after the run started."""
+    import dataclasses
+
+    p: list[Problem] = []
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            default = f.default if isinstance(f.default, (int, float)) and not isinstance(f.default, bool) else None
+            example = EXAMPLES.get(f.name, default if default is not None and math.isfinite(default) else "0.1")
+            p.append(Problem(f"{NONFINITE} (got {value})", f"--{f.name}", f"e.g. --{f.name} {example}"))
+    return p
 
 
 # Words in a metric's name saying lower is better; for scores (f1, accuracy, exact match ...) higher is.
@@ -59,7 +79,7 @@ def training_control_problems(cfg: Any) -> list[Problem]:
     if cfg.log_samples and cfg.task == "custom":
         p.append(Problem("--log_samples needs predictions, and custom models make none (their evaluation is the loss)",
                          "--log_samples", "drop --log_samples"))
-    if cfg.warmup is not None and (cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer())):
+    if cfg.warmup is not None and math.isfinite(cfg.warmup) and (cfg.warmup < 0 or (cfg.warmup >= 1 and not float(cfg.warmup).is_integer())):
         p.append(Problem(f"must be a whole number of steps (>= 1) or a ratio in [0, 1) (got {cfg.warmup})",
                          "--warmup", "e.g. --warmup 100 (steps) or --warmup 0.05 (of the steps)"))
     if cfg.min_lr < 0 or (cfg.lr > 0 and cfg.min_lr >= cfg.lr):

@@ -32,12 +32,8 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(Problem(f"{path} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config holds settings, "
                                   "not data", "--config", "pass the settings file (data goes in --data)"))
     try:
-        loader = _ConfigLoader(raw.decode("utf-8"))  # yaml.SafeLoader with caps: safe_load's construction
-        try:
-            data = loader.get_single_data()
-        finally:
-            loader.dispose()
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        data = load_yaml_text(raw.decode("utf-8"))  # yaml.SafeLoader with caps: safe_load's construction
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
         raise ConfigError(Problem(f"cannot parse {path}: {e}", "--config", "fix the YAML syntax")) from e
     if data is None:
         return {}
@@ -98,6 +94,56 @@ class _ConfigLoader(yaml.SafeLoader):
                 raise yaml.composer.ComposerError(None, None, f"its aliases expand to more than {MAX_CONFIG_NODES:,} "
                                                   "values (an alias bomb?)", node.start_mark)
         return node
+
+
+# --- JSON from user input: one parser with a depth limit (a config's JSON values, data rows, tool-call arguments) --
+
+# A settings object (model_args, head_args) is a few levels deep; past this the factory call, the saved config and
+# the start-up cache key would recurse into a RecursionError.
+MAX_JSON_DEPTH = 32
+
+
+class TooDeep(ValueError):
+    """JSON or YAML nested deeper than its limit (a ``ValueError``, so callers that catch bad JSON catch it too)."""
+
+
+def check_depth(value: Any, limit: int) -> Any:
+    """``value`` unchanged, or :class:`TooDeep` when its lists and mappings nest more than ``limit`` levels.
+
+    Walks with a stack, not recursion, so the check itself cannot overflow.
+    """
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children is None:
+            continue
+        if depth > limit:
+            raise TooDeep(f"nested more than {limit} levels deep")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list, tuple)))
+    return value
+
+
+def load_json(text: str | bytes, limit: int = MAX_JSON_DEPTH) -> Any:
+    """``json.loads`` for text a user gave: malformed, too deep (also past Python's recursion limit) or an integer
+    Python refuses all raise ``ValueError`` with a readable reason, never ``RecursionError``."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise TooDeep(f"nested more than {limit} levels deep (past what Python's parser can follow)") from None
+    return check_depth(value, limit)
+
+
+def load_yaml_text(text: str) -> Any:
+    """YAML a user or a run folder gave, through the same capped safe loader as ``--config`` (depth, aliases,
+    expansion): raises ``yaml.YAMLError`` for hostile or malformed text."""
+    loader = _ConfigLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 PRESET_DIR = Path(__file__).parent / "presets"

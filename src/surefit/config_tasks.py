@@ -6,12 +6,12 @@ They add to :class:`~surefit.config.TrainConfig` what their task needs; ``config
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from surefit.config import SFTConfig, TrainConfig, opt
+from surefit.config_files import load_json
 from surefit.errors import Problem
 
 
@@ -55,11 +55,11 @@ class ClassifyConfig(TrainConfig):
             )
         if self.head_args is not None:
             try:
-                args = json.loads(self.head_args)
+                args = load_json(self.head_args)
                 if not isinstance(args, dict):
                     raise ValueError("not an object")
             except ValueError as e:
-                p.append(Problem(f"not a JSON object ({e}): {self.head_args!r}", "--head_args", "e.g. '{\"filters\": 64}'"))
+                p.append(Problem(f"not a JSON object ({e}): {_short(self.head_args)}", "--head_args", "e.g. '{\"filters\": 64}'"))
         if self.head_args is not None and self.head is None:
             p.append(Problem("--head_args given without --head", "--head_args", "pass --head too, or drop --head_args"))
         return p
@@ -103,16 +103,21 @@ class CustomConfig(TrainConfig):
                              "e.g. --model examples/custom/projection_model.py:build"))
         if self.model_args is not None:
             try:
-                if not isinstance(json.loads(self.model_args), dict):
+                if not isinstance(load_json(self.model_args), dict):
                     raise ValueError("not an object")
             except ValueError as e:
-                p.append(Problem(f"not a JSON object ({e}): {self.model_args!r}", "--model_args", "e.g. '{\"vocab\": 271}'"))
+                p.append(Problem(f"not a JSON object ({e}): {_short(self.model_args)}", "--model_args", "e.g. '{\"vocab\": 271}'"))
         if self.lora_r:
             p.append(Problem(f"LoRA is not available for --task custom (got --lora_r {self.lora_r})", "--lora_r",
                              "drop --lora_r (custom models train in full)"))
-        if self.max_memory_gb is not None and not (self.max_memory_gb > 0 and math.isfinite(self.max_memory_gb)):
+        if self.max_memory_gb is not None and math.isfinite(self.max_memory_gb) and not self.max_memory_gb > 0:
             p.append(Problem(f"must be > 0 (got {self.max_memory_gb})", "--max_memory_gb"))
         return p
+
+
+def _short(text: str) -> str:
+    # A value of megabytes (a generated JSON) is named by its start and size, not printed whole.
+    return repr(text) if len(text) <= 200 else f"{text[:60]!r}... ({len(text):,} characters)"
 
 
 TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}

@@ -103,9 +103,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    args = list(sys.argv[1:] if argv is None else argv)
+    parsed = parse_args(args)
     try:
-        run(parse_args(list(sys.argv[1:] if argv is None else argv)))
+        run(parsed)
     except ChildFailedError as e:
+        from surefit.training.lost_worker import lost_by_launcher
+
+        processes = int(parsed.nproc_per_node) if str(parsed.nproc_per_node).isdigit() else len(e.failures)
+        lost = lost_by_launcher({r: f.exitcode for r, f in e.failures.items()}, processes, _output_dir(args))
+        if lost is not None:
+            print(lost.render(), file=sys.stderr)  # the exit code stays the processes' own, as below
         failure = e.failures.get(0) or e.get_first_failure()[1]
         code = failure.exitcode
         return 128 - code if code < 0 else code
@@ -113,6 +121,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The processes were sent the signal and stopped (or were killed after the grace period): "interrupted".
         return 130
     return 0
+
+
+def _output_dir(args: Sequence[str]) -> str | None:
+    """The run's --output_dir: the flag, else its --config file's, else the task's default."""
+    import dataclasses
+
+    def flag(*names: str) -> str | None:
+        for i, tok in enumerate(args):
+            name, eq, value = tok.partition("=")
+            if name in names:
+                return value if eq else (args[i + 1] if i + 1 < len(args) else None)
+        return None
+
+    given = flag("--output_dir", "--output-dir")
+    if given:
+        return given
+    values: dict = {}
+    config = flag("--config")
+    if config:
+        try:
+            from surefit.config_files import load_yaml
+
+            values = load_yaml(config)
+        except Exception:  # noqa: BLE001 - only a hint for the message; the processes reported a bad config
+            values = {}
+    if values.get("output_dir"):
+        return str(values["output_dir"])
+    from surefit.config_tasks import TASK_CONFIGS
+
+    cls = TASK_CONFIGS.get(str(flag("--task") or values.get("task") or "sft"))
+    return None if cls is None else next(f.default for f in dataclasses.fields(cls) if f.name == "output_dir")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from surefit.models_gguf import (
     embedded_lm_path,
     gguf_to_folder,
 )
-from surefit.models_lowbit import load_in_dtype, load_quantized, norms_in_fp32
+from surefit.models_lowbit import import_peft, load_in_dtype, load_quantized, norms_in_fp32
 
 
 @dataclass(frozen=True)
@@ -229,7 +231,8 @@ def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str
     if cfg.lora_r == 0:
         say(f"full fine-tuning: {sum(p.numel() for p in model.parameters()):,} trainable parameters")
         return model
-    from peft import LoraConfig, get_peft_model
+    peft = import_peft()
+    LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model  # noqa: N806
 
     variant = getattr(cfg, "lora_variant", "lora")
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
@@ -261,6 +264,35 @@ def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str
 # ------------------------------------------------------------------------------------------------------------ factories
 
 
+def import_user_module(target: str, prefix: str = "surefit_user_") -> Any:
+    """Import the module a user named on this command line: ``path/to/file.py`` by its path, or ``package.module``
+    as Python would, with the working directory on the lookup path for this import only (``python -m`` and
+    ``python script.py`` look there too, so ``--metric mymetric:score`` finds ``./mymetric.py``).
+
+    Callers do this only for code named on this command line (or allowed by ``--allow_code``).
+    """
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such file: {path} (relative to {os.getcwd()})")
+        mod_name = prefix + re.sub(r"\W", "_", path.stem)
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
+        sys.modules[mod_name] = module  # dataclasses, pickling and DataLoader workers look the module up by name
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        return module
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        importlib.invalidate_caches()  # a module written since start-up is found too
+        return importlib.import_module(target)
+    finally:
+        if added:
+            sys.path.remove(cwd)
+
+
 def load_factory(spec: str, flag: str = "--head") -> Any:
     """Resolve ``module:Name`` or ``file.py:Name`` to the object it names; problems name ``flag``.
 
@@ -269,17 +301,7 @@ def load_factory(spec: str, flag: str = "--head") -> Any:
     """
     target, _, name = spec.rpartition(":")
     try:
-        if target.endswith(".py"):
-            path = Path(target)
-            if not path.is_file():
-                raise FileNotFoundError(f"no such file: {path}")
-            mod_name = f"surefit_user_{path.stem}"
-            module_spec = importlib.util.spec_from_file_location(mod_name, path)
-            module = importlib.util.module_from_spec(module_spec)  # type: ignore[arg-type]
-            sys.modules[mod_name] = module  # dataclasses and pickling look the module up by name
-            module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-        else:
-            module = importlib.import_module(target)
+        module = import_user_module(target)
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module; show its cause
         raise ConfigError(
             Problem(f"cannot import {target!r}: {type(e).__name__}: {e}", flag, "check the module path and that it imports")

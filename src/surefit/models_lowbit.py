@@ -40,6 +40,34 @@ def keep_4bit_trainable(model: Any) -> int:
     return n
 
 
+# Why an installed bitsandbytes could not be imported (hidden from peft by import_peft), or None.
+_BROKEN_BNB: list[str] = []
+
+
+def import_peft() -> Any:
+    """``import peft``. peft imports bitsandbytes whenever it is installed, so a bitsandbytes that is installed but
+    cannot load (no backend or library for this machine) would break every LoRA command with its traceback. Such a
+    bitsandbytes is hidden from peft (as if not installed): runs that do not quantise work, and those that do are
+    refused by :func:`require_bitsandbytes` with the reason."""
+    import importlib.util
+    import sys
+
+    if "bitsandbytes" not in sys.modules:
+        try:
+            found = importlib.util.find_spec("bitsandbytes") is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            try:
+                import bitsandbytes  # noqa: F401
+            except Exception as e:  # noqa: BLE001 - a broken install raises OSError, RuntimeError, ImportError ...
+                _BROKEN_BNB.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    import peft
+
+    return peft
+
+
 def require_bitsandbytes(quantize: str) -> Any:
     """Import bitsandbytes and check it quantises and multiplies on this machine (a tiny layer, forward only).
 
@@ -57,7 +85,12 @@ def require_bitsandbytes(quantize: str) -> Any:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import bitsandbytes as bnb
-    except ImportError as e:
+    except Exception as e:  # noqa: BLE001 - not installed (ImportError), or installed and broken (OSError ...)
+        if _BROKEN_BNB or not isinstance(e, ImportError):
+            why = _BROKEN_BNB[0] if _BROKEN_BNB else f"{type(e).__name__}: {e}"
+            raise ConfigError(Problem(f"--quantize {quantize} needs bitsandbytes, which is installed but cannot be "
+                                      f"loaded on this machine ({why})", "--quantize",
+                                      f"reinstall it: {QUANTIZE_INSTALL}")) from e
         raise ConfigError(Problem(f"--quantize {quantize} needs bitsandbytes, which is not installed ({e})",
                                   "--quantize", f"{QUANTIZE_INSTALL}, or drop --quantize")) from e
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from surefit.config_files import load_yaml_text
 from surefit.units import human_bytes
 
 CURVES = "curves.png"
@@ -84,8 +85,8 @@ def _read_json(path: Path) -> Any:
 
 def _read_config(run_dir: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        data = load_yaml_text((run_dir / "config.yaml").read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError, UnicodeDecodeError, RecursionError):
         return {}
     return data if isinstance(data, dict) else {}
 

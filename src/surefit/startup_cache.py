@@ -6,6 +6,7 @@ pickles: a corrupt or edited entry is ignored with a note and recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -111,6 +112,15 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit") / "startup"
 
 
+def _not_a_folder(folder: Path) -> str | None:
+    """Why ``folder`` cannot hold the cache (it, or a folder above it, is a file), or None."""
+    for at in [folder, *folder.parents]:
+        if at.exists():
+            return None if at.is_dir() else f"{folder} is a file, not a folder" if at == folder else \
+                f"{at}, above {folder}, is a file"
+    return None
+
+
 class StartupCache:
     """JSON entries under ``folder/KIND/DIGEST.json``, each holding its key's digest and a checksum of its value.
 
@@ -120,6 +130,11 @@ class StartupCache:
     """
 
     def __init__(self, folder: Path | None, say: Callable[[str], None] = print) -> None:
+        if folder is not None and _not_a_folder(folder) is not None:
+            # A cache is a speed-up: a path that cannot hold one turns it off, with the reason, never the run.
+            say(f"note: the start-up cache is off for this run: {_not_a_folder(folder)} (set SUREFIT_STARTUP_CACHE "
+                "to a folder, or unset it)")
+            folder = None
         self.folder = folder
         self.say = say
 
@@ -166,7 +181,8 @@ class StartupCache:
             tmp.write_text(json.dumps(entry, default=str), encoding="utf-8")
             os.replace(tmp, path)  # a reader sees the whole entry or none
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             self.say(f"note: could not write the start-up cache ({path}: {e}); the next run recomputes it")
 
 

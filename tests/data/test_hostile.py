@@ -402,7 +402,7 @@ def test_huge_csv_record_is_refused(tmp_path):
     rows, problems, rejects = _load(path, skip=True)
     assert [r.fields["input"] for r in rows] == ["a"] and problems == []
     assert _rejected(rejects) == [
-        (f"{path} line 2", "the record at line 2 is 16.0 MiB (16,777,218 bytes); rows over 16 MiB are refused")
+        (f"{path} line 2", "the record at line 2 is 16.0 MiB (16,777,219 bytes); rows over 16 MiB are refused")
     ]
 
 

@@ -384,3 +384,28 @@ def test_unexplained_forward_failure(bert_tok):
     assert "Traceback" not in f.message and "\n" not in f.message
     healthy(check(Broken(len(bert_tok), broken=False), bert_tok, items, data_collator=PadCollator(0)),
             "forward-failed")
+
+
+# ------------------------------------------------------------------------------------------- nonfinite-weights
+
+
+def test_nan_and_inf_weights_of_the_model_are_named_not_blamed_on_rows(tok, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    # A real damaged file: NaN norm values and an infinite weight saved to safetensors, then loaded back.
+    broken = build_tiny_lm(tok)
+    with torch.no_grad():
+        broken.model.layers[1].post_attention_layernorm.weight[3] = float("nan")
+        broken.model.layers[0].mlp.up_proj.weight[0, :2] = float("inf")
+    broken.save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    found = only(check(model, tok, lm_items(tok), data_collator=PadCollator(tok.pad_token_id)), "nonfinite-weights")
+    assert found.severity == "error"
+    assert "LlamaForCausalLM holds NaN or infinite weights as loaded (2 tensors): " in found.message
+    assert "model.layers.0.mlp.up_proj.weight: 2 of " in found.message
+    assert "model.layers.1.post_attention_layernorm.weight: 1 of 32 values" in found.message
+    assert "whatever the rows" in found.message and "download or export the model again" in found.fix
+
+
+def test_finite_weights_are_not_reported(tok, lm):
+    healthy(check(lm, tok, lm_items(tok), data_collator=PadCollator(tok.pad_token_id)), "nonfinite-weights")

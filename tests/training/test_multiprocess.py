@@ -263,3 +263,26 @@ def test_every_example_accelerate_config_parses_with_the_required_keys():
         assert str(ClusterConfig.from_yaml_file(str(folder / name)).distributed_type).endswith(kind)
         checked += 1
     assert checked == 5
+
+
+def test_the_launcher_names_a_process_killed_by_a_signal_and_keeps_the_exit_code(monkeypatch, tmp_path, capsys):
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from surefit.launch import main as launch_main
+
+    def failing(code_by_rank):
+        def run(args):
+            raise ChildFailedError("surefit", {rank: ProcessFailure(local_rank=rank, pid=1, exitcode=code,
+                                                                     error_file="/nonexistent") for rank, code in
+                                               code_by_rank.items()})
+        return run
+
+    argv = ["--nproc_per_node", "2", "-m", "surefit", "train", "--output_dir", str(tmp_path / "run")]
+    monkeypatch.setattr(torchrun, "run", failing({1: -9, 0: -15}))
+    assert launch_main(argv) == 128 + 15
+    err = capsys.readouterr().err
+    assert "training process 1 of 2 was killed by SIGKILL" in err
+    assert "no checkpoint had been saved yet, so there is nothing to resume" in err
+    monkeypatch.setattr(torchrun, "run", failing({0: -15, 1: -15}))  # a stop the user asked for: no lost process
+    assert launch_main(argv) == 128 + 15 and "was killed" not in capsys.readouterr().err

@@ -8,6 +8,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from surefit.config_files import load_json
+
+# Tool-call arguments are a few levels of JSON; deeper text is refused as the data rows are.
+_MAX_ARGS_DEPTH = 32
+
 
 def _text(content: Any) -> str | None:
     """A message's content as text: a string, or a list of text parts (``{"type": "text", "text": ...}``)."""
@@ -41,9 +46,10 @@ def parse_tools(value: Any, bad: RowProblems) -> list | None:
         return None
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = load_json(value)
         except ValueError as e:
-            bad.add("tools", f"'tools' is not valid JSON ({e.msg} at character {e.pos})")
+            reason = f"{e.msg} at character {e.pos}" if isinstance(e, json.JSONDecodeError) else str(e)
+            bad.add("tools", f"'tools' is not valid JSON ({reason})")
             return None
     if isinstance(value, dict):
         value = [value]
@@ -53,10 +59,27 @@ def parse_tools(value: Any, bad: RowProblems) -> list | None:
     return value
 
 
+def check_tool_calls(calls: Any, turn: int, bad: RowProblems) -> None:
+    """Each tool call's ``arguments`` given as text must be JSON: a template renders broken text as it is, so the
+    model would learn to call tools with it."""
+    for i, call in enumerate(calls if isinstance(calls, list) else [calls], 1):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        args = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(args, str):
+            continue
+        try:
+            load_json(args, _MAX_ARGS_DEPTH)
+        except ValueError as e:
+            name = function.get("name") if isinstance(function.get("name"), str) else f"number {i}"
+            reason = str(e)
+            bad.add("shape", f"turn {turn}: the 'arguments' of tool call {name!r} are not valid JSON ({reason}): "
+                    f"{args[:80]!r}; write them with json.dumps")
+
+
 def _tool_call(value: str) -> list | None:
     """ShareGPT ``function_call`` text -> OpenAI ``tool_calls`` (``None`` when it is not a JSON call object)."""
     try:
-        call = json.loads(value)
+        call = load_json(value, _MAX_ARGS_DEPTH)
     except ValueError:
         return None
     calls = call if isinstance(call, list) else [call]
@@ -73,7 +96,7 @@ def json_list(items: Any) -> Any:
     """A list stored as JSON text (CSV and some exports write conversations that way) -> the list."""
     if isinstance(items, str) and items.lstrip().startswith("["):
         try:
-            return json.loads(items)
+            return load_json(items, 64)
         except ValueError:
             return items
     return items
@@ -97,6 +120,7 @@ def messages_from_openai(items: Any, bad: RowProblems, field_name: str, train: b
         msg: dict[str, Any] = {"role": role, "content": content}
         if m.get("tool_calls"):
             msg["tool_calls"] = m["tool_calls"]
+            check_tool_calls(m["tool_calls"], turn, bad)
         for k in ("name", "tool_call_id"):
             if k in m:
                 msg[k] = m[k]
@@ -159,6 +183,11 @@ def messages_from_sharegpt(items: Any, roles: dict[str, str], bad: RowProblems) 
             calls = _tool_call(text)
             if calls:
                 msg["tool_calls"] = calls
+                check_tool_calls(calls, turn, bad)
+            else:
+                # Trained as plain text, the model would learn a call no tool parser reads.
+                bad.add("shape", f"turn {turn}: a function_call turn that is not a JSON call object "
+                        f"({{\"name\": ..., \"arguments\": ...}}): {text[:80]!r}")
             out.append(msg)
         else:
             out.append({"role": role, "content": text} | ({"train": True} if role == "assistant" else {}))

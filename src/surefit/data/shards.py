@@ -24,13 +24,10 @@ and array and the fix. NaN/inf are not checked on open (that is :meth:`TensorDat
 from __future__ import annotations
 
 import ast
-import importlib
-import importlib.util
 import json
 import math
 import os
 import re
-import sys
 import threading
 import zipfile
 import zlib
@@ -997,18 +994,10 @@ def load_tensor_data(path: str, max_memory_gb: float | None) -> TensorData:
     if os.path.exists(path) or not sep or not target or not attr.isidentifier():
         return TensorData(path, max_memory_gb)
     fix = "pass a shard folder, or a factory 'package.module:make' or 'path/to/file.py:make'"
+    from surefit.models import import_user_module  # deferred: models pulls in transformers
+
     try:
-        if target.endswith(".py"):
-            file = Path(target)
-            if not file.is_file():
-                raise FileNotFoundError(f"no such file: {file} (relative to {os.getcwd()})")
-            mod_name = "surefit_user_data_" + re.sub(r"\W", "_", file.stem)
-            spec = importlib.util.spec_from_file_location(mod_name, file)
-            module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-            sys.modules[mod_name] = module  # DataLoader workers and dataclasses look the module up by name
-            spec.loader.exec_module(module)  # type: ignore[union-attr]
-        else:
-            module = importlib.import_module(target)
+        module = import_user_module(target, prefix="surefit_user_data_")
     except Exception as e:  # noqa: BLE001 - any import failure is the user's module; show its cause
         raise DataError(Problem(f"cannot import {target!r} for the dataset factory {path!r}: {type(e).__name__}: {e}",
                                 fix=fix)) from e

@@ -679,6 +679,37 @@ def check_lora_targets(setup: Setup) -> list[Finding]:
                     f"remove {sorted(missing)} or use names that exist", where)]
 
 
+# ------------------------------------------------------------------------------------------------------ weights
+
+
+@register("nonfinite-weights")
+def check_nonfinite_weights(setup: Setup) -> list[Finding]:
+    """NaN or infinite values in the weights the model was loaded with. Found before step 1, they are named as the
+    model's; found by the first loss, they would be blamed on the rows of that batch."""
+    import torch
+
+    model = setup.base_model  # the names then read as in the model's own weight files
+    if not hasattr(model, "named_parameters"):
+        return []
+    bad: list[tuple[str, int, int]] = []
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not t.is_floating_point() or t.device.type == "meta" or t.numel() == 0:
+                continue  # quantised (integer) storage holds no NaN; a meta tensor holds no values here
+            n = t.numel() - int(torch.isfinite(t).sum())
+            if n:
+                bad.append((name, n, t.numel()))
+    if not bad:
+        return []
+    shown = "; ".join(f"{name}: {n:,} of {total:,} values" for name, n, total in bad[:5])
+    more = f"; and {len(bad) - 5} more tensors" if len(bad) > 5 else ""
+    return [Finding("nonfinite-weights", "error",
+                    f"{type(setup.base_model).__name__} holds NaN or infinite weights as loaded ({len(bad)} tensor"
+                    f"{'s' if len(bad) != 1 else ''}): {shown}{more}; every loss would be NaN, whatever the rows",
+                    "the model's files are damaged or were converted badly: download or export the model again, and "
+                    "check the tensors above in its weight files (safetensors.safe_open)", bad[0][0])]
+
+
 # ------------------------------------------------------------------------------------------------------ forward
 
 

@@ -120,6 +120,8 @@ CODES: dict[str, str] = {
     "dataset-item-failed": "the dry run could not read an item from the dataset",
     "collate-failed": "the dry run could not collate a batch",
     "forward-failed": "the dry run's forward pass or loss failed",
+    "nonfinite-weights": "the model as loaded holds NaN or infinite weights (a damaged or badly converted file): "
+                         "every loss would be NaN whatever the rows",
 }
 
 

@@ -30,6 +30,7 @@ from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_input_problems
 from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
+from surefit.models_lowbit import import_peft
 from surefit.run_folder import COLUMNS
 from surefit.run_folder.finished import Run
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
@@ -578,13 +579,13 @@ def load(run: Run, spec: LabelSpec, say: Say = print, as_trained: bool = True) -
         from safetensors.torch import load_file
 
         if lora:
-            from peft import PeftModel
+            PeftModel = import_peft().PeftModel  # noqa: N806
 
             model.backbone = PeftModel.from_pretrained(model.backbone, str(run.final / "backbone"),
                                                        is_trainable=bool(run.frozen_dtype))
         model.head.load_state_dict(load_file(str(run.final / "head.safetensors")))
     elif lora:
-        from peft import PeftModel
+        PeftModel = import_peft().PeftModel  # noqa: N806
 
         model = PeftModel.from_pretrained(model, str(run.final), is_trainable=bool(run.frozen_dtype))
     if lora and as_trained:

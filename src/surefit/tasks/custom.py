@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from surefit.config_files import load_json
 from surefit.config_tasks import CustomConfig
+from surefit.data.readers.common import short
 from surefit.data.shards import TensorData, load_tensor_data
 from surefit.doctor import check
 from surefit.doctor.shapes import diagnose, first_layers, trace
@@ -210,7 +212,14 @@ def inspect_inputs(data: str, model: str | None = None, model_args: str | None =
     tensors = load_tensor_data(data, max_memory_gb)
     lines = [tensors.describe()]
     if model:
-        args = json.loads(model_args or "{}")
+        try:
+            args = load_json(model_args or "{}")
+        except ValueError as e:
+            raise ConfigError(Problem(f"not a JSON object ({e}): {short(model_args or '')!r}", "--model_args",
+                                      "e.g. '{\"vocab\": 271}'")) from None
+        if not isinstance(args, dict):
+            raise ConfigError(Problem(f"not a JSON object: {short(model_args or '')!r}", "--model_args",
+                                      "e.g. '{\"vocab\": 271}'"))
         net = load_factory(model, flag="--model")(**args)
         mode, passed, problems = forward_protocol(net, list(tensors.arrays))
         lines += [f"problem: {p.what}" for p in problems]

@@ -586,7 +586,8 @@ def fit(
                accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say,
                counters=counters)
     run.where = where
-    if settings.max_steps is not None or settings.lr_scheduler != "cosine" or settings.min_lr:
+    if (settings.max_steps is not None or settings.lr_scheduler != "cosine" or settings.min_lr
+            or run.schedule.warmup_asked is not None):  # a warmup longer than the run is said, never silent
         say(run.schedule.describe())
     run.start()
     p = run.progress

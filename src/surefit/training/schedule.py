@@ -27,6 +27,8 @@ class Schedule:
         steps_per_epoch: optimizer steps in one pass over the training data; epochs: passes run (the last one
             partial when ``max_steps`` ends it early).
         max_steps: the ``--max_steps`` that set ``total_steps``, or ``None`` (the epochs did).
+        warmup_asked: the warmup steps ``--warmup`` asked for when they are more than the run has (then the
+            warmup is the whole run and the learning rate never reaches ``lr``); ``None`` otherwise.
     """
 
     kind: str
@@ -37,6 +39,7 @@ class Schedule:
     steps_per_epoch: int
     epochs: int
     max_steps: int | None = None
+    warmup_asked: int | None = None
 
     def factor(self, step: int) -> float:
         """The multiplier of ``lr`` for optimizer step ``step`` (0-based)."""
@@ -51,6 +54,11 @@ class Schedule:
         ends = "" if self.kind == "constant" else f" to {self.min_lr:g}"
         text = (f"schedule: {self.kind}, warmup {self.warmup_steps} of {self.total_steps} optimizer steps, "
                 f"lr {self.lr:g}{ends}")
+        if self.warmup_asked is not None:
+            peak = lr_factor(self.total_steps - 1, self.kind, self.warmup_steps, self.total_steps) * self.lr
+            text += (f"; warning: --warmup {self.warmup_asked} is longer than the run ({self.total_steps} optimizer "
+                     f"steps), so the learning rate only rises, to {peak:.3g} at the last step (--lr {self.lr:g} is never reached) "
+                     f"(fix: --warmup {max(1, self.total_steps // 10)}, or a ratio such as --warmup 0.1)")
         if self.max_steps is not None:
             text += (f"; --max_steps {self.max_steps} = {self.max_steps / max(self.steps_per_epoch, 1):.2f} epochs of "
                      f"{self.steps_per_epoch} steps (overrides --epochs)")
@@ -103,7 +111,8 @@ def plan_schedule(*, n_examples: int, batch_size: int, epochs: int, lr: float, k
     else:
         warmup_steps = int((warmup if warmup is not None else warmup_ratio) * total)
     return Schedule(kind=kind, lr=lr, min_lr=min_lr, total_steps=total, warmup_steps=min(warmup_steps, total),
-                    steps_per_epoch=steps_per_epoch, epochs=run_epochs, max_steps=max_steps or None)
+                    steps_per_epoch=steps_per_epoch, epochs=run_epochs, max_steps=max_steps or None,
+                    warmup_asked=warmup_steps if warmup_steps > total else None)
 
 
 def make_scheduler(optimizer: Any, schedule: Schedule) -> Any:

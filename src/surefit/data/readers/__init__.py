@@ -13,6 +13,8 @@ so nothing is dropped without being reported.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from surefit.data.readers.common import MAX_ROW_BYTES, MAX_WHERES, SKIP_HINT, SUPPORTED_FORMATS, Rejected
 from surefit.data.readers.fields import check_text_fields, field_not_found
 from surefit.data.readers.files import read_rows
@@ -31,9 +33,13 @@ def read_splits(data: str, val_data: str | None, limit: int | None, problems: li
     for name, path in (("train", data), ("validation", val_data)):
         if path is None:
             continue
-        rows = read_rows(path, problems, rejects=rejects)
+        # A line-based file is read no further than one row past the limit, so a part of a file too big for memory
+        # can be trained on; a document (.json, Parquet) is read whole, and its size told.
+        rows = read_rows(path, problems, rejects=rejects, limit=None if limit is None else limit + 1)
         if limit is not None and len(rows) > limit:
-            notes.append(f"--limit {limit}: using the first {limit} of {len(rows)} rows of {path}")
+            streamed = Path(path).suffix.lower() in {".jsonl", ".ndjson", ".csv", ".tsv"}
+            notes.append(f"--limit {limit}: using the first {limit} rows of {path} (it holds more; the rest is not read)"
+                         if streamed else f"--limit {limit}: using the first {limit} of {len(rows)} rows of {path}")
             rows = rows[:limit]
         loaded[name] = rows
     return loaded

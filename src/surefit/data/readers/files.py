@@ -23,7 +23,8 @@ from surefit.data.rows import Row
 from surefit.errors import Problem
 
 
-def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list[Rejected] | None = None) -> list[Row]:
+def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list[Rejected] | None = None,
+              limit: int | None = None) -> list[Row]:
     """Read every row of one data source.
 
     The format comes from the extension (case-insensitive): ``.jsonl``/``.ndjson``, ``.json`` (a list of objects,
@@ -37,6 +38,8 @@ def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list
             row (a line that is not a JSON object, a record with the wrong cell count, a line with non-UTF-8 bytes,
             a duplicate key, an oversized line, an unanswerable SQuAD question) is appended here instead and left
             out. File-level problems stay problems either way, including a file whose every row was rejected.
+        limit: stop after this many rows: a JSONL, CSV or TSV file is then read no further (a .json document or
+            Parquet file is read whole).
 
     Returns:
         The rows that could be read, possibly empty. ``Row.index`` is the 0-based position among these rows.
@@ -60,19 +63,15 @@ def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list
         problems.append(_unknown_extension_problem(p, source, ext))
         return []
 
-    if ext == ".parquet":
-        rows = _read_parquet(source, problems)
-    else:
-        # A .json document has no lines to drop one by one; the other text formats do.
-        decoded = _read_text(p, source, _KIND[ext], problems, by_line=ext != ".json", skip=rejects is not None)
-        if decoded is None:
-            return []
-        if ext in _JSONL_EXTS:
-            rows = _read_jsonl(decoded, source, problems, rejects)
-        elif ext == ".json":
-            rows = _read_json(decoded, source, problems, rejects)
-        else:
-            rows = _read_delimited(decoded, source, "," if ext == ".csv" else "\t", problems, rejects)
+    try:
+        rows = _read_file(p, source, ext, problems, rejects, limit)
+    except MemoryError:
+        # The size check before reading leaves this to memory taken by others meanwhile, or a format that grows
+        # in memory far past its size (Parquet); a named problem, not a traceback.
+        problems.append(Problem(f"ran out of memory reading {source} ({os.path.getsize(source) / 2**20:,.0f} MiB)",
+                                fix="pass a part of it (--limit N reads only the first N rows of a JSONL, CSV or "
+                                    "TSV file), split the file, or free memory"))
+        return []
     if rows is None:
         return []
     # "No rows" only when nothing else explains it: a file whose every line is broken already says why.
@@ -83,6 +82,27 @@ def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list
             problems.append(all_rejected_problem(source, len(rejected), rejected[0]))
         else:
             problems.append(Problem(f"no rows in {source}", fix="check the file: it holds no data rows"))
+    return rows
+
+
+def _read_file(p: Path, source: str, ext: str, problems: list[Problem], rejects: list[Rejected] | None,
+               limit: int | None) -> list[Row] | None:
+    if ext == ".parquet":
+        return _read_parquet(source, problems)
+    # A .json document has no lines to drop one by one; the other text formats do.
+    by_line = ext != ".json"
+    decoded = _read_text(p, source, _KIND[ext], problems, by_line=by_line, skip=rejects is not None,
+                         bounded=limit is not None)
+    if decoded is None:
+        return None
+    at = len(problems)
+    if ext in _JSONL_EXTS:
+        rows = _read_jsonl(decoded, source, problems, rejects, limit)
+    elif ext == ".json":
+        rows = _read_json(decoded, source, problems, rejects)
+    else:
+        rows = _read_delimited(decoded, source, "," if ext == ".csv" else "\t", problems, rejects, limit)
+    decoded.finish(problems, at)
     return rows
 
 

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
+from surefit.config_files import TooDeep, check_depth
 from surefit.data.readers.common import _JSONL_FIX, _SQUAD_SHAPE, Rejected, _Capped, _json_type, _raw_json, short
+from surefit.data.readers.limits import available_memory
 from surefit.data.readers.squad import flatten_squad
-from surefit.data.readers.text import _Text, _too_big, _too_big_what
+from surefit.data.readers.text import _Text, _too_big_what
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -59,28 +60,20 @@ _DUPLICATE_FIX = "keep one of them"
 # Besides malformed text, the parser refuses what Python cannot hold: nesting past the recursion limit
 # (RecursionError) and integers of more than 4,300 digits (ValueError). Both are the file's fault, not a crash.
 _JSON_ERRORS = (ValueError, RecursionError)
+# A row is a few levels deep (a conversation: row, messages, turn, tool call, arguments); past this depth later
+# stages (copying, hashing, templates) would recurse into a RecursionError. A whole document adds two levels.
+MAX_DATA_DEPTH = 64
 
 
 def _loads(text: str) -> tuple[Any, _DuplicateKeys]:
     keys = _DuplicateKeys()
-    return json.JSONDecoder(object_pairs_hook=keys).decode(text), keys
+    return check_depth(json.JSONDecoder(object_pairs_hook=keys).decode(text), MAX_DATA_DEPTH + 2), keys
 
 
 def _read_jsonl(
-    decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None
+    decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None,
+    limit: int | None = None,
 ) -> list[Row] | None:
-    text = decoded.text
-    if re.match(r"\s*\[", text):
-        # A whole JSON array of objects saved as .jsonl: unambiguous, and reading it beats reporting every line as
-        # broken. (A lone line such as [1, 2] is a bad line, not a document.)
-        try:
-            value, keys = _loads(text)
-        except _JSON_ERRORS:
-            pass
-        else:
-            if isinstance(value, list) and any(isinstance(item, dict) for item in value):
-                return _whole_document(value, keys, decoded, source, problems, rejects)
-
     rows: list[Row] = []
     invalid = _Capped(problems, source, "lines", rejects)
     not_object = _Capped(problems, source, "lines", rejects)
@@ -89,21 +82,27 @@ def _read_jsonl(
     keys = _DuplicateKeys()
     decoder = json.JSONDecoder(object_pairs_hook=keys)
     first = True
-    for n, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
+    for n, line in decoded.lines():
+        line = line.removesuffix("\n")
+        if n not in decoded.oversized and not line.strip():
             # Blank lines (often a trailing newline or two) carry no data; they are separators, not rows.
             continue
         where = f"{source} line {n}"
         was_first, first = first, False
+        if was_first and line.lstrip().startswith("["):
+            # A whole JSON array of objects saved as .jsonl: unambiguous, and reading it beats reporting every line
+            # as broken. (A lone line such as [1, 2] is a bad line, not a document.)
+            whole = _try_whole_document(decoded, source, problems)
+            if whole is not None and isinstance(whole[0], list) and any(isinstance(item, dict) for item in whole[0]):
+                return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
         if n in decoded.bad_lines:
             reason, raw = decoded.bad_lines[n]
             rejects.append(Rejected(where, reason, raw))  # bad_lines is only filled in skip mode
             continue
-        size = _too_big([line])
-        if size is not None:
+        if n in decoded.oversized:
             too_big.add(
                 Problem(
-                    _too_big_what(f"line {n}", size),
+                    _too_big_what(f"line {n}", decoded.oversized[n]),
                     where=where,
                     fix="split the text into smaller rows, or remove the line",
                 ),
@@ -115,11 +114,11 @@ def _read_jsonl(
         if keys.found:
             keys.found.clear()
         try:
-            value = decoder.decode(body)
+            value = check_depth(decoder.decode(body), MAX_DATA_DEPTH)
         except _JSON_ERRORS as e:
-            if was_first:
-                whole = _try_whole_document(text)
-                if whole is not None:
+            if was_first and not line.lstrip().startswith("["):
+                whole = _try_whole_document(decoded, source, problems)
+                if whole is not None and isinstance(whole[0], (list, dict)):
                     # A pretty-printed JSON document saved as .jsonl.
                     return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
             invalid.add(
@@ -137,6 +136,8 @@ def _read_jsonl(
             duplicate.add(Problem(dup, where=where, fix=_DUPLICATE_FIX), raw=line)
             continue
         rows.append(Row(fields=value, where=where, index=len(rows)))
+        if limit is not None and len(rows) >= limit:
+            break
     for capped in (invalid, not_object, duplicate, too_big):
         capped.close()
     return rows
@@ -150,13 +151,21 @@ def _whole_document(
     problems: list[Problem],
     rejects: list[Rejected] | None,
 ) -> list[Row] | None:
+    decoded.whole_used = True
     if decoded.problem is not None:
         # Rows of a whole document have no line of their own to reject, so bad bytes stop the file.
         problems.append(decoded.problem)
     return _rows_from_json(value, source, problems, rejects, keys)
 
 
-def _try_whole_document(text: str) -> tuple[Any, _DuplicateKeys] | None:
+def _try_whole_document(decoded: _Text, source: str, problems: list[Problem]) -> tuple[Any, _DuplicateKeys] | None:
+    """The .jsonl file read whole as one JSON document, when it is one that fits in memory."""
+    free = available_memory()
+    if free is not None and decoded.size > free:
+        return None
+    text = decoded.whole()
+    if text is None:
+        return None
     try:
         value, keys = _loads(text)
     except _JSON_ERRORS:
@@ -165,6 +174,8 @@ def _try_whole_document(text: str) -> tuple[Any, _DuplicateKeys] | None:
 
 
 def _json_error(e: Exception, line: str) -> str:
+    if isinstance(e, TooDeep):
+        return str(e)
     if isinstance(e, RecursionError):
         return "nested too deeply to read (more than about 1,000 levels of [ ] or { })"
     if not isinstance(e, json.JSONDecodeError):
@@ -183,8 +194,13 @@ def _json_error(e: Exception, line: str) -> str:
 def _read_json(
     decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None
 ) -> list[Row] | None:
+    text = decoded.whole()
+    if decoded.problem is not None:
+        problems.append(decoded.problem)
+    if text is None:
+        return None
     try:
-        value, keys = _loads(decoded.text)
+        value, keys = _loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":
             # Several top-level values one per line: JSON Lines saved as .json (common, and what `datasets`

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 
 from surefit.data.readers.common import (
@@ -19,26 +19,116 @@ from surefit.data.readers.common import (
     _with_hint,
     have,
 )
+from surefit.data.readers.limits import available_memory, capped_lines, gib
 from surefit.errors import Problem
 
 # --- text and encoding -------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class _Text:
-    """A text file's content, decoded.
+    """A text file being read: as a stream of capped lines (JSONL, CSV, TSV) or whole (a .json document).
+
+    Streaming keeps memory at the rows read plus one line; no line over :data:`MAX_ROW_BYTES` is ever held whole.
+    Each call of :meth:`lines` reads the file afresh (the TSV reader tries two quotings).
 
     Attributes:
-        text: the content, with invalid bytes replaced (U+FFFD) so line numbers stay right.
         bad_lines: in ``skip`` mode for line-based formats, ``{line number: (reason, raw line)}`` for each line
-            with invalid bytes; the reader rejects the rows on those lines. Empty otherwise.
-        problem: the file-level encoding problem, held back while ``bad_lines`` is used; a reader that cannot
-            attribute the bad bytes to rows (a whole JSON document in a .jsonl file) reports it instead.
+            with invalid bytes seen so far; the reader rejects the rows on those lines.
+        oversized: ``{line number: size in bytes}`` for each line over :data:`MAX_ROW_BYTES`; such a line is given
+            by :meth:`lines` as its first 8,000 bytes only.
+        problem: the encoding problem of a document read whole (:meth:`whole`), for the reader to report.
     """
 
-    text: str
-    bad_lines: dict[int, tuple[str, str]]
-    problem: Problem | None = None
+    def __init__(self, p: Path, source: str, size: int, *, by_line: bool, skip: bool) -> None:
+        self.path, self.source, self.size, self.by_line, self.skip = p, source, size, by_line, skip
+        self.bad_lines: dict[int, tuple[str, str]] = {}
+        self.oversized: dict[int, int] = {}
+        self.problem: Problem | None = None
+        self._first_bad: Problem | None = None
+        self._n_bad = 0
+        self._grew = False
+        # Set by a reader that read the file whole after all (a JSON document saved as .jsonl): :attr:`problem`
+        # then speaks for the file, not the lines streamed before.
+        self.whole_used = False
+
+    def lines(self) -> Iterator[tuple[int, str]]:
+        """``(line number, text with its line break)`` for each line; invalid bytes replaced (U+FFFD) so line
+        numbers stay right (the rows on such lines are rejected in skip mode; in error mode :meth:`finish` reports
+        the file)."""
+        self.bad_lines.clear()
+        self.oversized.clear()
+        self._first_bad, self._n_bad, self._grew = None, 0, False
+        offset = 0
+        with self.path.open("rb") as fh:
+            for n, (raw, size) in enumerate(capped_lines(fh, MAX_ROW_BYTES, self.size), 1):
+                start = offset
+                offset += size + raw.endswith(b"\n")
+                if n == 1 and raw.startswith(_UTF8_BOM):
+                    raw, start = raw[len(_UTF8_BOM) :], start + len(_UTF8_BOM)
+                if size > MAX_ROW_BYTES:
+                    # Refused by size; its start may end inside a character.
+                    self.oversized[n] = size
+                    yield n, raw.decode("utf-8", "replace")
+                    continue
+                try:
+                    text = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    text = raw.decode("utf-8", "replace")
+                    self._bad(n, raw, start, e)
+                yield n, text
+            self._grew = fh.tell() > self.size
+
+    def _bad(self, n: int, raw: bytes, start: int, e: UnicodeDecodeError) -> None:
+        self._n_bad += 1
+        bad = raw[e.start : e.end]
+        if self.skip and self.by_line:
+            what = f"not valid UTF-8: byte {_hex(bad)} at byte {e.start + 1} of the line" + _cp1252_guess(bad)
+            self.bad_lines[n] = (what, _clip(raw.rstrip(b"\n").decode("utf-8", "backslashreplace")))
+        elif self._first_bad is None:
+            excerpt = raw[max(0, e.start - 30) : e.end + 30].split(b"\n")[0].decode("utf-8", "backslashreplace")
+            self._first_bad = Problem(
+                f"not valid UTF-8: byte {_hex(bad)} at byte offset {start + e.start} (line {n}, byte {e.start + 1} "
+                f"of the line){_cp1252_guess(bad)}; near: '{excerpt}'",
+                where=f"{self.source} line {n}", fix=_with_hint(_ICONV_FIX))
+
+    def finish(self, problems: list[Problem], at: int) -> None:
+        """After streaming: the file's encoding problem (error mode) and a file that grew while read, inserted at
+        ``at`` so they come before the row problems they explain."""
+        found = []
+        if self.whole_used or not self.by_line:
+            return
+        if self._grew:
+            found.append(Problem(f"{self.source} grew while it was read (it held {self.size} bytes when opened)",
+                                 fix="pass a file that is not being written to"))
+        if self._first_bad is not None:
+            n = self._n_bad
+            first = self._first_bad
+            found.append(Problem(f"{first.what}; {n} line{'s' if n != 1 else ''} in the file {have(n)} invalid bytes",
+                                 where=first.where, fix=first.fix))
+        problems[at:at] = found
+
+    def whole(self) -> str | None:
+        """The whole file as text, for a JSON document (which has no lines to read one by one); None when it cannot
+        be read. Its encoding problem is left in :attr:`problem`."""
+        self.problem = None
+        try:
+            with self.path.open("rb") as fh:
+                data = fh.read(self.size + 1)
+        except OSError as e:
+            self.problem = Problem(f"cannot read {self.source}: {e.strerror or e}", fix="check the file's permissions")
+            return None
+        if len(data) > self.size:
+            self.problem = Problem(f"{self.source} grew while it was read (it held {self.size} bytes when opened)",
+                                   fix="pass a file that is not being written to")
+            return None
+        bom = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
+        try:
+            return data[bom:].decode("utf-8")
+        except UnicodeDecodeError as e:
+            # Keep reading with the bad bytes replaced, so the same report lists the file's other problems; the
+            # encoding problem stops the run, so the replaced text never reaches training.
+            self.problem = _encoding_problem(data, bom + e.start, bom + e.end, self.source, hint=False)
+            return data[bom:].decode("utf-8", errors="replace")
 
 
 def not_a_regular_file(p: Path, source: str) -> Problem | None:
@@ -57,37 +147,32 @@ def not_a_regular_file(p: Path, source: str) -> Problem | None:
                    fix="save the data to a file and pass that file")
 
 
-def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool) -> _Text | None:
+def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool,
+               bounded: bool = False) -> _Text | None:
+    """Open a text file for reading: binary and UTF-16 files refused from their first bytes, and a file that cannot
+    fit in memory refused before it is read (``bounded``: the caller stops after a few rows, so size does not
+    matter for a line-based format)."""
     try:
         with p.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            # Read what the file held when opened, and one byte more to notice a file that keeps growing.
-            data = fh.read(size + 1)
+            head = fh.read(_SNIFF_BYTES)
     except OSError as e:
         problems.append(Problem(f"cannot read {source}: {e.strerror or e}", fix="check the file's permissions"))
         return None
-    if len(data) > size:
-        problems.append(Problem(f"{source} grew while it was read (it held {size} bytes when opened)",
-                                fix="pass a file that is not being written to"))
-        return None
-    binary = _binary_problem(data, source, kind)
+    binary = _binary_problem(head, source, kind)
     if binary is not None:
         # One problem for the file: a binary file decoded as text would list every "line" of it as broken.
         problems.append(binary)
         return None
-    bom = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
-    try:
-        return _Text(data[bom:].decode("utf-8"), {})
-    except UnicodeDecodeError as e:
-        # Keep reading with the bad bytes replaced, so the same report also lists the file's other problems; the
-        # encoding problem stops the run (error mode), or the rows on the bad lines are rejected (skip mode), so the
-        # replaced text never reaches training.
-        text = data[bom:].decode("utf-8", errors="replace")
-        if skip and by_line:
-            held = _encoding_problem(data, bom + e.start, bom + e.end, source, hint=False)
-            return _Text(text, _bad_lines(data), held)
-        problems.append(_encoding_problem(data, bom + e.start, bom + e.end, source, hint=by_line))
-        return _Text(text, {})
+    free = available_memory()
+    # Rows in memory take at least the file's size; past what is free the read would end in a MemoryError.
+    if free is not None and size > free and not (bounded and by_line):
+        fix = ("pass a part of it: --limit N reads only the first N rows" if by_line else
+               "save it as JSON Lines (.jsonl, one row a line), which is read as a stream")
+        problems.append(Problem(f"{source} is {gib(size)}, more than the {gib(free)} of memory free: its rows cannot "
+                                "all be held in memory", fix=f"{fix}, or split the file"))
+        return None
+    return _Text(p, source, size, by_line=by_line, skip=skip)
 
 
 def _binary_problem(data: bytes, source: str, kind: str) -> Problem | None:
@@ -141,18 +226,6 @@ def _encoding_problem(data: bytes, start: int, end: int, source: str, *, hint: b
     return Problem(what, where=f"{source} line {line}", fix=_with_hint(_ICONV_FIX) if hint else _ICONV_FIX)
 
 
-def _bad_lines(data: bytes) -> dict[int, tuple[str, str]]:
-    bad: dict[int, tuple[str, str]] = {}
-    for n, chunk in enumerate(data.split(b"\n"), 1):
-        try:
-            chunk.decode("utf-8")
-        except UnicodeDecodeError as e:
-            what = f"not valid UTF-8: byte {_hex(chunk[e.start : e.end])} at byte {e.start + 1} of the line"
-            what += _cp1252_guess(chunk[e.start : e.end])
-            bad[n] = (what, _clip(chunk.decode("utf-8", "backslashreplace")))
-    return bad
-
-
 def _hex(bad: bytes) -> str:
     return " ".join(f"0x{b:02X}" for b in bad)
 
@@ -162,15 +235,6 @@ def _cp1252_guess(bad: bytes) -> str:
         return f"; as Windows-1252 it would read {bad.decode('cp1252')!r}"
     except UnicodeDecodeError:
         return ""
-
-
-def _too_big(parts: list[str]) -> int | None:
-    """The UTF-8 size of a row's text when it is over :data:`MAX_ROW_BYTES`, else None."""
-    # A character is at most 4 bytes, so most rows are cleared without encoding them.
-    if sum(map(len, parts)) * 4 <= MAX_ROW_BYTES:
-        return None
-    size = sum(len(part.encode("utf-8", "replace")) for part in parts)
-    return size if size > MAX_ROW_BYTES else None
 
 
 def _too_big_what(subject: str, size: int) -> str:

@@ -25,7 +25,7 @@ from surefit.data.readers import check_text_fields, read_checked
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.models_lowbit import keep_4bit_trainable
+from surefit.models_lowbit import import_peft, keep_4bit_trainable
 from surefit.run_folder.finished import Run
 from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.recipe import (
@@ -68,7 +68,7 @@ def load(run: Run, say: Say = print, as_trained: bool = True, merge_dtype: str |
     final_source = ModelSource("folder", str(run.final), str(run.final))
     tokenizer, _ = load_tokenizer(str(run.final), final_source, cfg.trust_remote_code)
     if (run.final / "adapter_config.json").is_file():
-        from peft import PeftModel
+        PeftModel = import_peft().PeftModel  # noqa: N806 - the class, as `from peft import` would name it
 
         path, source = _base_model(run, say)
         # Adapters marked trainable as in training: what stays frozen is what training may have stored in 16 bits.
@@ -288,7 +288,15 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     import sys
 
     rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
-    rows, _, report = load_data(rows_cfg, say)
+    rejected: list[Any] = []
+    rows, _, report = load_data(rows_cfg, say, on_rejected=rejected.extend)
+    if rejected:
+        # inspect writes no run folder, so the rows left out are listed here (training writes rejected_rows.jsonl).
+        say(f"--on_bad_rows skip: {len(rejected)} row{'s' if len(rejected) != 1 else ''} rejected and left out:")
+        for r in rejected[:10]:
+            say(f"  {r.where}: {r.reason}")
+        if len(rejected) > 10:
+            say(f"  and {len(rejected) - 10} more")
     source = resolve_model(cfg.model)
     path = model_folder(source, log=say)
     tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
@@ -302,7 +310,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
         say(f"--- {ex.row.where} (supervised spans marked {on}like this{off}) ---")
         say(marked_text(tokenizer, ex, on, off))
     roles = getattr(rep, "roles", {}) or {}
-    counts = {"rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens, "supervised_tokens": rep.supervised_tokens,
+    counts = {"rejected": len(rejected), "rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens, "supervised_tokens": rep.supervised_tokens,
               "turns": roles, "shortened": len(getattr(rep, "rows_shortened", [])), "excluded": len(rep.excluded)}
     say(f"{rep.encoded}/{rep.rows} rows encoded; {rep.tokens} tokens, {rep.supervised_tokens} supervised "
         f"({100.0 * rep.supervised_tokens / max(rep.tokens, 1):.1f}%)")

@@ -658,13 +658,13 @@ def score(metric: str, preds: list[str], golds: list[list[str]]) -> dict[str, fl
     if metric == "rouge_l":
         rouge = sum(max(rouge_l(p, g) for g in gs) for p, gs in zip(preds, golds, strict=True)) / len(preds)
         return {"eval_rouge_l": rouge, "eval_em": scores["em"]}
-    import importlib
+    from surefit.models import import_user_module
 
-    module, _, name = metric.partition(":")
+    module, _, name = metric.rpartition(":")
     try:
-        fn = getattr(importlib.import_module(module), name)
+        fn = getattr(import_user_module(module, prefix="surefit_user_metric_"), name)
         out = fn(preds, [g[0] for g in golds])
-    except (ImportError, AttributeError) as e:
+    except (ImportError, AttributeError, FileNotFoundError) as e:
         raise ConfigError(Problem(f"cannot load metric {metric!r}: {e}", "--metric",
                                   "name an importable module:function (predictions, references) -> dict")) from e
     if not isinstance(out, dict):

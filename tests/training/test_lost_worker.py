@@ -1,0 +1,52 @@
+"""A training process lost under DDP or FSDP: one of 2 gloo processes really dies by SIGKILL after the first
+checkpoint (``lose_worker.py``). The run stops with surefit's message, not gloo's "Connection closed by peer"
+traceback: the launcher names the rank and the signal, the survivor says it lost its peer, both name the last good
+checkpoint and the resume command, and that command finishes the run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import qa_rows
+
+HERE = Path(__file__).resolve().parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(HERE.parents[1] / "src"),
+                                                                          os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.parametrize("sharding, victim", [("none", 1), ("fsdp", 0)])
+def test_a_worker_killed_mid_run_is_named_with_the_checkpoint_and_the_resume_command(tiny_lm_dir, tmp_path,
+                                                                                     sharding, victim):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(40)), encoding="utf-8")
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_lm_dir), "--data", str(data), "--val_fraction", "0.1", "--precision", "fp32",
+            "--lora_r", "0", "--batch_size", "4", "--max_steps", "12", "--save_every", "4", "--max_new_tokens", "2",
+            "--sharding", sharding, "--output_dir", str(out)]
+    done = subprocess.run([sys.executable, "-m", "surefit.launch", "--standalone", "--nproc_per_node", "2",
+                           str(HERE / "lose_worker.py"), str(victim), *args],
+                          capture_output=True, text=True, env=ENV, timeout=600)
+    text = done.stdout + done.stderr
+    # The main process's own code: 1 (it reported the loss) or 128 + SIGTERM (the launcher stopped it first).
+    assert done.returncode in (1, 128 + 15, 128 + 9), text[-3000:]
+    assert "Traceback" not in text, text[max(0, text.find("Traceback") - 500):][:4000]
+    assert "RuntimeError: [" not in text  # gloo's own words come only inside surefit's message
+    checkpoint = out / "checkpoints" / "step-0000004"
+    assert (f"training process {victim} of 2 was killed by SIGKILL (the kernel's out-of-memory killer does this, "
+            f"or a kill -9); the others were stopped; the last good checkpoint is {checkpoint} (verified)") in text
+    assert f"process {1 - victim} of 2 lost contact with process {victim} of this run, which has ended" in text
+    resume = f"resume with: surefit train --resume --output_dir {out} --num_processes 2"
+    assert text.count(resume) == 2
+    assert not (out / "final").exists()
+
+    again = subprocess.run([sys.executable, "-m", "surefit", *resume.removeprefix("resume with: surefit ").split()],
+                           capture_output=True, text=True, env=ENV, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {checkpoint}: epoch 1, step 4" in again.stdout
+    assert (out / "final" / "model.safetensors").is_file()
