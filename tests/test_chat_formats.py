@@ -245,7 +245,7 @@ def test_split_keeps_whole_conversations_and_augmentation_never_touches_assistan
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = SFTConfig(data=str(data), augmentation_factor=3, val_fraction=0.25, output_dir=str(tmp_path / "o"))
     train, val, report = load_data(cfg, say=lambda *_: None)
-    assert len(train) == 3 * (40 - len(val)) and report["format"] == "messages"
+    assert len(train) == 3 * (40 - len(val)) and report.format == "messages"
     val_keys = {conversation_key(r, "input") for r in val}
     assert not any(conversation_key(r, "input") in val_keys for r in train)  # duplicates stay on one side
     changed = [r for r in train if r.variant_of is not None]

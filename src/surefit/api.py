@@ -8,8 +8,6 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from surefit.config_tasks import TASK_CONFIGS
@@ -19,26 +17,7 @@ from surefit.errors import ConfigError, Problem
 from surefit.finished import evaluate, export, predict, report
 from surefit.names import build_with_aliases
 from surefit.tasks import task_module
-
-
-@dataclass
-class RunResult:
-    """What a training run produced.
-
-    Attributes:
-        output_dir: the run folder; final_dir: the saved model (or adapter) and tokenizer.
-        history: one record per evaluation, epoch 0 (before training) first, as written to metrics.jsonl.
-        data_report: counts of what happened to the data (split, augmentation, truncation, exclusions).
-    """
-
-    output_dir: Path
-    final_dir: Path
-    history: list[dict[str, Any]]
-    data_report: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def metrics(self) -> list[dict[str, Any]]:
-        return self.history
+from surefit.tasks.common import RunResult
 
 
 def _config(config: Any, settings: dict[str, Any]) -> Any:
@@ -68,8 +47,7 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
     cfg = _config(config, settings)
-    out = task_module(cfg.task).run(cfg)
-    return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])
+    return task_module(cfg.task).run(cfg)
 
 
 def doctor(config: Any = None, /, **settings: Any) -> Any:

@@ -144,15 +144,15 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
     from transformers import PreTrainedTokenizerFast  # noqa: F401 - the tokenizer type generate_texts decodes with
 
     from conftest import build_tokenizer
-    from surefit.tasks.sft.recipe import generate_texts
+    from surefit.tasks.sft.recipe import Generation, generate_texts
     from surefit.training.precision import make_accelerator
+    from surefit.training.work import Switches
 
     tok = build_tokenizer()
     model = _lora_model(bf16=False)
     prompts = [p for p in _prompts() if len(p) < 10] + [[5, 6, 7], [9, 8], [11, 12, 13, 14], [3, 4, 5, 6, 7]]
     eos = [0]
-    want = generate_texts(model, prompts, tok, eos_token_ids=eos, max_new_tokens=6, batch_size=8,
-                          accelerator=make_accelerator("fp32"), say=lambda _: None)
+    want = generate_texts(model, prompts, tok, make_accelerator("fp32"), Generation(eos, 6, 8), say=lambda _: None)
     said: list[str] = []
     seen: list[int] = []
 
@@ -163,8 +163,8 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
 
     hook = model.get_base_model().model.register_forward_pre_hook(fail_big, with_kwargs=True)
     try:
-        got = generate_texts(model, prompts, tok, eos_token_ids=eos, max_new_tokens=6, batch_size=8,
-                             accelerator=make_accelerator("fp32"), say=said.append, merge_lora=True)
+        got = generate_texts(model, prompts, tok, make_accelerator("fp32"),
+                             Generation(eos, 6, 8, Switches(eval_merge_lora=True)), say=said.append)
     finally:
         hook.remove()
     assert got == want

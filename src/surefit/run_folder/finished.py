@@ -23,8 +23,8 @@ from surefit.run_folder import (
     FINAL,
     MEMORY_PLAN,
     METRICS,
+    untrusted,
 )
-from surefit.training import untrusted
 
 Say = Callable[[str], None]
 

@@ -35,9 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
+import surefit.run_folder.integrity as integrity
 from surefit.errors import Problem, SurefitError
-from surefit.training import integrity
-from surefit.training.integrity import MANIFEST
+from surefit.run_folder.integrity import MANIFEST
 
 STATE = "trainer_state.json"
 WEIGHTS = "trainable.safetensors"

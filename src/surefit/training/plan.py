@@ -21,20 +21,20 @@ Why not the alternatives: Hugging Face's ``auto_find_batch_size`` restarts on OO
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from surefit.config import TrainConfig
 from surefit.errors import Problem, SurefitError
 from surefit.models_lowbit import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in
+from surefit.training.work import TrainingWork
 from surefit.units import GiB, human_bytes
 
 GB = GiB
@@ -117,8 +117,6 @@ class Plan:
         d["estimated_bytes"] = self.estimated_bytes
         return d
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------- the budget
@@ -575,28 +573,16 @@ def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
             torch.cuda.set_rng_state_all(state[3])
 
 
-def plan_run(
-    cfg: Any,
-    model: Any,
-    accelerator: Any,
-    *,
-    features: Sequence[dict[str, Any]],
-    lengths: Sequence[int],
-    counts: Sequence[int],
-    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
-    loss_fn: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]],
-    eval_lengths: Sequence[int] = (),
-    generate_lengths: Sequence[int] = (),
-    lora: bool = False,
-    say: Callable[[str], None] = print,
-    out: Path | None = None,
-    memo: dict[str, Any] | None = None,
-) -> Plan:
-    """Plan a task's run from its config and examples; print the plan and save ``OUTPUT/memory_plan.json``.
+def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork, say: Callable[[str], None] = print,
+             memo: dict[str, Any] | None = None) -> Plan:
+    """Plan a task's run from its config and examples, and print the plan (the run folder saves it).
 
     The model is moved to the accelerator's device first (the probe runs there). Probes put every RNG back.
     ``memo``: earlier measurements of an identical setup, see :func:`make_plan`.
     """
+    features = work.features
+    collate = work.plan.collate or work.collate
+    loss_fn = work.plan.loss_fn or work.loss_fn
     model.to(accelerator.device)
 
     def batch(indices: list[int]) -> dict[str, torch.Tensor]:
@@ -618,15 +604,13 @@ def plan_run(
         del loss
         model.zero_grad(set_to_none=True)
 
-    work = Workload(lengths=lengths, supervised=counts, eval_lengths=eval_lengths, generate_lengths=generate_lengths,
-                    train_step=train_step, forward=forward)
+    load = Workload(lengths=work.lengths, supervised=work.counts, eval_lengths=work.plan.eval_lengths,
+                    generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward)
     budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
     plan = run_with_restored_rng(
-        lambda: make_plan(model, work, batch_size=cfg.batch_size, processes=accelerator.num_processes,
+        lambda: make_plan(model, load, batch_size=cfg.batch_size, processes=accelerator.num_processes,
                           requested_micro=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
                           precision=precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
-                          budget=budget, lora=lora, device=accelerator.device, memo=memo))
+                          budget=budget, lora=work.plan.lora, device=accelerator.device, memo=memo))
     say(plan.render())
-    if out is not None and accelerator.is_main_process:
-        plan.save(out / "memory_plan.json")
     return plan

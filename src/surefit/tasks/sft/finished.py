@@ -31,7 +31,9 @@ from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.recipe import (
     FINAL_FILES,
     Encoder,
+    Generation,
     Say,
+    Scoring,
     _encode_settings,
     _input_text,
     choose_metric,
@@ -44,6 +46,7 @@ from surefit.tasks.sft.recipe import (
 )
 from surefit.training.precision import make_accelerator, store_frozen_in
 from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.work import Switches
 
 
 def _base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
@@ -130,14 +133,10 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                 f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
                                 "evaluate on rows with shorter targets"))
     max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc)
-    metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, target_field=target_field,
-                                              eos_token_ids=loaded.extra["eos"], max_new_tokens=max_new,
-                                              batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                                              share_prefixes=cfg.share_prefixes,
-                                              merge_lora=getattr(cfg, "eval_merge_lora", False),
-                                              share_prompts=getattr(cfg, "eval_share_prefixes", False),
-                                              fused=getattr(cfg, "fused_cross_entropy", True),
-                                              metric=choose_metric(cfg, bool(run.report.get("format_conversational"))))
+    scoring = Scoring(target_field, choose_metric(cfg, bool(run.report.get("format_conversational"))),
+                      Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)))
+    metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, loaded.accelerator, scoring,
+                                              say)
     records = prediction_records(examples, preds, golds, input_field)
     if rep.excluded:
         metrics["excluded_rows"] = len(rep.excluded)
@@ -217,10 +216,9 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             prompts.append(ids)
             cut.append(n_cut)
         lengths: list[int] = []
-        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
-                               max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                               lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
-                               share_prefixes=getattr(cfg, "eval_share_prefixes", False))
+        gen = Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg))
+        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, loaded.accelerator, gen, say,
+                               lengths=lengths)
         batch = []
         for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
             rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
@@ -287,7 +285,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     source = resolve_model(cfg.model)
     path = model_folder(source, log=say)
     tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
-    encoder = Encoder.build(cfg, tokenizer, report["format"], report["format_conversational"])
+    encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
     say(encoder.why)
     examples, rep = encoder.encode(rows, "all", cfg.on_bad_rows == "skip")
     if color is None:

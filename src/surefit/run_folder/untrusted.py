@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from surefit.errors import Problem, SurefitError, raise_if
-from surefit.training.integrity import MANIFEST, hash_source, verify
+from surefit.run_folder.integrity import MANIFEST, hash_source, verify
 
 Say = Callable[[str], None]
 
