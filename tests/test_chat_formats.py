@@ -313,11 +313,10 @@ def test_eval_generate_false_keeps_the_loss_only(chat_lm_dir, tmp_path, capsys):
 
 def test_generation_reports_progress_per_batch():
     from conftest import tiny_llama
-    from surefit.eval.generate import greedy_generate
+    from surefit.eval.generate import Decode, greedy_generate
 
     seen = []
-    out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, pad_token_id=0, eos_token_ids=[0], max_new_tokens=2,
-                          batch_size=2, progress=lambda done, total: seen.append((done, total)))
+    out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, Decode(pad_token_id=0, eos_token_ids=[0], max_new_tokens=2, batch_size=2), progress=lambda done, total: seen.append((done, total)))
     assert len(out) == 5 and seen == [(2, 5), (4, 5), (5, 5)]
 
 

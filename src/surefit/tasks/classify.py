@@ -12,6 +12,7 @@ import inspect
 import json
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -410,9 +411,20 @@ def _collator(tokenizer: Any, spec: LabelSpec) -> PadCollator:
                        stack_keys=("labels",) if spec.problem_type == "multi" else ())
 
 
-def evaluate_features(model: Any, rows: list[Row], feats: list[dict[str, Any]], fields: Fields, spec: LabelSpec,
-                      collate: Any, batch_size: int, accelerator: Any, say: Say) -> Evaluation:
+@dataclass
+class Scored:
+    """Rows to score: the rows, their encoded features, the columns read and the labels."""
+
+    rows: list[Row]
+    feats: list[dict[str, Any]]
+    fields: Fields
+    spec: LabelSpec
+
+
+def evaluate_features(model: Any, data: Scored, collate: Any, batch_size: int, accelerator: Any,
+                      say: Say) -> Evaluation:
     """Loss, the task's metrics and every row's prediction (after each epoch, and by ``surefit eval``)."""
+    rows, feats, fields, spec = data.rows, data.feats, data.fields, data.spec
     logits, loss = shrink_on_oom(
         lambda bs: predict_logits(model, feats, collate, bs, accelerator, spec.problem_type),
         batch_size, "evaluation", say)
@@ -475,7 +487,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     first, second = HEADLINE[spec.problem_type]
 
     def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
-        result = evaluate_features(m, val_rows, val_feats, fields, spec, collate, batch_size, accelerator, say)
+        result = evaluate_features(m, Scored(val_rows, val_feats, fields, spec), collate, batch_size, accelerator, say)
         metrics = result.metrics
         say(f"epoch {epoch}/{cfg.epochs}  {first}={metrics[first]:.4f}  {second}={metrics[second]:.4f}  "
             f"eval_loss={metrics['eval_loss']:.4f}")
@@ -679,8 +691,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     loaded = load(run, spec, say)
     feats, rep = encode(rows, loaded.tokenizer, flds, spec, loaded.extra["max_len"], loaded.extra["keys"], "evaluation")
     _say_truncated(rep, loaded.extra["max_len"], say)
-    result = evaluate_features(loaded.model, rows, feats, flds, spec, _collator(loaded.tokenizer, spec), batch_size,
-                               loaded.accelerator, say)
+    result = evaluate_features(loaded.model, Scored(rows, feats, flds, spec), _collator(loaded.tokenizer, spec),
+                               batch_size, loaded.accelerator, say)
     return described, len(rows), result.metrics, result.records or []
 
 

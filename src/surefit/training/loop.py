@@ -58,7 +58,7 @@ from surefit.training.distributed import (
 from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
-from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
+from surefit.training.schedule import Schedule, Warmup, make_scheduler, plan_schedule
 from surefit.training.selection import Selection
 from surefit.training.work import LossFn, TrainingWork
 
@@ -109,8 +109,8 @@ class LoopSettings:
     def schedule(self, n_examples: int) -> Schedule:
         """The learning-rate schedule and run length for ``n_examples`` training examples."""
         return plan_schedule(n_examples=n_examples, batch_size=self.batch_size, epochs=self.epochs, lr=self.lr,
-                             kind=self.lr_scheduler, warmup=self.warmup, warmup_ratio=self.warmup_ratio,
-                             min_lr=self.min_lr, max_steps=self.max_steps)
+                             kind=self.lr_scheduler, warmup=Warmup(self.warmup, self.warmup_ratio), min_lr=self.min_lr,
+                             max_steps=self.max_steps)
 
 # The task configs' training-control settings, passed to the loop under the same names.
 CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
@@ -409,13 +409,13 @@ class _Fit:
         state = load_checkpoint(folder, model=self.model if self.sharded else self.accelerator.unwrap_model(self.model),
                                 optimizer=self.optimizer, scheduler=self.scheduler,
                                 scaler=getattr(self.accelerator, "scaler", None), **(sharded if self.sharded else {}))
-        self.history, self.progress = state["history"], Progress(**state["position"])
-        self.guard.load(state.get("oom", {}))
-        self.selection.load(state.get("selection"))  # the best so far and the early-stopping count go on
+        self.history, self.progress = state.history, Progress(**state.position)
+        self.guard.load(state.oom)
+        self.selection.load(state.selection)  # the best so far and the early-stopping count go on
         if self.counters is not None:  # saved summed over processes: the main process carries them on
-            self.counters.load((state.get("counters") or {}) if self.main else {})
+            self.counters.load((state.counters or {}) if self.main else {})
         if self.main:
-            self.log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
+            self.log.truncate(state.metrics_bytes)  # lines written after this checkpoint would be written twice
         p = self.progress
         self.say(f"resumed from {folder}: epoch {p.epoch}, step {p.step_in_epoch} of {self.steps_per_epoch} (global "
                  f"step {p.global_step})")
@@ -534,27 +534,26 @@ class _Fit:
 
     def _save(self, name: str, export: bool, counts: dict[str, int] | None,
               optimizer_state: dict[str, Any] | None) -> Path:
-        from surefit.training.checkpoint import prune, save_checkpoint
+        from surefit.training.checkpoint import States, TrainerState, prune, save_checkpoint
 
         ck = self.checkpointing
         if not self.main:
             barrier()
             return ck.folder / name
         acc = self.accelerator
+        plan = {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro, "grad_accum": self.accum,
+                "mixed_precision": str(acc.mixed_precision), "processes": acc.num_processes,
+                "sharding": self.settings.sharding}
+        # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth saving),
+        # so the micro-step of the position is always 0.
+        state = TrainerState(global_step=self.progress.global_step, position=asdict(self.progress),
+                             history=self.history, metrics_bytes=self.log.bytes_written(), plan=plan,
+                             oom=self.guard.state(), counters=counts, selection=self.selection.state())
         folder = save_checkpoint(
             ck.folder / name, model=self.model if self.sharded else acc.unwrap_model(self.model),
-            optimizer=self.optimizer, scheduler=self.scheduler, optimizer_state=optimizer_state,
-            scaler=getattr(acc, "scaler", None),  # fp16 loss scaling state (None otherwise)
-            # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
-            # saving), so the micro-step of the position is always 0.
-            state={"global_step": self.progress.global_step, "position": asdict(self.progress), "micro_step": 0,
-                   "history": self.history, "oom": self.guard.state(), "counters": counts,
-                   "selection": self.selection.state(),
-                   "metrics_bytes": self.log.bytes_written(),
-                   "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
-                            "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
-                            "processes": acc.num_processes, "sharding": self.settings.sharding}},
-            export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
+            # fp16 loss scaling state (None otherwise)
+            states=States(self.optimizer, self.scheduler, getattr(acc, "scaler", None), optimizer_state),
+            state=state, export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
         best = self.selection.best

@@ -313,22 +313,34 @@ class Workload:
     forward: Callable[[list[int]], Any] | None = None
 
 
-def make_plan(
-    model: Any,
-    work: Workload,
-    *,
-    batch_size: int,
-    processes: int,
-    requested_micro: int,
-    gradient_checkpointing: bool,
-    precision: str,
-    eval_batch_size: int,
-    budget: tuple[float | None, str],
-    lora: bool,
-    device: torch.device,
-    probe: Callable[[int, bool], int] | None = None,
-    memo: dict[str, Any] | None = None,
-) -> Plan:
+@dataclass
+class PlanRequest:
+    """The settings the planner fits to the budget.
+
+    Attributes:
+        batch_size: the effective (global) batch, which is kept; processes: how many share it.
+        requested_micro: the largest micro-batch the settings allow (``batch_size / grad_accum``).
+        gradient_checkpointing: on by request (the planner may also turn it on, and says so).
+        precision: the compute precision in force ("fp32", "bf16", "fp16").
+        eval_batch_size: the evaluation batch asked for.
+        budget: (GB or None, where it came from), see :func:`resolve_budget`.
+        lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
+        device: where the model trains.
+    """
+
+    batch_size: int
+    processes: int
+    requested_micro: int
+    gradient_checkpointing: bool
+    precision: str
+    eval_batch_size: int
+    budget: tuple[float | None, str]
+    lora: bool
+    device: torch.device
+
+
+def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[[int, bool], int] | None = None,
+              memo: dict[str, Any] | None = None) -> Plan:
     """Choose micro-batch, accumulation, checkpointing and frozen-weight dtype for the budget.
 
     The choices that change the model are applied to it: checkpointing on or off, and frozen weights stored in
@@ -337,12 +349,7 @@ def make_plan(
     Args:
         model: the model as it will train (adapters applied).
         work: the examples (lengths and supervised counts) and how to run them.
-        batch_size: the effective (global) batch, which is kept.
-        requested_micro: the largest micro-batch the settings allow (``batch_size / grad_accum``).
-        gradient_checkpointing: on by request (the planner may also turn it on, and says so).
-        precision: the compute precision in force ("fp32", "bf16", "fp16").
-        budget: (GB or None, where it came from), see :func:`resolve_budget`.
-        lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
+        request: the settings to fit (:class:`PlanRequest`).
         probe: ``(micro, checkpointing) -> peak bytes`` of the longest micro-batch, forward and backward; raises an
             out-of-memory error if it does not fit. Default: measured on a GPU, none on a CPU.
         memo: measurements of an identical setup (``saved_activations``: [bytes, tokens]; ``probes``: "micro,ckpt"
@@ -352,6 +359,10 @@ def make_plan(
         MemoryPlanError: when not even one example of the longest length fits; the message gives the estimate and
             what to change.
     """
+    batch_size, processes, requested_micro = request.batch_size, request.processes, request.requested_micro
+    gradient_checkpointing, precision, eval_batch_size = (request.gradient_checkpointing, request.precision,
+                                                          request.eval_batch_size)
+    budget, lora, device = request.budget, request.lora, request.device
     budget_gb, source = budget
     share = math.ceil(batch_size / processes)
     mixed = precision in ("bf16", "fp16")
@@ -608,9 +619,10 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
                     generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward)
     budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
     plan = run_with_restored_rng(
-        lambda: make_plan(model, load, batch_size=cfg.batch_size, processes=accelerator.num_processes,
-                          requested_micro=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
-                          precision=precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
-                          budget=budget, lora=work.plan.lora, device=accelerator.device, memo=memo))
+        lambda: make_plan(model, load, PlanRequest(
+            batch_size=cfg.batch_size, processes=accelerator.num_processes, requested_micro=cfg.micro_batch_size,
+            gradient_checkpointing=cfg.gradient_checkpointing, precision=precision_name(accelerator),
+            eval_batch_size=cfg.resolved_eval_batch_size, budget=budget, lora=work.plan.lora,
+            device=accelerator.device), memo=memo))
     say(plan.render())
     return plan

@@ -55,7 +55,7 @@ from surefit.errors import (
     raise_if,
     raise_with_rejected,
 )
-from surefit.eval.generate import greedy_generate
+from surefit.eval.generate import Decode, greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
 from surefit.models import (
     apply_lora,
@@ -561,16 +561,13 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
         lambda bs: greedy_generate(
             inner,
             prompts,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=gen.eos_token_ids,
-            max_new_tokens=gen.max_new_tokens,
-            batch_size=bs,
+            Decode(pad_token_id=tokenizer.pad_token_id, eos_token_ids=gen.eos_token_ids,
+                   max_new_tokens=gen.max_new_tokens, batch_size=bs, merge_lora=gen.switches.eval_merge_lora,
+                   share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None),
             device=accelerator.device,
             autocast=accelerator.autocast,
             progress=show if bar is not None else None,
-            merge_lora=gen.switches.eval_merge_lora,
             lora_context=lean_lora,
-            share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None,
             stats=stats,
         ),
         batch_size,
