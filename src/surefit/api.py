@@ -16,7 +16,7 @@ from surefit.errors import ConfigError, Problem
 # Using a finished run lives in surefit/finished.py; its names stay importable from here.
 from surefit.finished import evaluate, export, predict, report
 from surefit.names import build_with_aliases
-from surefit.tasks import task_module
+from surefit.tasks import task_of
 from surefit.tasks.common import RunResult
 
 
@@ -47,7 +47,7 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
     cfg = _config(config, settings)
-    return task_module(cfg.task).run(cfg)
+    return task_of(cfg).run(cfg)
 
 
 def doctor(config: Any = None, /, **settings: Any) -> Any:
@@ -56,7 +56,7 @@ def doctor(config: Any = None, /, **settings: Any) -> Any:
     from surefit.tasks.common import doctor as run_doctor
 
     cfg = _config(config, settings)
-    return run_doctor(cfg, task_module(cfg.task).prepare)
+    return run_doctor(cfg, task_of(cfg).prepare)
 
 
 def inspect_sft(config: Any, out: str | None = None, show: int = 2, say=print) -> dict:

@@ -13,7 +13,7 @@ from surefit.config import TrainConfig
 from surefit.doctor.core import Finding, Report
 from surefit.errors import Problem, SurefitError
 from surefit.startup_cache import StartupCache
-from surefit.training.distributed import is_main_process, share_from_main
+from surefit.training.processes import is_main_process, share_from_main
 
 
 class DoctorRefused(SurefitError):

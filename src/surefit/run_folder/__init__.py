@@ -45,9 +45,9 @@ from surefit.data.summary import DataSummary
 from surefit.errors import Problem
 from surefit.run_folder import integrity, untrusted
 from surefit.run_folder.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
-from surefit.training.distributed import barrier, is_main_process, world_size
 from surefit.training.loop import Checkpointing
 from surefit.training.plan import Plan
+from surefit.training.processes import barrier, is_main_process, world_size
 from surefit.training.trackers import MetricsLog
 
 Say = Callable[[str], None]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from surefit.errors import Problem, SurefitError
-from surefit.training.distributed import is_main_process, world_size
+from surefit.training.processes import is_main_process, world_size
 
 Say = Callable[[str], None]
 LOCK = ".surefit.lock"
@@ -131,7 +131,7 @@ def lock_run(cfg: Any, say: Say = print) -> Iterator[RunLock | None]:
             if world_size() <= 1:
                 raise
     if world_size() > 1:
-        from surefit.training.distributed import share_from_main
+        from surefit.training.processes import share_from_main
 
         refused = share_from_main(refused)
         if refused:

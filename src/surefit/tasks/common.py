@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,13 +28,15 @@ from surefit.doctor.gate import cached_doctor, gate, run_doctor
 from surefit.errors import Problem, SurefitError
 from surefit.models import quiet_libraries
 from surefit.run_folder import Found, RunFolder
-from surefit.training.distributed import is_main_process, on_main, plain_architectures
+from surefit.run_folder.finished import Run
+from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
+from surefit.training.processes import is_main_process, on_main
 from surefit.training.trackers import MetricsLog
 from surefit.training.work import Evaluation, TrainingWork
 
-__all__ = ["Evaluation", "Prepared", "RunResult", "doctor", "render_columns", "train"]
+__all__ = ["Evaluation", "Prepared", "RunResult", "Task", "doctor", "render_columns", "train"]
 
 Say = Callable[[str], None]
 
@@ -71,6 +73,47 @@ class PrepareFn(Protocol):
     """A task's ``prepare``: the run's setup from its config; problems already found join the data's."""
 
     def __call__(self, cfg: Any, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared: ...
+
+
+class Task(Protocol):
+    """What the runner and the finished-run commands call on a task. Each task module satisfies it as it stands
+    (``tasks/__init__.py`` registers the modules; a type checker and ``tests/test_tasks.py`` hold them to it).
+
+    ``save`` and ``load`` are the task's own (their arguments differ by task): training reaches ``save`` through
+    :attr:`Prepared.save`, and the task's ``evaluate``, ``predict`` and ``export`` call its ``load``.
+    """
+
+    @property
+    def FIELDS(self) -> tuple[str, ...]:  # noqa: N802 - the module constant's name
+        """The column flags ``surefit eval`` / ``predict`` take for other data (``--input_field`` ...)."""
+        ...
+
+    def final_files(self, cfg: Any) -> list[tuple[str, ...]]:
+        """What ``final/`` must hold (any one of these groups of files)."""
+        ...
+
+    def prepare(self, cfg: Any, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared:
+        """The run's setup, written nowhere (:class:`Prepared`)."""
+        ...
+
+    def run(self, cfg: Any, say: Say = ...) -> RunResult:
+        """Train: :func:`train` on what ``prepare`` builds."""
+        ...
+
+    def evaluate(self, run: Run, data: str | None, batch_size: int, max_new_tokens: int | None,
+                 fields: dict[str, str], say: Say = ...) -> tuple[str, int, dict[str, Any], list[dict[str, Any]]]:
+        """``surefit eval``: (what was evaluated, rows, metrics, prediction records)."""
+        ...
+
+    def predict(self, run: Run, inputs: str | list[str] | None, file: str | None, batch_size: int,
+                max_new_tokens: int | None, fields: dict[str, str],
+                say: Say = ...) -> Iterator[list[dict[str, Any]]]:
+        """``surefit predict``: records, one batch at a time, in input order."""
+        ...
+
+    def export(self, run: Run, folder: Path, merge: bool, say: Say = ...) -> str:
+        """``surefit export``: write the run's model into ``folder``; returns what was written, in words."""
+        ...
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -441,14 +441,15 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     return described, len(indices), {"eval_loss": avg, "avg_valid_loss": avg}, []
 
 
-def predict(run: Run, *args: Any, **kwargs: Any) -> Any:
+def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_size: int,
+            max_new_tokens: int | None, fields: dict[str, str], say: Say = print) -> Iterator[list[dict[str, Any]]]:
     """Custom models have no text inputs to predict on."""
     raise ConfigError(Problem(f"{run.folder} is a custom-task run: predict works on text runs (sft, classify)",
                               "--run", "load final/model.safetensors with your factory (see final/surefit_model.json), "
                               "or use `surefit eval --run ... --data FOLDER` for its loss"))
 
 
-def export(run: Run, folder: Path, merge: bool, say=print) -> str:
+def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     """A copy of ``final/`` (custom models have no adapter to merge)."""
     import shutil
 

@@ -35,7 +35,6 @@ from surefit.config import TrainConfig
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import (
-    barrier,
     clip_grad_norm,
     describe_processes,
     full_optimizer_state,
@@ -45,19 +44,16 @@ from surefit.training.distributed import (
     load_full_optimizer_state,
     load_full_weights,
     local,
-    max_over_processes,
     process_micro_batches,
     refuse_fsdp_fp16,
     refuse_sharded,
     shard_model,
-    share_from_main,
-    sum_over_processes,
     tell_ddp_about_unused,
-    world_size,
 )
 from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
+from surefit.training.processes import barrier, max_over_processes, share_from_main, sum_over_processes, world_size
 from surefit.training.schedule import Schedule, Warmup, make_scheduler, plan_schedule
 from surefit.training.selection import Selection
 from surefit.training.work import LossFn, TrainingWork

@@ -67,12 +67,12 @@ from surefit.models import (
 from surefit.models_lowbit import keep_4bit_trainable, require_bitsandbytes
 from surefit.run_folder import EXCLUDED, Found
 from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
-from surefit.training.distributed import sum_over_processes
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
+from surefit.training.processes import sum_over_processes
 from surefit.training.speedups.lora_fast import fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
@@ -543,7 +543,7 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
 
     from tqdm.auto import tqdm
 
-    from surefit.training.distributed import is_main_process
+    from surefit.training.processes import is_main_process
 
     batch_size = gen.batch_size
     bar = None
