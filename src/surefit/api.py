@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from surefit.config import SFTConfig, TrainConfig
 from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
 
@@ -20,7 +21,7 @@ from surefit.tasks import task_of
 from surefit.tasks.common import RunResult
 
 
-def _config(config: Any, settings: dict[str, Any]) -> Any:
+def _config(config: TrainConfig | dict[str, Any] | None, settings: dict[str, Any]) -> TrainConfig:
     """A validated task config from a config object, a mapping, or settings by name (which override)."""
     if config is None or isinstance(config, dict):
         values = {**(config or {}), **settings}
@@ -35,7 +36,7 @@ def _config(config: Any, settings: dict[str, Any]) -> Any:
     return config
 
 
-def train(config: Any = None, /, **settings: Any) -> RunResult:
+def train(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> RunResult:
     """Train a model.
 
     Args:
@@ -50,7 +51,7 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
     return task_of(cfg).run(cfg)
 
 
-def doctor(config: Any = None, /, **settings: Any) -> Any:
+def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> Any:
     """Build a run's setup exactly as ``train`` would (data, encoding, model, collator: the task's ``prepare``) and
     return the doctor's report, without training and without writing anything."""
     from surefit.tasks.common import doctor as run_doctor
@@ -59,7 +60,7 @@ def doctor(config: Any = None, /, **settings: Any) -> Any:
     return run_doctor(cfg, task_of(cfg).prepare)
 
 
-def inspect_sft(config: Any, out: str | None = None, show: int = 2, say=print) -> dict:
+def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2, say=print) -> dict:
     """What an sft run would supervise: see :func:`surefit.tasks.sft.inspect`."""
     from surefit.tasks.sft import inspect
 

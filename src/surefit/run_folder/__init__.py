@@ -244,7 +244,7 @@ class RunFolder:
         """``metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after each epoch."""
         return open_metrics_log(self.cfg, self.path, accelerator)
 
-    def save_final(self, save_model: Callable[[Path], None]) -> Path:
+    def save_final(self, save_model: Callable[[Path], object]) -> Path:
         """Write ``final/`` atomically (temporary folder, then rename) with its manifest."""
         return save_final(self.path, save_model)
 
@@ -273,7 +273,7 @@ class Found:
     jsonl: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
 
-def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> None:
+def atomic_write(path: Path, write: Callable[[Path], object], what: str = "") -> None:
     """``write(tmp)`` a file beside ``path``, fsync it, then rename it into place: a reader sees the whole file or the
     previous one, never a part. A failed write (disk full ...) removes the partial file and raises
     :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
@@ -295,7 +295,7 @@ def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> N
         raise integrity.WriteFailed(integrity.write_failure(e, named, path.parent, max(size, 1 << 12))) from e
 
 
-def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
+def save_final(out: Path, save_model: Callable[[Path], object]) -> Path:
     """Write ``final/`` atomically (temporary folder, then rename); the main process writes, the others wait."""
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():

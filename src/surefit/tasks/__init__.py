@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from surefit.config import TrainConfig
 from surefit.errors import ConfigError, Problem
 from surefit.tasks import classify, custom, sft
@@ -11,10 +13,10 @@ from surefit.tasks.common import Task
 
 # The modules are the task objects: a type checker holds each to the Task protocol here, and tests/test_tasks.py does
 # at run time.
-TASKS: dict[str, Task] = {"sft": sft, "classify": classify, "custom": custom}
+TASKS: dict[str, Task[Any]] = {"sft": sft, "classify": classify, "custom": custom}
 
 
-def get_task(name: str) -> Task:
+def get_task(name: str) -> Task[Any]:
     """The task called ``name`` (``--task``)."""
     task = TASKS.get(name)
     if task is None:
@@ -22,6 +24,6 @@ def get_task(name: str) -> Task:
     return task
 
 
-def task_of(cfg: TrainConfig) -> Task:
+def task_of(cfg: TrainConfig) -> Task[Any]:
     """The task a config is for."""
     return get_task(cfg.task)

@@ -486,7 +486,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     collate = _collator(tokenizer, spec)
     first, second = HEADLINE[spec.problem_type]
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         result = evaluate_features(m, Scored(val_rows, val_feats, fields, spec), collate, batch_size, accelerator, say)
         metrics = result.metrics
         say(f"epoch {epoch}/{cfg.epochs}  {first}={metrics[first]:.4f}  {second}={metrics[second]:.4f}  "

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import surefit.startup as startup
 import surefit.startup_cache as startup_cache
@@ -69,13 +69,17 @@ class Prepared:
     cache_key: Callable[[], dict[str, Any]] | None = None
 
 
-class PrepareFn(Protocol):
+# A task's own config class (SFTConfig, ClassifyConfig ...): a task takes its own, so a parameter, contravariant.
+C = TypeVar("C", bound=TrainConfig, contravariant=True)
+
+
+class PrepareFn(Protocol[C]):
     """A task's ``prepare``: the run's setup from its config; problems already found join the data's."""
 
-    def __call__(self, cfg: Any, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared: ...
+    def __call__(self, cfg: C, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared: ...
 
 
-class Task(Protocol):
+class Task(Protocol[C]):
     """What the runner and the finished-run commands call on a task. Each task module satisfies it as it stands
     (``tasks/__init__.py`` registers the modules; a type checker and ``tests/test_tasks.py`` hold them to it).
 
@@ -88,15 +92,15 @@ class Task(Protocol):
         """The column flags ``surefit eval`` / ``predict`` take for other data (``--input_field`` ...)."""
         ...
 
-    def final_files(self, cfg: Any) -> list[tuple[str, ...]]:
+    def final_files(self, cfg: C) -> list[tuple[str, ...]]:
         """What ``final/`` must hold (any one of these groups of files)."""
         ...
 
-    def prepare(self, cfg: Any, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared:
+    def prepare(self, cfg: C, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared:
         """The run's setup, written nowhere (:class:`Prepared`)."""
         ...
 
-    def run(self, cfg: Any, say: Say = ...) -> RunResult:
+    def run(self, cfg: C, say: Say = ...) -> RunResult:
         """Train: :func:`train` on what ``prepare`` builds."""
         ...
 
@@ -137,7 +141,7 @@ class RunResult:
         return self.history
 
 
-def train(cfg: TrainConfig, prepare: PrepareFn, say: Say = print) -> RunResult:
+def train(cfg: C, prepare: PrepareFn[C], say: Say = print) -> RunResult:
     """Prepare the run, start its folder, run the doctor, plan the memory, train, and save ``final/``."""
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     clock = startup.Clock()
@@ -146,7 +150,7 @@ def train(cfg: TrainConfig, prepare: PrepareFn, say: Say = print) -> RunResult:
         return _train(folder, prepare, clock)
 
 
-def _train(folder: RunFolder, prepare: PrepareFn, clock: startup.Clock) -> RunResult:
+def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock) -> RunResult:
     from accelerate.utils import set_seed
 
     say = folder.say
@@ -252,7 +256,7 @@ def _evaluation(folder: RunFolder, p: Prepared, log: MetricsLog, settings: LoopS
 
 
 def final_model(folder: RunFolder, history: list[dict[str, Any]],
-                export_last: Callable[[Path], None]) -> Callable[[Path], None]:
+                export_last: Callable[[Path], None]) -> Callable[[Path], object]:
     """What writes ``final/``: the model as training left it, or, when the run selected the best evaluation, that
     evaluation's model as its checkpoint exported it (said with its metric, value and step)."""
     best = best_evaluation(history)
@@ -344,7 +348,7 @@ def end_startup(clock: startup.Clock, folder: RunFolder) -> None:
     folder.write_startup(clock.record())  # main process only
 
 
-def doctor(cfg: TrainConfig, prepare: PrepareFn, say: Say = print) -> Report:
+def doctor(cfg: C, prepare: PrepareFn[C], say: Say = print) -> Report:
     """The doctor's report on the setup ``prepare`` builds, exactly as training would use it; nothing is written."""
     quiet_libraries()
     say_alias_notes(cfg, say)

@@ -339,7 +339,7 @@ def prepare(cfg: CustomConfig, say: Say = print, problems: list[Problem] | None 
     def collate(idx: Any) -> dict[str, torch.Tensor]:
         return model_batch(data, list(idx), caller)
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         avg = mean_loss(m, caller, val_source, val_idx, batch_size, accelerator)
         if epoch == 0 or not float(epoch).is_integer():  # before training, and --eval_every's mid-epoch ones
             say(f"epoch {epoch}/{cfg.epochs}  avg_valid_loss={avg:.4f}")

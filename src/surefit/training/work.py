@@ -67,7 +67,7 @@ class TrainingWork:
     counts: list[int]
     collate: Collate
     loss_fn: LossFn
-    evaluate: Callable[[Any, int, int], Evaluation] | None = None
+    evaluate: Callable[[Any, int | float, int], Evaluation] | None = None
     on_epoch: Callable[[dict[str, Any]], None] | None = None
     counters: Any = None
     epoch_batches: Callable[[int], list[list[int]]] | None = None

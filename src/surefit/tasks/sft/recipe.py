@@ -414,7 +414,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
 
     switches = Switches.of(cfg)
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches))
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, accelerator, scoring, say)
         # The answers' scores first, then the loss (as every run has printed them)
