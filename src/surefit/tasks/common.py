@@ -1,12 +1,9 @@
-"""What the three tasks share: the prepared run, and the run itself (doctor, memory plan, loop, final save).
+"""What the tasks share: the prepared run, the runner (doctor, memory plan, loop, final save) and the surface every
+task module has (:class:`Task`: ``prepare``, ``run``, ``final_files``, ``evaluate``, ``predict``, ``export``).
 
-Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
-
-- ``prepare(cfg) -> Prepared``: data, model, collator, loss and evaluation, everything the loop needs, built
-  without writing to the run folder (the doctor calls it too, so it checks exactly what training would use);
-- ``run(cfg)``: :func:`train` on what ``prepare`` built;
-- ``save(...)`` / ``load(run)``: the task's format of ``final/``, written and read in the same file;
-- ``evaluate(run, data)`` / ``predict(run, ...)``: use a finished run, scored as training scored each epoch.
+``prepare`` builds everything the loop needs and writes nothing (the doctor calls it too, so it checks exactly what
+training would use); :func:`train` hands what it found to the run folder (:class:`~surefit.run_folder.RunFolder`),
+which writes every file of the run.
 """
 
 from __future__ import annotations
