@@ -245,7 +245,7 @@ def test_split_keeps_whole_conversations_and_augmentation_never_touches_assistan
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = SFTConfig(data=str(data), augmentation_factor=3, val_fraction=0.25, output_dir=str(tmp_path / "o"))
     train, val, report = load_data(cfg, say=lambda *_: None)
-    assert len(train) == 3 * (40 - len(val)) and report["format"] == "messages"
+    assert len(train) == 3 * (40 - len(val)) and report.format == "messages"
     val_keys = {conversation_key(r, "input") for r in val}
     assert not any(conversation_key(r, "input") in val_keys for r in train)  # duplicates stay on one side
     changed = [r for r in train if r.variant_of is not None]
@@ -313,11 +313,10 @@ def test_eval_generate_false_keeps_the_loss_only(chat_lm_dir, tmp_path, capsys):
 
 def test_generation_reports_progress_per_batch():
     from conftest import tiny_llama
-    from surefit.eval.generate import greedy_generate
+    from surefit.eval.generate import Decode, greedy_generate
 
     seen = []
-    out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, pad_token_id=0, eos_token_ids=[0], max_new_tokens=2,
-                          batch_size=2, progress=lambda done, total: seen.append((done, total)))
+    out = greedy_generate(tiny_llama(), [[1, 2, 3]] * 5, Decode(pad_token_id=0, eos_token_ids=[0], max_new_tokens=2, batch_size=2), progress=lambda done, total: seen.append((done, total)))
     assert len(out) == 5 and seen == [(2, 5), (4, 5), (5, 5)]
 
 

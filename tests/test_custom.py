@@ -165,20 +165,20 @@ def test_npz_shards_under_a_bound_are_read_once_per_epoch(tmp_path, monkeypatch)
                        output_dir=str(tmp_path / "o"))
     p = custom.prepare(cfg, say=lambda _: None)
     data = opened[0]
-    assert p.epoch_batches is not None
+    assert p.work.epoch_batches is not None
 
     def loads_for(batches):
         seen, before = [], data.shard_loads
         for step in batches:
-            p.collate([p.features[i] for i in step])
+            p.work.collate([p.work.features[i] for i in step])
             seen += step
-        assert sorted(seen) == list(range(len(p.features)))  # every example once
+        assert sorted(seen) == list(range(len(p.work.features)))  # every example once
         return data.shard_loads - before
 
     for epoch in (1, 2):
-        assert loads_for(p.epoch_batches(epoch)) <= 8 + 1  # each shard once (+1: the one cached from the check)
-    assert p.epoch_batches(1) != p.epoch_batches(2)  # still shuffled per epoch
-    random_loads = loads_for(sampling.step_batches(p.lengths, 16, 0, 1))
+        assert loads_for(p.work.epoch_batches(epoch)) <= 8 + 1  # each shard once (+1: the one cached from the check)
+    assert p.work.epoch_batches(1) != p.work.epoch_batches(2)  # still shuffled per epoch
+    random_loads = loads_for(sampling.step_batches(p.work.lengths, 16, 0, 1))
     assert random_loads > 3 * 8, random_loads  # what the plain shuffled order costs on the same data
 
 

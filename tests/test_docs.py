@@ -123,19 +123,16 @@ def test_the_comparison_checks_words_and_order_but_not_numbers():
     assert missing_lines(["epoch 1/2  eval_em=0.6441"], out)  # a renamed metric is caught
 
 
-def test_the_sft_path_listed_in_the_architecture_page_is_true_and_short():
-    """docs/architecture.md lists the source a newcomer reads for the SFT path: each file exists, each count is within
-    15% of its real length, and they add up to at most 6,000 lines."""
+def test_the_sft_path_listed_in_the_architecture_page_is_true():
+    """docs/architecture.md lists the source a newcomer reads for the SFT path: each file exists and each count is
+    within 15% of its real length (issue 30: no line cap on the path; it steered the layout)."""
     page = (REPO / "docs" / "architecture.md").read_text()
     section = page.split("## The SFT path")[1].split("\n## ")[0]
     listed = re.findall(r"^\| `([\w/.]+\.py)` \| (\d+) \|", section, re.M)
     assert len(listed) >= 15, listed
-    total = 0
     for path, count in listed:
         real = len((REPO / "src" / "surefit" / path).read_text().splitlines())
         assert abs(real - int(count)) <= 0.15 * real, f"{path}: listed {count} lines, has {real}"
-        total += real
-    assert total <= 6000, f"the SFT path is {total} lines"
 
 
 def test_the_readme_stays_an_overview():

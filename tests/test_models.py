@@ -39,7 +39,7 @@ def test_embedded_gguf_converts_once_encodes_squad_and_generates(tmp_path, monke
 
     from surefit.data.encode import build_prompt_format, encode_rows
     from surefit.data.rows import Row
-    from surefit.eval.generate import greedy_generate
+    from surefit.eval.generate import Decode, greedy_generate
     from surefit.models import load_causal_lm, load_tokenizer, model_folder
 
     src = resolve_model(None)
@@ -54,6 +54,5 @@ def test_embedded_gguf_converts_once_encodes_squad_and_generates(tmp_path, monke
     assert ex.labels[-1] == tok.eos_token_id
     model = load_causal_lm(str(folder), src)
     with torch.no_grad():
-        [out] = greedy_generate(model, [ex.prompt_ids], pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id],
-                                max_new_tokens=8, batch_size=1)
+        [out] = greedy_generate(model, [ex.prompt_ids], Decode(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], max_new_tokens=8, batch_size=1))
     assert "paris" in tok.decode(out).lower()

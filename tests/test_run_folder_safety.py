@@ -119,7 +119,7 @@ def test_a_custom_runs_model_factory_is_not_imported_without_allow_code(tmp_path
 
 
 def test_a_head_in_a_run_config_is_code(tmp_path):
-    from surefit.training.untrusted import code_problems
+    from surefit.run_folder.untrusted import code_problems
 
     cfg = build_config(ClassifyConfig, {"data": "x.csv", "head": "heads.py:Head", "output_dir": str(tmp_path / "o")})
     problems = code_problems(cfg, tmp_path / "config.yaml", allow_code=False, trust_remote_code=False)

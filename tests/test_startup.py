@@ -177,8 +177,10 @@ def test_planner_measurements_are_reused_from_the_memo_and_the_choice_made_afres
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
         return 1000
 
-    args = dict(batch_size=8, processes=1, requested_micro=8, gradient_checkpointing=False, precision="fp32",
-                eval_batch_size=8, budget=(10.0, "test"), lora=False, device=torch.device("cpu"), probe=probe)
+    args = dict(request=plan_module.PlanRequest(batch_size=8, processes=1, requested_micro=8,
+                                                gradient_checkpointing=False, precision="fp32", eval_batch_size=8,
+                                                budget=(10.0, "test"), lora=False, device=torch.device("cpu")),
+                probe=probe)
     memo: dict = {}
     first = plan_module.make_plan(copy.deepcopy(model), work, memo=memo, **args)
     stored = json.loads(json.dumps(memo))  # what the cache holds: JSON

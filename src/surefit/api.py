@@ -8,40 +8,20 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
+from surefit.config import SFTConfig, TrainConfig
 from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
 
 # Using a finished run lives in surefit/finished.py; its names stay importable from here.
 from surefit.finished import evaluate, export, predict, report
 from surefit.names import build_with_aliases
-from surefit.tasks import task_module
+from surefit.tasks import task_of
+from surefit.tasks.common import RunResult
 
 
-@dataclass
-class RunResult:
-    """What a training run produced.
-
-    Attributes:
-        output_dir: the run folder; final_dir: the saved model (or adapter) and tokenizer.
-        history: one record per evaluation, epoch 0 (before training) first, as written to metrics.jsonl.
-        data_report: counts of what happened to the data (split, augmentation, truncation, exclusions).
-    """
-
-    output_dir: Path
-    final_dir: Path
-    history: list[dict[str, Any]]
-    data_report: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def metrics(self) -> list[dict[str, Any]]:
-        return self.history
-
-
-def _config(config: Any, settings: dict[str, Any]) -> Any:
+def _config(config: TrainConfig | dict[str, Any] | None, settings: dict[str, Any]) -> TrainConfig:
     """A validated task config from a config object, a mapping, or settings by name (which override)."""
     if config is None or isinstance(config, dict):
         values = {**(config or {}), **settings}
@@ -56,7 +36,7 @@ def _config(config: Any, settings: dict[str, Any]) -> Any:
     return config
 
 
-def train(config: Any = None, /, **settings: Any) -> RunResult:
+def train(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> RunResult:
     """Train a model.
 
     Args:
@@ -68,20 +48,19 @@ def train(config: Any = None, /, **settings: Any) -> RunResult:
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
     cfg = _config(config, settings)
-    out = task_module(cfg.task).run(cfg)
-    return RunResult(out["output_dir"], out["final_dir"], out["history"], out["data_report"])
+    return task_of(cfg).run(cfg)
 
 
-def doctor(config: Any = None, /, **settings: Any) -> Any:
+def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> Any:
     """Build a run's setup exactly as ``train`` would (data, encoding, model, collator: the task's ``prepare``) and
     return the doctor's report, without training and without writing anything."""
     from surefit.tasks.common import doctor as run_doctor
 
     cfg = _config(config, settings)
-    return run_doctor(cfg, task_module(cfg.task).prepare)
+    return run_doctor(cfg, task_of(cfg).prepare)
 
 
-def inspect_sft(config: Any, out: str | None = None, show: int = 2, say=print) -> dict:
+def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2, say=print) -> dict:
     """What an sft run would supervise: see :func:`surefit.tasks.sft.inspect`."""
     from surefit.tasks.sft import inspect
 

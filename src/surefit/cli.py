@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             from surefit.launch import launch, split_num_processes
-            from surefit.training.distributed import finish, world_size
+            from surefit.training.processes import finish, world_size
 
             processes, rest = split_num_processes(argv[1:])
             cfg = parse_train_config(rest)  # configuration errors are reported here, before any process starts
@@ -182,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 train(cfg)
             except Exception as e:
-                from surefit.training.distributed import process_index
                 from surefit.training.lost_worker import lost_here, peer_gone
+                from surefit.training.processes import process_index
 
                 if world_size() > 1 and peer_gone(e):  # a collective found another process of the run gone
                     raise lost_here(e, process_index(), world_size(), cfg.output_dir) from e
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 def _print_error(e: SurefitError) -> None:
     """Several processes: an error every process meets alike (settings, data, the doctor's verdict, a stop signal) is
     printed once, by the main process; any other names the process it happened on."""
-    from surefit.training.distributed import is_main_process, process_index
+    from surefit.training.processes import is_main_process, process_index
 
     if is_main_process():
         print(e.render(), file=sys.stderr)

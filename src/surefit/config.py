@@ -473,11 +473,11 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
     return cfg
 
 
-def config_to_dict(cfg: Any) -> dict[str, Any]:
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def save_config(cfg: Any, path: str | Path) -> None:
+def save_config(cfg: TrainConfig, path: str | Path) -> None:
     """Write the resolved config as YAML that ``--config`` reads back to the same config.
 
     ``resume`` and ``overwrite`` describe one invocation, not the run, so they are not saved.

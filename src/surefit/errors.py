@@ -9,6 +9,7 @@ user fixes everything in one pass instead of one crash per run (torchtune's ``Co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class SurefitError(Exception):
         elif isinstance(problems, Problem):
             problems = [problems]
         self.problems: list[Problem] = list(problems)
+        # Rows dropped under --on_bad_rows skip before the problems were found: the run folder lists them.
+        self.rejected: list[Any] = []
         super().__init__(self.render())
 
     def render(self) -> str:
@@ -81,3 +84,13 @@ def raise_input_problems(problems: list[Problem]) -> None:
     if problems:
         not_data = any(p.where.startswith(_NOT_DATA) for p in problems)
         raise (SurefitError if not_data else DataError)(problems)
+
+
+def raise_with_rejected(problems: list[Problem], rejected: list[Any]) -> None:
+    """:func:`raise_input_problems`, the error carrying the rows rejected so far (``--on_bad_rows skip``), so that the
+    run folder lists them and "all rows rejected" points at a list that exists."""
+    try:
+        raise_input_problems(problems)
+    except SurefitError as e:
+        e.rejected = list(rejected)
+        raise

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from surefit.errors import ConfigError, Problem, raise_if
-from surefit.tasks import task_module
+from surefit.tasks import get_task
 
 
 def report(run: str | Path, say=print) -> Path:
@@ -40,7 +40,7 @@ def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = F
 
     quiet_libraries()
     r = open_run(run, allow_code=allow_code, trust_remote_code=trust_remote_code, say=say)
-    task = task_module(r.task)
+    task = get_task(r.task)
     r.require(*task.final_files(r.cfg))
     return r, task
 

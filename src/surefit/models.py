@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
 from surefit.errors import ConfigError, ModelError, Problem
 from surefit.models_gguf import (
     EMBEDDED_ENCODER_NAME,
@@ -216,7 +217,7 @@ def plain_lora_adapter(layer: Any) -> str | None:
     return name
 
 
-def apply_lora(model: Any, cfg: Any, task_type: str | None, say=print, note: str = "", part: str | None = None) -> Any:
+def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, note: str = "", part: str | None = None) -> Any:
     """Wrap ``model`` (or its submodule ``part``, e.g. a classifier's ``backbone``) with LoRA adapters as ``cfg``
     (``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_targets``) says, and report what trains over the whole
     model; ``lora_r`` 0 leaves it as it is (full fine-tuning).

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
+
 # Bumped when an entry's layout changes: older entries then simply miss.
 CACHE_FORMAT = 1
 
@@ -193,7 +195,7 @@ NOT_IN_KEY = {"output_dir", "overwrite", "resume", "force", "no_cache", "log_eve
               "min_lr", "lr_scheduler", "max_grad_norm", "eval_every", "early_stopping", "keep_best", "on_nonfinite"}
 
 
-def run_key(cfg: Any, inputs: Callable[[], dict[str, Any]] | None, accelerator: Any) -> dict[str, Any] | None:
+def run_key(cfg: TrainConfig, inputs: Callable[[], dict[str, Any]] | None, accelerator: Any) -> dict[str, Any] | None:
     """The key of the doctor's and the planner's work: the task's ``inputs()`` (model files, tokenizer, encoded
     examples), the settings they read, the processes and the code; ``None`` when the inputs have no identity."""
     if inputs is None:

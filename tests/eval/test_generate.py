@@ -1,6 +1,6 @@
 import torch
 
-from surefit.eval.generate import greedy_generate
+from surefit.eval.generate import Decode, greedy_generate
 
 
 def _greedy_one(model, prompt, n, eos):
@@ -27,7 +27,7 @@ def test_batched_left_padded_generation_equals_one_by_one_and_stops_at_eos():
     free = [_greedy_one(model, p, 6, eos=-1) for p in prompts]
     # Use a token that prompt 0 would generate third as EOS: its answer must stop right before it.
     eos = free[0][2]
-    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=[eos], max_new_tokens=6, batch_size=3)
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=[eos], max_new_tokens=6, batch_size=3))
     want = [_greedy_one(model, p, 6, eos=eos) for p in prompts]
     assert got == want
     assert got[0] == free[0][: free[0].index(eos)] and len(got[0]) < len(free[0])
@@ -63,7 +63,7 @@ def test_own_decode_loop_equals_transformers_generate_and_drops_finished_rows():
     sizes = []
     hook = model.get_base_model().model.register_forward_pre_hook(
         lambda m, args, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
-    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=12, batch_size=7)
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=12, batch_size=7))
     hook.remove()
     assert got == want
     assert len(set(map(len, got))) > 1 and max(map(len, got)) == 12  # some rows ended early, one ran to the limit

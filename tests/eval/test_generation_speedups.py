@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from surefit.eval.generate import MIN_SHARED_PREFIX, greedy_generate, merged_lora
+from surefit.eval.generate import MIN_SHARED_PREFIX, Decode, greedy_generate, merged_lora
 
 
 def _lora_model(bf16: bool, seed: int = 3):
@@ -78,12 +78,10 @@ def test_evaluation_generation_equals_the_unoptimised_generation_row_by_row(bf16
     eos = {free[0][2], free[4][5]}
     want = _plain(model, prompts, eos, 10, _autocast(bf16), batch_size)
     assert len(set(map(len, want))) > 2 and max(map(len, want)) == 10 and min(map(len, want)) < 10
-    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
-                          batch_size=batch_size, autocast=_autocast(bf16), lora_context=lean_lora)
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10, batch_size=batch_size), autocast=_autocast(bf16), lora_context=lean_lora)
     assert got == want
     # The earlier path (growing cache, training's LoRA forward) gives the same rows.
-    assert greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
-                           batch_size=batch_size, autocast=_autocast(bf16), reuse_cache=False) == want
+    assert greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10, batch_size=batch_size, reuse_cache=False), autocast=_autocast(bf16)) == want
 
 
 def test_shared_prefix_generation_equals_the_unoptimised_generation_in_fp32():
@@ -95,8 +93,7 @@ def test_shared_prefix_generation_equals_the_unoptimised_generation_in_fp32():
     want = _plain(model, prompts, eos, 10)
     for batch_size in (3, 9):
         stats: dict = {}
-        got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
-                              batch_size=batch_size, share_prefixes=True, stats=stats)
+        got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10, batch_size=batch_size, share_prefixes=True), stats=stats)
         assert got == want, batch_size
         assert stats["prefill_tokens"] < stats["prompt_tokens"]  # shared prefixes were computed once
 
@@ -126,8 +123,7 @@ def test_merged_generation_leaves_adapter_and_base_weights_unchanged():
         # the unoptimised generation with the same merged weights
         want = _plain(model, prompts, set(), 8, _autocast(True), batch_size=4)
     stats: dict = {}
-    got = greedy_generate(model, prompts, pad_token_id=0, eos_token_ids=[], max_new_tokens=8, batch_size=4,
-                          autocast=_autocast(True), merge_lora=True, stats=stats)
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=[], max_new_tokens=8, batch_size=4, merge_lora=True), autocast=_autocast(True), stats=stats)
     assert got == want and stats["merged_layers"] == 14
     after = model.state_dict()
     assert before.keys() == after.keys()
@@ -144,15 +140,15 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
     from transformers import PreTrainedTokenizerFast  # noqa: F401 - the tokenizer type generate_texts decodes with
 
     from conftest import build_tokenizer
-    from surefit.tasks.sft.recipe import generate_texts
+    from surefit.tasks.sft.recipe import Generation, generate_texts
     from surefit.training.precision import make_accelerator
+    from surefit.training.work import Switches
 
     tok = build_tokenizer()
     model = _lora_model(bf16=False)
     prompts = [p for p in _prompts() if len(p) < 10] + [[5, 6, 7], [9, 8], [11, 12, 13, 14], [3, 4, 5, 6, 7]]
     eos = [0]
-    want = generate_texts(model, prompts, tok, eos_token_ids=eos, max_new_tokens=6, batch_size=8,
-                          accelerator=make_accelerator("fp32"), say=lambda _: None)
+    want = generate_texts(model, prompts, tok, make_accelerator("fp32"), Generation(eos, 6, 8), say=lambda _: None)
     said: list[str] = []
     seen: list[int] = []
 
@@ -163,8 +159,8 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
 
     hook = model.get_base_model().model.register_forward_pre_hook(fail_big, with_kwargs=True)
     try:
-        got = generate_texts(model, prompts, tok, eos_token_ids=eos, max_new_tokens=6, batch_size=8,
-                             accelerator=make_accelerator("fp32"), say=said.append, merge_lora=True)
+        got = generate_texts(model, prompts, tok, make_accelerator("fp32"),
+                             Generation(eos, 6, 8, Switches(eval_merge_lora=True)), say=said.append)
     finally:
         hook.remove()
     assert got == want
@@ -182,9 +178,9 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
     calls: list[dict] = []
     real = recipe.greedy_generate
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
+    def spy(model, prompts, decode, **kwargs):
+        calls.append({**kwargs, "merge_lora": decode.merge_lora, "share_prefixes": decode.share_prefixes})
+        return real(model, prompts, decode, **kwargs)
 
     monkeypatch.setattr(recipe, "greedy_generate", spy)
     from surefit.cli import main

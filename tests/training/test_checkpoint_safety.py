@@ -18,8 +18,10 @@ def _save(folder: Path, step: int, with_optimizer: bool = True) -> Path:
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return ck.save_checkpoint(folder / f"step-{step:07d}", model=model, optimizer=opt if with_optimizer else None,
-                              scheduler=sched, state={"global_step": step, "position": {"epoch": 1}})
+    return ck.save_checkpoint(folder / f"step-{step:07d}", model=model,
+                              states=ck.States(optimizer=opt if with_optimizer else None, scheduler=sched),
+                              state=ck.TrainerState(global_step=step, position={"epoch": 1}, history=[],
+                                                    metrics_bytes=0))
 
 
 def _corrupt(folder: Path, name: str = "trainable.safetensors") -> None:
@@ -105,3 +107,16 @@ def test_a_trainer_state_that_is_not_json_is_a_checkpoint_error(tmp_path):
     model = torch.nn.Linear(4, 3)
     with pytest.raises(ck.CheckpointError, match="trainer_state.json could not be read"):
         ck.load_checkpoint(folder, model=model)
+
+
+def test_the_trainer_state_reads_back_what_it_wrote_and_refuses_a_newer_layout(tmp_path):
+    state = ck.TrainerState(global_step=7, position={"epoch": 2, "step_in_epoch": 3}, history=[{"epoch": 1}],
+                            metrics_bytes=120, counters={"rows": 4})
+    data = json.loads(json.dumps(state.to_json()))
+    assert data["version"] == ck.STATE_VERSION and ck.TrainerState.from_json(data) == state
+    del data["version"]  # written before the layout had a version: read as the first one
+    assert ck.TrainerState.from_json(data) == state
+    with pytest.raises(ValueError, match="trainer state version 2"):
+        ck.TrainerState.from_json({**data, "version": 2})
+    with pytest.raises(ValueError, match="no 'position'"):
+        ck.TrainerState.from_json({"global_step": 1})

@@ -258,15 +258,16 @@ def test_a_gpu_preset_without_a_gpu_says_so_and_leaves_checkpointing_off_unless_
 
 def test_a_small_validation_split_is_warned_about_with_its_size():
     from surefit.config import SFTConfig, build_config
+    from surefit.data.summary import DataSummary
     from surefit.tasks.common import warn_small_validation
 
     said = []
     cfg = build_config(SFTConfig, None, {"data": "d", "keep_best": "eval_f1"})
-    warn_small_validation({"val_rows": 12, "encoding": {"validation": {"encoded": 11}}}, cfg, said.append)
+    warn_small_validation(DataSummary(val_rows=12, encoding={"validation": {"encoded": 11}}), cfg, said.append)
     assert said == ["warning: the validation split has only 11 examples (fewer than 20): each metric moves in steps "
                     "of 1/11 and --keep_best/--early_stopping would choose on noise; give more with --val_fraction or "
                     "--val_data"]
     said.clear()
-    warn_small_validation({"val_rows": 20}, cfg, said.append)
-    warn_small_validation({"val_rows": 0}, cfg, said.append)
+    warn_small_validation(DataSummary(val_rows=20), cfg, said.append)
+    warn_small_validation(DataSummary(val_rows=0), cfg, said.append)
     assert said == []

@@ -276,7 +276,8 @@ class _TwoProcesses:
 
 
 def _linear_step(lockstep: bool, micro: int = 1, **kw):
-    from surefit.training.loop import accumulate_step
+    from surefit.training.loop import StepPlan, accumulate_step
+    from surefit.training.work import TrainingWork
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
@@ -290,8 +291,9 @@ def _linear_step(lockstep: bool, micro: int = 1, **kw):
     def collate(rows):
         return {"x": torch.stack([r["x"] for r in rows]), "y": torch.stack([r["y"] for r in rows])}
 
-    loss = accumulate_step(model, features, list(range(6)), [1] * 6, [1] * 6, micro_batch_size=micro, loss_fn=loss_fn,
-                           collate=collate, accelerator=_TwoProcesses(), lockstep=lockstep, say=lambda *_: None, **kw)
+    work = TrainingWork(features, [1] * 6, [1] * 6, collate=collate, loss_fn=loss_fn)
+    loss = accumulate_step(model, work, list(range(6)), _TwoProcesses(),
+                           StepPlan(micro, lockstep=lockstep, say=lambda *_: None, **kw))
     return loss, model.weight.grad.clone(), calls
 
 

@@ -378,8 +378,9 @@ def test_changing_a_saved_tensor_in_place_is_still_caught_under_packing():
 def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch):
     """``LoopSettings.saved_activations`` (set by the plan for LoRA on bf16 frozen weights) reaches the step."""
     from conftest import OneProcess
-    from surefit.training.loop import accumulate_step
+    from surefit.training.loop import StepPlan, accumulate_step
     from surefit.training.speedups.lora_fast import SavedActivationsIn
+    from surefit.training.work import TrainingWork
 
     packed = []
     original = SavedActivationsIn.pack
@@ -388,11 +389,10 @@ def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch
     fuse_lora(model)
     feats = _feats(n=2)
     lengths, counts = [len(f["input_ids"]) for f in feats], [len(f["input_ids"]) - 6 for f in feats]
-    kw = dict(micro_batch_size=2, loss_fn=causal_lm_loss_sum, collate=PadCollator(pad_token_id=0),
-              accelerator=OneProcess())
-    accumulate_step(model, feats, [0, 1], lengths, counts, **kw)
+    work = TrainingWork(feats, lengths, counts, collate=PadCollator(pad_token_id=0), loss_fn=causal_lm_loss_sum)
+    accumulate_step(model, work, [0, 1], OneProcess(), StepPlan(2))
     assert not packed
-    accumulate_step(model, feats, [0, 1], lengths, counts, saved_activations="bf16", **kw)
+    accumulate_step(model, work, [0, 1], OneProcess(), StepPlan(2, saved_activations="bf16"))
     assert torch.float32 in packed
 
 

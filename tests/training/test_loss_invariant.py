@@ -7,8 +7,9 @@ import torch
 
 from conftest import OneProcess, tiny_llama
 from surefit.data.collate import PadCollator
-from surefit.training.loop import accumulate_step
+from surefit.training.loop import StepPlan, accumulate_step
 from surefit.training.loss import causal_lm_loss_sum, count_supervised_tokens
+from surefit.training.work import TrainingWork
 
 
 def _examples(n=8, seed=0):
@@ -41,8 +42,8 @@ def _grads(model, feats, micro):
     model = copy.deepcopy(model)
     lengths = [len(f["input_ids"]) for f in feats]
     counts = [sum(1 for t in f["labels"][1:] if t != -100) for f in feats]
-    loss = accumulate_step(model, feats, list(range(len(feats))), lengths, counts, micro_batch_size=micro,
-                           loss_fn=causal_lm_loss_sum, collate=PadCollator(pad_token_id=0), accelerator=OneProcess())
+    work = TrainingWork(feats, lengths, counts, collate=PadCollator(pad_token_id=0), loss_fn=causal_lm_loss_sum)
+    loss = accumulate_step(model, work, list(range(len(feats))), OneProcess(), StepPlan(micro))
     return loss / sum(counts), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

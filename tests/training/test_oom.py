@@ -10,8 +10,9 @@ from safetensors.torch import load_file
 from conftest import OneProcess, qa_rows, sentiment_rows, write_tsv
 from surefit.cli import main
 from surefit.data.collate import PadCollator
-from surefit.training.loop import accumulate_step, evaluate_loss
+from surefit.training.loop import StepPlan, accumulate_step, evaluate_loss
 from surefit.training.memory import OOMGuard
+from surefit.training.work import TrainingWork
 
 
 def _epochs(out):
@@ -81,13 +82,14 @@ def test_smaller_micro_batch_is_kept_for_later_batches_of_that_size():
     model, feats, loss_fn, seen = _setup()
     lengths = [len(f["input_ids"]) for f in feats]
     guard = OOMGuard(inject=set())
-    kw = dict(micro_batch_size=8, loss_fn=loss_fn, collate=PadCollator(0, stack_keys=()), accelerator=OneProcess(),
-              guard=guard, say=lambda *_: None)
-    accumulate_step(model, [{"input_ids": f["input_ids"]} for f in feats], list(range(8)), lengths, [1] * 8, **kw)
+    work = TrainingWork([{"input_ids": f["input_ids"]} for f in feats], lengths, [1] * 8,
+                        collate=PadCollator(0, stack_keys=()), loss_fn=loss_fn)
+    how = StepPlan(8, guard=guard, say=lambda *_: None)
+    accumulate_step(model, work, list(range(8)), OneProcess(), how)
     first = list(seen)
     assert max(first[-4:]) <= 2 and guard.splits == 3  # 8 -> 4+4 -> 2+2(+2+2)
     seen.clear()
-    accumulate_step(model, [{"input_ids": f["input_ids"]} for f in feats], list(range(8)), lengths, [1] * 8, **kw)
+    accumulate_step(model, work, list(range(8)), OneProcess(), how)
     assert max(seen) <= 2 and guard.splits == 3  # no second out-of-memory: split before trying
 
 

@@ -12,6 +12,7 @@ from conftest import tiny_llama
 from surefit.training.plan import (
     GB,
     MemoryPlanError,
+    PlanRequest,
     Workload,
     make_plan,
     measure_saved_bytes,
@@ -34,7 +35,8 @@ def _plan(model, budget_gb, batch_size=8, work=None, **kw):
                 precision="fp32", eval_batch_size=8, budget=(budget_gb, "test"), lora=False,
                 device=torch.device("cpu"))
     args.update(kw)
-    return make_plan(model, work or _work(), **args)
+    probe = args.pop("probe", None)
+    return make_plan(model, work or _work(), PlanRequest(**args), probe=probe)
 
 
 def test_micro_candidates_are_the_smallest_micro_for_each_accumulation():

@@ -8,7 +8,7 @@ import torch
 
 from conftest import qa_rows
 from surefit.cli import main
-from surefit.training.schedule import lr_factor, make_scheduler, plan_schedule
+from surefit.training.schedule import Warmup, lr_factor, make_scheduler, plan_schedule
 
 
 def _lrs(schedule, n):
@@ -32,7 +32,7 @@ def _lrs(schedule, n):
     ("wsd", [0.0, 0.5, 1.0, 1.0, 0.1 + 0.9 * 1 / 2]),
 ])
 def test_each_scheduler_follows_its_formula(kind, expected):
-    schedule = plan_schedule(n_examples=40, batch_size=4, epochs=2, lr=1.0, kind=kind, warmup=4, min_lr=0.1)
+    schedule = plan_schedule(n_examples=40, batch_size=4, epochs=2, lr=1.0, kind=kind, warmup=Warmup(4), min_lr=0.1)
     assert (schedule.total_steps, schedule.warmup_steps) == (20, 4)
     lrs = _lrs(schedule, 20)
     assert [lrs[i] for i in (0, 2, 4, 12, 19)] == pytest.approx(expected)
@@ -41,7 +41,7 @@ def test_each_scheduler_follows_its_formula(kind, expected):
 def test_cosine_without_min_lr_is_transformers_cosine_step_for_step():
     from transformers import get_cosine_schedule_with_warmup
 
-    schedule = plan_schedule(n_examples=30, batch_size=4, epochs=3, lr=2e-4, warmup_ratio=0.1)
+    schedule = plan_schedule(n_examples=30, batch_size=4, epochs=3, lr=2e-4, warmup=Warmup(ratio=0.1))
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2e-4)
     ref = get_cosine_schedule_with_warmup(opt, int(0.1 * 24), 24)
     theirs = []
@@ -53,9 +53,9 @@ def test_cosine_without_min_lr_is_transformers_cosine_step_for_step():
 
 
 def test_warmup_is_steps_from_one_and_a_ratio_below_one():
-    assert plan_schedule(n_examples=80, batch_size=4, epochs=1, lr=1.0, warmup=5).warmup_steps == 5
-    assert plan_schedule(n_examples=80, batch_size=4, epochs=1, lr=1.0, warmup=0.25).warmup_steps == 5
-    assert plan_schedule(n_examples=80, batch_size=4, epochs=1, lr=1.0, warmup_ratio=0.5).warmup_steps == 10
+    assert plan_schedule(n_examples=80, batch_size=4, epochs=1, lr=1.0, warmup=Warmup(5)).warmup_steps == 5
+    assert plan_schedule(n_examples=80, batch_size=4, epochs=1, lr=1.0, warmup=Warmup(0.25)).warmup_steps == 5
+    assert plan_schedule(n_examples=80, batch_size=4, epochs=1, lr=1.0, warmup=Warmup(ratio=0.5)).warmup_steps == 10
 
 
 def test_max_steps_overrides_epochs_and_says_how_many_epochs():

@@ -385,13 +385,13 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
         renders.append((k, before, upto))
     if stable:
         spans = [(k, len(before), len(body(upto))) for k, before, upto in renders]
-        return [_tokenize(tokenizer, fmt, traits, messages, tools, full, spans, renders[-1][1], r)]
-    return [_tokenize(tokenizer, fmt, traits, messages, tools, upto, [(k, len(before), len(body(upto)))], before, r)
+        return [_tokenize(tokenizer, fmt, traits, messages, full, spans, renders[-1][1])]
+    return [_tokenize(tokenizer, fmt, traits, messages, upto, [(k, len(before), len(body(upto)))], before)
             for k, before, upto in renders]
 
 
-def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages: list[dict], tools: list | None,
-              text: str, spans: list[tuple[int, int, int]], last_prompt: str, r: Any) -> Labelled:
+def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages: list[dict],
+              text: str, spans: list[tuple[int, int, int]], last_prompt: str) -> Labelled:
     """Ids and labels of ``text`` with the character ``spans`` ``(turn, start, end)`` trained up to the token that
     ends each turn. Each piece between span boundaries is tokenized on its own, so the spans are exact token spans;
     the last span's prompt is checked against the prompt generation tokenizes whole."""

@@ -7,13 +7,13 @@ its verdict is shared, so every process starts training, or stops with the same 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
 from surefit.doctor.core import Finding, Report
 from surefit.errors import Problem, SurefitError
 from surefit.startup_cache import StartupCache
-from surefit.training.distributed import is_main_process, share_from_main
+from surefit.training.processes import is_main_process, share_from_main
 
 
 class DoctorRefused(SurefitError):
@@ -46,8 +46,8 @@ def cached_doctor(make_report: Callable[[], Report], key: Any, cache: StartupCac
     return report
 
 
-def gate(report: Report | None, cfg: Any, say: Callable[[str], None], out: Path | None) -> None:
-    """Print the report, save it (``OUTPUT/doctor.json``), and refuse to train on errors unless ``--force``.
+def gate(report: Report | None, cfg: TrainConfig, say: Callable[[str], None]) -> None:
+    """Print the report and refuse to train on errors unless ``--force`` (the run folder saves the report).
 
     ``report`` is ``None`` on a process other than the main one: it waits for the main process's verdict.
     """
@@ -57,8 +57,6 @@ def gate(report: Report | None, cfg: Any, say: Callable[[str], None], out: Path 
             raise DoctorRefused([Problem("the main process's doctor found errors (listed in its output)", "--force")])
         return
     say(str(report))
-    if out is not None:
-        (out / "doctor.json").write_text(report.to_json(), encoding="utf-8")
     errors = [f for f in report.findings if f.severity == "error"]
     refused = bool(errors) and not getattr(cfg, "force", False)
     share_from_main("refused" if refused else "train")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,24 +36,33 @@ from surefit.models import inner_model
 MIN_SHARED_PREFIX = 16
 
 
+@dataclass
+class Decode:
+    """What a greedy decode needs beyond the model and the prompts.
+
+    Attributes:
+        pad_token_id: pad id; eos_token_ids: ids that end an answer.
+        max_new_tokens: longest continuation; batch_size: prompts per batch.
+        merge_lora: decode with LoRA adapters merged into a temporary copy of the weights (see :func:`merged_lora`).
+        reuse_cache: reserve each batch's KV cache once and write it in place (False: transformers' growing cache).
+        share_prefixes: compute a prompt prefix of ``MIN_SHARED_PREFIX`` tokens or more that several prompts start
+            with once per batch (the caller checks that the model family takes a mask with a hole in it).
+    """
+
+    pad_token_id: int
+    eos_token_ids: list[int]
+    max_new_tokens: int
+    batch_size: int
+    merge_lora: bool = False
+    reuse_cache: bool = True
+    share_prefixes: bool = False
+
+
 @torch.no_grad()
-def greedy_generate(
-    model: Any,
-    prompts: list[list[int]],
-    *,
-    pad_token_id: int,
-    eos_token_ids: list[int],
-    max_new_tokens: int,
-    batch_size: int,
-    device: torch.device | str = "cpu",
-    autocast: Any = None,
-    progress: Any = None,
-    merge_lora: bool = False,
-    lora_context: Callable[[Any], AbstractContextManager] | None = None,
-    reuse_cache: bool = True,
-    share_prefixes: bool = False,
-    stats: dict[str, int] | None = None,
-) -> list[list[int]]:
+def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, device: torch.device | str = "cpu",
+                    autocast: Any = None, progress: Any = None,
+                    lora_context: Callable[[Any], AbstractContextManager] | None = None,
+                    stats: dict[str, int] | None = None) -> list[list[int]]:
     """Greedy continuations of tokenized prompts, in the prompts' order.
 
     Prompts are sorted by length so each batch has little padding, padded on the LEFT (a decoder continues from the
@@ -62,22 +72,20 @@ def greedy_generate(
     Args:
         model: a causal LM (or peft model) whose forward takes ``position_ids``, ``attention_mask`` and a KV cache.
         prompts: token ids per prompt.
-        pad_token_id: pad id; eos_token_ids: ids that end an answer.
-        max_new_tokens: longest continuation.
-        batch_size: prompts per batch.
+        decode: ids, lengths, batch and speed switches (:class:`Decode`).
         autocast: a context-manager factory (e.g. ``accelerator.autocast``) or ``None``.
         progress: called as ``progress(done, total)`` after each batch (prompts done of all), or ``None``.
-        merge_lora: decode with LoRA adapters merged into a temporary copy of the weights (see :func:`merged_lora`).
-        lora_context: otherwise (or when merging ran out of memory), a context entered with the model around the
-            whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
-        reuse_cache: reserve each batch's KV cache once and write it in place (False: transformers' growing cache).
-        share_prefixes: compute a prompt prefix of ``MIN_SHARED_PREFIX`` tokens or more that several prompts start
-            with once per batch (the caller checks that the model family takes a mask with a hole in it).
-        stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``prompt_tokens``, ``prefill_tokens`` (computed).
+        lora_context: without merged adapters (or when merging ran out of memory), a context entered with the model
+            around the whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
+        stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``prompt_tokens``,
+            ``prefill_tokens`` (computed).
 
     Returns:
         The generated token ids per prompt, without the prompt and without the EOS.
     """
+    pad_token_id, eos_token_ids, max_new_tokens = decode.pad_token_id, decode.eos_token_ids, decode.max_new_tokens
+    batch_size, merge_lora, reuse_cache, share_prefixes = (decode.batch_size, decode.merge_lora, decode.reuse_cache,
+                                                           decode.share_prefixes)
     was_training = model.training
     model.eval()
     stats = stats if stats is not None else {}

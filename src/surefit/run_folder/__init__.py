@@ -31,20 +31,32 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from surefit.config import config_to_dict, save_config
+# A module, not its names: training/checkpoint.py imports run_folder/integrity.py, and may be imported first.
+import surefit.training.checkpoint as checkpoint
+from surefit.config import TrainConfig, config_to_dict, save_config
 from surefit.config_files import load_yaml
+from surefit.data.summary import DataSummary
 from surefit.errors import Problem
-from surefit.training import integrity, untrusted
-from surefit.training.checkpoint import latest_checkpoint
-from surefit.training.checkpoint import verify as verify_checkpoint
-from surefit.training.distributed import barrier, is_main_process, world_size
-from surefit.training.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
+from surefit.run_folder import integrity, untrusted
+from surefit.run_folder.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
+from surefit.training.loop import Checkpointing
+from surefit.training.plan import Plan
+from surefit.training.processes import barrier, is_main_process, world_size
+from surefit.training.trackers import MetricsLog
 
 Say = Callable[[str], None]
+
+
+class Findings(Protocol):
+    """The doctor's report, as the run folder sees it (the doctor sits above this layer)."""
+
+    def to_json(self) -> str: ...
 
 CONFIG = "config.yaml"
 METRICS = "metrics.jsonl"
@@ -76,85 +88,192 @@ RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_eve
 # ------------------------------------------------------------------------------------------------------------ training
 
 
-def check_output_dir(cfg: Any, problems: list[Problem]) -> list[str]:
-    """The previous run's files in ``--output_dir``; a problem unless ``--overwrite`` or ``--resume`` was given.
-
-    With several processes, every process looks before any of them goes on: after this, the main process writes
-    into the folder, and a slower process would otherwise take the new run's files for a previous run's.
+class RunFolder:
+    """One run's folder, from the lock to the report: every file a run writes goes through here, and nothing else
+    opens the run's paths. The runner (``tasks/common.train``) walks it in order: :meth:`locked`, :meth:`check`,
+    :meth:`resume_point`, :meth:`start` (with what the task's ``prepare`` found), :meth:`write_doctor`,
+    :meth:`write_plan`, the loop's :meth:`checkpointing` and :meth:`metrics_log`, :meth:`write_predictions`,
+    :meth:`save_final`, :meth:`write_report`. Only the main process writes; the others wait where they must.
     """
-    out = Path(cfg.output_dir)
-    previous = [name for name in RUN_FILES if (out / name).exists()]
-    if previous and not cfg.overwrite and not cfg.resume:
-        problems.append(
-            Problem(
-                f"{out} already holds a run ({', '.join(previous)}); training again would replace it",
-                "--output_dir",
-                "pass a new --output_dir, --resume to continue it, or --overwrite to replace it",
+
+    def __init__(self, cfg: TrainConfig, say: Say = print) -> None:
+        self.cfg, self.say = cfg, say
+        self.path = Path(cfg.output_dir)
+        self.previous: list[str] = []  # the previous run's files, found by check()
+
+    def locked(self) -> AbstractContextManager[RunLock | None]:
+        """Hold the folder's lock (``.surefit.lock``) for the block: one run at a time per folder."""
+        return lock_run(self.cfg, self.say)
+
+    def check(self, problems: list[Problem]) -> None:
+        """The previous run's files in ``--output_dir``; a problem unless ``--overwrite`` or ``--resume`` was given.
+
+        With several processes, every process looks before any of them goes on: after this, the main process writes
+        into the folder, and a slower process would otherwise take the new run's files for a previous run's.
+        """
+        cfg, out = self.cfg, self.path
+        self.previous = [name for name in RUN_FILES if (out / name).exists()]
+        if self.previous and not cfg.overwrite and not cfg.resume:
+            problems.append(
+                Problem(
+                    f"{out} already holds a run ({', '.join(self.previous)}); training again would replace it",
+                    "--output_dir",
+                    "pass a new --output_dir, --resume to continue it, or --overwrite to replace it",
+                )
             )
-        )
-    barrier()
-    return previous
-
-
-def resume_point(cfg: Any, problems: list[Problem], say: Say = print) -> Path | None:
-    """The verified checkpoint ``--resume`` names (``latest``: the newest usable one in the run folder)."""
-    if not cfg.resume:
-        return None
-    saved = Path(cfg.output_dir) / CONFIG
-    if saved.is_file():
-        before = load_yaml(saved)
-        now = config_to_dict(cfg)
-        changed = [k for k, v in before.items() if k not in RESUME_MAY_CHANGE and k in now and now[k] != v]
-        for k in changed:
-            problems.append(Problem(f"the run was started with {k}={before[k]!r}; resuming with {now[k]!r} would not "
-                                    "continue the same run", f"--{k}", f"drop --{k} (or start a new run)"))
-    if cfg.resume == "latest":
-        folder = latest_checkpoint(Path(cfg.output_dir) / CHECKPOINTS, say)
-        if folder is None:
-            problems.append(Problem(f"nothing to resume: no usable checkpoint in {Path(cfg.output_dir) / CHECKPOINTS}",
-                                    "--resume", "check --output_dir, or start a new run without --resume"))
-        return folder
-    folder = Path(cfg.resume)
-    reason = verify_checkpoint(folder) if folder.is_dir() else "no such folder"
-    if reason:
-        problems.append(Problem(f"cannot resume from {folder}: {reason}", "--resume",
-                                "use --resume alone to pick the newest usable checkpoint"))
-        return None
-    return folder
-
-
-def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejected: bool = False) -> Path:
-    """Make the run folder; with ``--overwrite``, remove the previous run first; save the resolved config.
-
-    ``keep_rejected``: this run already wrote ``rejected_rows.jsonl`` (rows dropped under ``--on_bad_rows skip`` are
-    written while the data is read, so that a data error can point at the file): that file is this run's, not the
-    previous one's, and stays. Only the main process does it; the others wait until it is done.
-    """
-    out = Path(cfg.output_dir)
-    if cfg.resume:
-        return out  # the run's own config.yaml stays as it was written when the run started
-    if not is_main_process():
         barrier()
-        return out
-    if keep_rejected:
-        previous = [name for name in previous if name != REJECTED]
-    for name in previous:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
-    if previous:
-        say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
-    out.mkdir(parents=True, exist_ok=True)
-    # Atomic: a full disk here leaves no config.yaml rather than an empty or cut one.
-    atomic_write(out / CONFIG, lambda tmp: save_config(cfg, tmp), "the run's settings")
-    hashes = untrusted.data_hashes(cfg)
-    if hashes:
-        text = json.dumps(hashes, indent=2)
-        atomic_write(out / DATA_FILES, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the data files' hashes")
-    barrier()
-    return out
+
+    def resume_point(self, problems: list[Problem]) -> Path | None:
+        """The verified checkpoint ``--resume`` names (``latest``: the newest usable one in the run folder)."""
+        cfg = self.cfg
+        if not cfg.resume:
+            return None
+        saved = self.path / CONFIG
+        if saved.is_file():
+            before = load_yaml(saved)
+            now = config_to_dict(cfg)
+            changed = [k for k, v in before.items() if k not in RESUME_MAY_CHANGE and k in now and now[k] != v]
+            for k in changed:
+                problems.append(Problem(f"the run was started with {k}={before[k]!r}; resuming with {now[k]!r} would "
+                                        "not continue the same run", f"--{k}", f"drop --{k} (or start a new run)"))
+        if cfg.resume == "latest":
+            folder = checkpoint.latest_checkpoint(self.path / CHECKPOINTS, self.say)
+            if folder is None:
+                problems.append(Problem(f"nothing to resume: no usable checkpoint in {self.path / CHECKPOINTS}",
+                                        "--resume", "check --output_dir, or start a new run without --resume"))
+            return folder
+        folder = Path(cfg.resume)
+        reason = checkpoint.verify(folder) if folder.is_dir() else "no such folder"
+        if reason:
+            problems.append(Problem(f"cannot resume from {folder}: {reason}", "--resume",
+                                    "use --resume alone to pick the newest usable checkpoint"))
+            return None
+        return folder
+
+    def start(self, found: Found) -> None:
+        """Make the folder (with ``--overwrite``, remove the previous run first) and save the resolved config and the
+        data files' hashes (a resumed run keeps its own), then what ``prepare`` found: the data report, the rejected
+        rows and the task's other files."""
+        if not self.cfg.resume:
+            self._replace_previous()
+        self.write_json(DATA_REPORT, found.data_report.to_json())
+        self.write_rejected(found.data_report.rejected or [])
+        for name, value in found.files.items():
+            self.write_json(name, value)
+        for name, records in found.jsonl.items():
+            if records:
+                write_jsonl(self.path / name, records)
+
+    def _replace_previous(self) -> None:
+        out, cfg = self.path, self.cfg
+        if not is_main_process():
+            barrier()
+            return
+        for name in self.previous:
+            target = out / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        if self.previous:
+            self.say(f"--overwrite: removed the previous run's {', '.join(self.previous)} from {out}")
+        out.mkdir(parents=True, exist_ok=True)
+        # Atomic: a full disk here leaves no config.yaml rather than an empty or cut one.
+        atomic_write(out / CONFIG, lambda tmp: save_config(cfg, tmp), "the run's settings")
+        hashes = untrusted.data_hashes(cfg)
+        if hashes:
+            text = json.dumps(hashes, indent=2)
+            atomic_write(out / DATA_FILES, lambda tmp: tmp.write_text(text, encoding="utf-8"), "the data files' hashes")
+        barrier()
+
+    def write_rejected(self, rejects: Sequence[Any]) -> None:
+        """With ``--on_bad_rows skip``: every dropped row, with its location and reason, in ``rejected_rows.jsonl``.
+
+        Also called when the data had problems (so that "all rows rejected" points at a list that exists), unless
+        the folder holds a previous run that this one may not replace.
+        """
+        if not rejects or not is_main_process():
+            return
+        if self.previous and not (self.cfg.overwrite or self.cfg.resume):
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_jsonl(self.path / REJECTED, [r.to_json() for r in rejects])
+        self.say(f"--on_bad_rows skip: {len(rejects)} rows rejected, each with its reason in {self.path / REJECTED} "
+                 f"(first: {rejects[0].where}: {rejects[0].reason})")
+
+    def write_json(self, name: str, value: Any) -> None:
+        """``OUTPUT/name`` as indented JSON, written atomically (main process only)."""
+        write_json(self.path, name, value)
+
+    def write_doctor(self, report: Findings | None) -> None:
+        """The doctor's findings before step 1 (``doctor.json``; ``None`` on the other processes)."""
+        if report is not None and is_main_process():
+            text = report.to_json()
+            atomic_write(self.path / DOCTOR, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+    def write_plan(self, plan: Plan) -> None:
+        """The memory plan (``memory_plan.json``): micro-batch, accumulation, precision and the estimate."""
+        self.write_json(MEMORY_PLAN, plan.to_dict())
+
+    def write_startup(self, record: dict[str, Any]) -> None:
+        """Seconds from the command to step 1, per phase (``startup.json``)."""
+        self.write_json(STARTUP, record)
+
+    def write_predictions(self, epoch: int, records: list[dict[str, Any]], step: int | None = None) -> None:
+        """Every validation row's prediction: ``predictions/epoch_N.jsonl`` (``step_N.jsonl`` between epoch ends)."""
+        path = predictions_path(self.path, epoch)
+        write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), records)
+
+    def write_samples(self, step: int, samples: list[dict[str, Any]]) -> None:
+        """``--log_samples``: one file per evaluation, so a resumed run rewrites rather than repeats."""
+        write_jsonl(self.path / PREDICTIONS / SAMPLES / f"step_{step}.jsonl", samples)
+
+    def checkpointing(self, export: Callable[[Any, Path], None], resume_from: Path | None) -> Checkpointing:
+        """Where and when the loop saves (``checkpoints/``), and what it resumes from."""
+        cfg = self.cfg
+        return Checkpointing(folder=self.path / CHECKPOINTS, save_every=cfg.save_every, keep=cfg.keep_checkpoints,
+                             export=export, resume_from=resume_from, resume_command=self.resume_command())
+
+    def checkpoint_model(self, name: str) -> Path:
+        """The model a checkpoint exported (``checkpoints/NAME/model``)."""
+        return self.path / CHECKPOINTS / name / "model"
+
+    def resume_command(self) -> str:
+        """The command that continues this run."""
+        processes = f" --num_processes {world_size()}" if world_size() > 1 else ""
+        return f"surefit train --config {self.path / CONFIG} --resume{processes}"
+
+    def metrics_log(self, accelerator: Any) -> MetricsLog:
+        """``metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after each epoch."""
+        return open_metrics_log(self.cfg, self.path, accelerator)
+
+    def save_final(self, save_model: Callable[[Path], object]) -> Path:
+        """Write ``final/`` atomically (temporary folder, then rename) with its manifest."""
+        return save_final(self.path, save_model)
+
+    def write_report(self, accelerator: Any = None) -> None:
+        """``curves.png`` and ``report.html``, at the end of a run."""
+        write_run_report(self.path, accelerator, self.say)
 
 
-def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> None:
+SAMPLES = "samples"  # under predictions/: one file per evaluation of the --log_samples rows
+
+
+@dataclass
+class Found:
+    """What a task's ``prepare`` found that the run folder keeps. :meth:`RunFolder.start` writes it; ``prepare``
+    writes nothing (the doctor calls it too).
+
+    Attributes:
+        data_report: what happened to the data (``data_report.json``), with the rows dropped under ``--on_bad_rows
+            skip`` (``rejected_rows.jsonl``).
+        files: other JSON files by name (``columns.json``); jsonl: JSON-lines files by name (``excluded_rows.jsonl``),
+            written when not empty.
+    """
+
+    data_report: DataSummary
+    files: dict[str, Any] = field(default_factory=dict)
+    jsonl: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+
+def atomic_write(path: Path, write: Callable[[Path], object], what: str = "") -> None:
     """``write(tmp)`` a file beside ``path``, fsync it, then rename it into place: a reader sees the whole file or the
     previous one, never a part. A failed write (disk full ...) removes the partial file and raises
     :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
@@ -176,12 +295,7 @@ def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> N
         raise integrity.WriteFailed(integrity.write_failure(e, named, path.parent, max(size, 1 << 12))) from e
 
 
-def resume_command(cfg: Any) -> str:
-    processes = f" --num_processes {world_size()}" if world_size() > 1 else ""
-    return f"surefit train --config {Path(cfg.output_dir) / CONFIG} --resume{processes}"
-
-
-def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
+def save_final(out: Path, save_model: Callable[[Path], object]) -> Path:
     """Write ``final/`` atomically (temporary folder, then rename); the main process writes, the others wait."""
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():
@@ -194,7 +308,7 @@ def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)  # never a partial final/
             if not integrity.is_write_failure(e):
                 raise
-            last = latest_checkpoint(out / CHECKPOINTS, say=lambda *_: None)
+            last = checkpoint.latest_checkpoint(out / CHECKPOINTS, say=lambda *_: None)
             kept = (f"; the trained model is in the checkpoint {last} (write final/ again with: surefit train "
                     f"--config {out / CONFIG} --resume)" if last else "")
             needed = _final_bytes(last, written)
@@ -231,23 +345,12 @@ def predictions_path(out: Path, epoch: int) -> Path:
     return out / PREDICTIONS / f"epoch_{epoch}.jsonl"
 
 
-def write_rejected(cfg: Any, rejects: list, say: Say = print) -> None:
-    """With ``--on_bad_rows skip``: every dropped row, with its location and reason, in ``rejected_rows.jsonl``."""
-    if not rejects or not is_main_process():
-        return
-    out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / REJECTED, [r.to_json() for r in rejects])
-    say(f"--on_bad_rows skip: {len(rejects)} rows rejected, each with its reason in {out / REJECTED} "
-        f"(first: {rejects[0].where}: {rejects[0].reason})")
-
-
-def open_metrics_log(cfg: Any, out: Path, accelerator: Any) -> Any:
+def open_metrics_log(cfg: TrainConfig, out: Path, accelerator: Any) -> MetricsLog:
     """``OUTPUT/metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after each epoch.
 
     ``accelerator`` must come from ``make_accelerator(..., report_to=cfg.trackers, project_dir=out)``.
     """
-    from surefit.training.trackers import MetricsLog, Trackers
+    from surefit.training.trackers import Trackers
 
     main = getattr(accelerator, "is_main_process", True)
     trackers = Trackers(accelerator, cfg, out) if getattr(accelerator, "log_with", None) else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from surefit.config import build_config
+from surefit.config import TrainConfig, build_config
 from surefit.config_files import load_yaml
 from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
@@ -23,8 +23,8 @@ from surefit.run_folder import (
     FINAL,
     MEMORY_PLAN,
     METRICS,
+    untrusted,
 )
-from surefit.training import untrusted
 
 Say = Callable[[str], None]
 
@@ -39,7 +39,7 @@ class Run:
     """
 
     folder: Path
-    cfg: Any
+    cfg: TrainConfig
     final: Path
     report: dict[str, Any] = field(default_factory=dict)
     last_epoch: dict[str, Any] | None = None

@@ -1,11 +1,29 @@
-"""The three training paths, one module (or package) each, all exposing the same surface (docs/architecture.md)."""
+"""The training paths, one module (or package) each, all with the same surface: :class:`~surefit.tasks.common.Task`
+(docs/architecture.md). A task is registered by one entry in :data:`TASKS` (and its config in ``config_tasks.py``).
+"""
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from typing import Any
+
+from surefit.config import TrainConfig
+from surefit.errors import ConfigError, Problem
+from surefit.tasks import classify, custom, sft
+from surefit.tasks.common import Task
+
+# The modules are the task objects: a type checker holds each to the Task protocol here, and tests/test_tasks.py does
+# at run time.
+TASKS: dict[str, Task[Any]] = {"sft": sft, "classify": classify, "custom": custom}
 
 
-def task_module(task: str) -> ModuleType:
-    """The module of a task (``sft``, ``classify``, ``custom``)."""
-    return importlib.import_module(f"surefit.tasks.{task}")
+def get_task(name: str) -> Task[Any]:
+    """The task called ``name`` (``--task``)."""
+    task = TASKS.get(name)
+    if task is None:
+        raise ConfigError(Problem(f"unknown task {name!r}", "--task", f"use one of: {', '.join(sorted(TASKS))}"))
+    return task
+
+
+def task_of(cfg: TrainConfig) -> Task[Any]:
+    """The task a config is for."""
+    return get_task(cfg.task)

@@ -12,6 +12,7 @@ import inspect
 import json
 import shutil
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +27,29 @@ from surefit.data.collate import PadCollator
 from surefit.data.readers import Rejected, check_text_fields, field_not_found, read_checked, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
+from surefit.data.summary import DataSummary
 from surefit.doctor import check
-from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_input_problems
+from surefit.errors import (
+    ConfigError,
+    DataError,
+    ModelError,
+    Problem,
+    SurefitError,
+    raise_with_rejected,
+)
 from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.models_lowbit import import_peft
-from surefit.run_folder import COLUMNS
+from surefit.run_folder import COLUMNS, Found
 from surefit.run_folder.finished import Run
-from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, store_frozen_in
 from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.work import PlanInputs, TrainingWork
 
 Say = Callable[[str], None]
 HF_PROBLEM_TYPES = {"single": "single_label_classification", "multi": "multi_label_classification",
@@ -59,18 +69,22 @@ def final_files(cfg: ClassifyConfig) -> list[tuple[str, ...]]:
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None,
-              on_rejected: Callable[[list[Rejected]], None] | None = None):
-    """Read, detect columns, type the labels, split. Every problem in every file is reported at once.
+def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None
+              ) -> tuple[list[Row], list[Row], Fields, LabelSpec, DataSummary]:
+    """Read, detect columns, type the labels, split. Every problem in every file is reported at once (a problem
+    raised carries the rows rejected under ``--on_bad_rows skip``: ``error.rejected``).
 
     Returns:
-        ``(train_rows, val_rows, fields, label_spec, report)``.
+        ``(train_rows, val_rows, fields, label_spec, summary)``.
     """
     problems = list(problems or [])
-    report: dict[str, Any] = {"notes": []}
+    found: list[Rejected] = []
+    report = DataSummary(notes=[], rejected=found)
+    notes = report.notes
+    assert notes is not None
     sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
-    rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
-    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
+    rejects: list[Rejected] | None = found if cfg.on_bad_rows == "skip" else None
+    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, notes)
     fields: Fields | None = None
     if loaded["train"]:
         fields = detect_fields(loaded["train"], str(cfg.data), problems, text_field=cfg.text_field,
@@ -80,23 +94,20 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
         text_fields = [(fields.text, "--text_field")] + ([(fields.pair, "--text_pair_field")] if fields.pair else [])
         for name, path in sources:
             if loaded[name]:
-                loaded[name], notes = check_text_fields(loaded[name], text_fields, problems, str(path), rejects=rejects)
-                report["notes"] += notes
+                loaded[name], more = check_text_fields(loaded[name], text_fields, problems, str(path), rejects=rejects)
+                notes += more
             if rejects is not None:
                 loaded[name] = _reject_missing_labels(loaded[name], fields.label, rejects)
         spec = build_label_spec([(str(path), loaded[name]) for name, path in sources], fields.label,
                                 cfg.problem_type, problems)
-    if rejects and on_rejected is not None:
-        on_rejected(rejects)
-    report["rejected_rows"] = len(rejects or [])
-    raise_input_problems(problems)
+    raise_with_rejected(problems, found)
     assert fields is not None and spec is not None
-    report["notes"] = fields.notes + report["notes"]
+    notes[:0] = fields.notes
 
     key = lambda r: normalize_key(text_of(r, fields))  # noqa: E731
-    train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
-                                            key, "text")
-    report["notes"] += notes
+    train_rows, val, more = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
+                                           key, "text")
+    notes += more
     if not cfg.val_data:
         # label2id comes from the training rows, as with a validation file: built from --data before the split, it
         # would hold a class the split put wholly in validation, which the model never sees (it is an error instead).
@@ -104,14 +115,14 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
         if val:  # --val_fraction 0: training without validation data
             splits.append((f"{cfg.data} (validation split)", val))
         spec = build_label_spec(splits, fields.label, cfg.problem_type, problems)
-        raise_input_problems(problems)
+        raise_with_rejected(problems, found)
         assert spec is not None
-    report["notes"].append(spec.how)
-    report["notes"].append(spec.summary())
-    report.update(train_rows=len(train_rows), val_rows=len(val), problem_type=spec.problem_type,
-                  label2id=spec.label2id if spec.problem_type != "regression" else None,
-                  fields={"text": fields.text, "pair": fields.pair, "label": fields.label})
-    for note in report["notes"]:
+    notes += [spec.how, spec.summary()]
+    report.train_rows, report.val_rows = len(train_rows), len(val)
+    report.details.update(problem_type=spec.problem_type,
+                          label2id=spec.label2id if spec.problem_type != "regression" else None,
+                          fields={"text": fields.text, "pair": fields.pair, "label": fields.label})
+    for note in notes:
         say(note)
     return train_rows, val, fields, spec, report
 
@@ -401,9 +412,20 @@ def _collator(tokenizer: Any, spec: LabelSpec) -> PadCollator:
                        stack_keys=("labels",) if spec.problem_type == "multi" else ())
 
 
-def evaluate_features(model: Any, rows: list[Row], feats: list[dict[str, Any]], fields: Fields, spec: LabelSpec,
-                      collate: Any, batch_size: int, accelerator: Any, say: Say) -> Evaluation:
+@dataclass
+class Scored:
+    """Rows to score: the rows, their encoded features, the columns read and the labels."""
+
+    rows: list[Row]
+    feats: list[dict[str, Any]]
+    fields: Fields
+    spec: LabelSpec
+
+
+def evaluate_features(model: Any, data: Scored, collate: Any, batch_size: int, accelerator: Any,
+                      say: Say) -> Evaluation:
     """Loss, the task's metrics and every row's prediction (after each epoch, and by ``surefit eval``)."""
+    rows, feats, fields, spec = data.rows, data.feats, data.fields, data.spec
     logits, loss = shrink_on_oom(
         lambda bs: predict_logits(model, feats, collate, bs, accelerator, spec.problem_type),
         batch_size, "evaluation", say)
@@ -416,8 +438,7 @@ def evaluate_features(model: Any, rows: list[Row], feats: list[dict[str, Any]], 
 # ------------------------------------------------------------------------------------------------------------ prepare
 
 
-def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None,
-            on_rejected: Callable[[list[Rejected]], None] | None = None) -> Prepared:
+def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
     """Everything the loop needs: rows -> typed labels and tokens, the classifier (with LoRA or a custom head), the
     collator, the loss and the per-epoch evaluation. Nothing is written to the run folder."""
     from transformers import AutoTokenizer
@@ -434,7 +455,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
             load_factory(cfg.head)
         except ConfigError as e:
             early += e.problems
-    train_rows, val_rows, fields, spec, report = load_data(cfg, say, early, on_rejected)
+    train_rows, val_rows, fields, spec, report = load_data(cfg, say, early)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -451,7 +472,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     val_feats, val_rep = encode(val_rows, tokenizer, fields, spec, max_len, keys, "validation")
     for rep in (train_rep, val_rep):
         _say_truncated(rep, max_len, say, split=True)
-    report["encoding"] = {"train": train_rep, "validation": val_rep}
+    report.encoding = {"train": train_rep, "validation": val_rep}
 
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model.backbone if cfg.head else model, lora=cfg.lora_r > 0)
@@ -466,18 +487,21 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     collate = _collator(tokenizer, spec)
     first, second = HEADLINE[spec.problem_type]
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
-        result = evaluate_features(m, val_rows, val_feats, fields, spec, collate, batch_size, accelerator, say)
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
+        result = evaluate_features(m, Scored(val_rows, val_feats, fields, spec), collate, batch_size, accelerator, say)
         metrics = result.metrics
         say(f"epoch {epoch}/{cfg.epochs}  {first}={metrics[first]:.4f}  {second}={metrics[second]:.4f}  "
             f"eval_loss={metrics['eval_loss']:.4f}")
         return result
 
     loss_fn = make_loss_fn(spec.problem_type)
+    work = TrainingWork(features=train_feats, lengths=[len(f["input_ids"]) for f in train_feats],
+                        counts=[1] * len(train_feats), collate=collate, loss_fn=loss_fn, evaluate=evaluate,
+                        where=lambda i: train_rows[i].where,
+                        plan=PlanInputs(eval_lengths=[len(f["input_ids"]) for f in val_feats], lora=cfg.lora_r > 0))
     return Prepared(
-        cfg=cfg, model=model, accelerator=accelerator, features=train_feats,
-        lengths=[len(f["input_ids"]) for f in train_feats], counts=[1] * len(train_feats), collate=collate,
-        loss_fn=loss_fn, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),
+        cfg=cfg, model=model, accelerator=accelerator, work=work,
+        save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),
         check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
         # A custom head is user code, and remote code is the model's: neither has a content identity to key on.
@@ -485,14 +509,11 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
             "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
             "labels": repr(spec), "train": startup_cache.features_digest(train_feats),
             "validation": startup_cache.features_digest(val_feats)},
-        data_report=report, files={COLUMNS: table},
-        plan={"eval_lengths": [len(f["input_ids"]) for f in val_feats], "lora": cfg.lora_r > 0},
-        saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer",
-        where=lambda i: train_rows[i].where,
-        rejected=report["rejected_rows"])
+        found=Found(report, files={COLUMNS: table}),
+        saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer")
 
 
-def run(cfg: ClassifyConfig, say: Say = print) -> dict[str, Any]:
+def run(cfg: ClassifyConfig, say: Say = print) -> RunResult:
     """Train a classifier, evaluating before the first epoch and after each; see :func:`surefit.tasks.common.train`."""
     return train(cfg, prepare, say)
 
@@ -671,8 +692,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     loaded = load(run, spec, say)
     feats, rep = encode(rows, loaded.tokenizer, flds, spec, loaded.extra["max_len"], loaded.extra["keys"], "evaluation")
     _say_truncated(rep, loaded.extra["max_len"], say)
-    result = evaluate_features(loaded.model, rows, feats, flds, spec, _collator(loaded.tokenizer, spec), batch_size,
-                               loaded.accelerator, say)
+    result = evaluate_features(loaded.model, Scored(rows, feats, flds, spec), _collator(loaded.tokenizer, spec),
+                               batch_size, loaded.accelerator, say)
     return described, len(rows), result.metrics, result.records or []
 
 

@@ -1,65 +1,41 @@
-"""What the three tasks share: the prepared run, and the run itself (doctor, memory plan, loop, final save).
+"""What the tasks share: the prepared run, the runner (doctor, memory plan, loop, final save) and the surface every
+task module has (:class:`Task`: ``prepare``, ``run``, ``final_files``, ``evaluate``, ``predict``, ``export``).
 
-Each task module (``sft``, ``classify``, ``custom``) has the same small surface:
-
-- ``prepare(cfg) -> Prepared``: data, model, collator, loss and evaluation, everything the loop needs, built
-  without writing to the run folder (the doctor calls it too, so it checks exactly what training would use);
-- ``run(cfg)``: :func:`train` on what ``prepare`` built;
-- ``save(...)`` / ``load(run)``: the task's format of ``final/``, written and read in the same file;
-- ``evaluate(run, data)`` / ``predict(run, ...)``: use a finished run, scored as training scored each epoch.
+``prepare`` builds everything the loop needs and writes nothing (the doctor calls it too, so it checks exactly what
+training would use); :func:`train` hands what it found to the run folder (:class:`~surefit.run_folder.RunFolder`),
+which writes every file of the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+import shutil
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import surefit.startup as startup
 import surefit.startup_cache as startup_cache
+from surefit.config import TrainConfig
+from surefit.data.summary import DataSummary
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
-from surefit.errors import Problem
+from surefit.errors import Problem, SurefitError
 from surefit.models import quiet_libraries
-from surefit.run_folder import (
-    STARTUP,
-    check_output_dir,
-    lock_run,
-    open_metrics_log,
-    predictions_path,
-    resume_command,
-    resume_point,
-    save_final,
-    start_output_dir,
-    write_json,
-    write_jsonl,
-    write_rejected,
-    write_run_report,
-)
-from surefit.tasks.control import (
-    final_model,
-    gpu_preset_without_gpu,
-    has_validation,
-    log_samples,
-    say_alias_notes,
-    warn_small_validation,
-)
-from surefit.training.distributed import on_main, plain_architectures
-from surefit.training.loop import Checkpointing, LoopSettings, LossFn, fit
+from surefit.run_folder import Found, RunFolder
+from surefit.run_folder.finished import Run
+from surefit.training.distributed import plain_architectures
+from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
+from surefit.training.processes import is_main_process, on_main
+from surefit.training.trackers import MetricsLog
+from surefit.training.work import Evaluation, TrainingWork
+
+__all__ = ["Evaluation", "Prepared", "RunResult", "Task", "doctor", "render_columns", "train"]
 
 Say = Callable[[str], None]
-
-
-@dataclass
-class Evaluation:
-    """One evaluation: the metrics (``eval_loss`` and the task's own) and, per validation row, its prediction record
-    (``None`` when the task has none, e.g. custom models)."""
-
-    metrics: dict[str, Any]
-    records: list[dict[str, Any]] | None = None
 
 
 @dataclass
@@ -69,163 +45,307 @@ class Prepared:
     Attributes:
         cfg: the task's config.
         model: the model as it will train (adapters applied); accelerator: the run's accelerator.
-        features, lengths, counts: the training examples as the collator takes them, their token lengths, and the
-            items each carries in the loss (supervised tokens, or 1 per example).
-        collate: pads a list of features into a batch (nothing else; see ``data/collate.py``).
-        loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
-        evaluate: ``(model, epoch, batch_size) -> Evaluation``; prints the epoch's line.
+        work: the examples, collator, loss and evaluation the loop runs (``training/work.py``).
         save: ``(model, folder)``: writes the model in the task's ``final/`` format.
         check: the doctor on exactly these objects (``() -> Report``).
-        data_report: counts of what happened to the data (``data_report.json``).
-        files: other JSON files of the run folder by name (``columns.json``); jsonl: JSON-lines files by name
-            (``excluded_rows.jsonl``), written when not empty.
-        plan: keyword arguments for the memory planner beyond the training examples (``eval_lengths``,
-            ``generate_lengths``, ``lora``, and ``collate`` or ``loss_fn`` where the probe uses other ones).
+        found: what the run folder keeps of the data: the data report, rejected rows, the task's other files.
         saved: what ``final/`` holds, in words, for the last line of the run.
-        on_epoch, counters, epoch_batches: passed on to :func:`~surefit.training.loop.fit`.
-        rejected: rows dropped under ``--on_bad_rows skip`` (already written to ``rejected_rows.jsonl``).
-        where: a training example's index -> its source row in words, for messages (a non-finite loss names rows).
+        cache_key: what the doctor and the planner read besides the settings (the model's files, the tokenizer, the
+            encoded examples), as JSON-able content identities, computed only when the cache is on; ``None``: not
+            cacheable (user code, a model not on disk).
     """
 
-    cfg: Any
+    cfg: TrainConfig
     model: Any
     accelerator: Any
-    features: Sequence[Any]
-    lengths: list[int]
-    counts: list[int]
-    collate: Callable[[list[Any]], dict[str, Any]]
-    loss_fn: LossFn
-    evaluate: Callable[[Any, int, int], Evaluation]
+    work: TrainingWork
     save: Callable[[Any, Path], None]
     check: Callable[[], Report]
-    data_report: dict[str, Any]
+    found: Found
     saved: str
-    files: dict[str, Any] = field(default_factory=dict)
-    jsonl: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
-    plan: dict[str, Any] = field(default_factory=dict)
-    on_epoch: Callable[[dict[str, Any]], None] | None = None
-    counters: Any = None
-    epoch_batches: Callable[[int], list[list[int]]] | None = None
-    rejected: int = 0
-    where: Callable[[int], str] | None = None
-    # What the doctor and the planner read besides the settings (the model's files, the tokenizer, the encoded
-    # examples), as JSON-able content identities, computed only when the cache is on; None: not cacheable (user
-    # code, a model not on disk).
     cache_key: Callable[[], dict[str, Any]] | None = None
 
 
-PrepareFn = Callable[..., Prepared]
+# A task's own config class (SFTConfig, ClassifyConfig ...): a task takes its own, so a parameter, contravariant.
+C = TypeVar("C", bound=TrainConfig, contravariant=True)
 
 
-def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
-    """Prepare the run, start its folder, run the doctor, plan the memory, train, and save ``final/``.
+class PrepareFn(Protocol[C]):
+    """A task's ``prepare``: the run's setup from its config; problems already found join the data's."""
 
-    Returns:
-        ``{"output_dir", "final_dir", "history", "data_report"}``.
+    def __call__(self, cfg: C, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared: ...
+
+
+class Task(Protocol[C]):
+    """What the runner and the finished-run commands call on a task. Each task module satisfies it as it stands
+    (``tasks/__init__.py`` registers the modules; a type checker and ``tests/test_tasks.py`` hold them to it).
+
+    ``save`` and ``load`` are the task's own (their arguments differ by task): training reaches ``save`` through
+    :attr:`Prepared.save`, and the task's ``evaluate``, ``predict`` and ``export`` call its ``load``.
     """
+
+    @property
+    def FIELDS(self) -> tuple[str, ...]:  # noqa: N802 - the module constant's name
+        """The column flags ``surefit eval`` / ``predict`` take for other data (``--input_field`` ...)."""
+        ...
+
+    def final_files(self, cfg: C) -> list[tuple[str, ...]]:
+        """What ``final/`` must hold (any one of these groups of files)."""
+        ...
+
+    def prepare(self, cfg: C, say: Say = ..., problems: list[Problem] | None = ...) -> Prepared:
+        """The run's setup, written nowhere (:class:`Prepared`)."""
+        ...
+
+    def run(self, cfg: C, say: Say = ...) -> RunResult:
+        """Train: :func:`train` on what ``prepare`` builds."""
+        ...
+
+    def evaluate(self, run: Run, data: str | None, batch_size: int, max_new_tokens: int | None,
+                 fields: dict[str, str], say: Say = ...) -> tuple[str, int, dict[str, Any], list[dict[str, Any]]]:
+        """``surefit eval``: (what was evaluated, rows, metrics, prediction records)."""
+        ...
+
+    def predict(self, run: Run, inputs: str | list[str] | None, file: str | None, batch_size: int,
+                max_new_tokens: int | None, fields: dict[str, str],
+                say: Say = ...) -> Iterator[list[dict[str, Any]]]:
+        """``surefit predict``: records, one batch at a time, in input order."""
+        ...
+
+    def export(self, run: Run, folder: Path, merge: bool, say: Say = ...) -> str:
+        """``surefit export``: write the run's model into ``folder``; returns what was written, in words."""
+        ...
+
+
+@dataclass
+class RunResult:
+    """What a training run produced.
+
+    Attributes:
+        output_dir: the run folder; final_dir: the saved model (or adapter) and tokenizer.
+        history: one record per evaluation, epoch 0 (before training) first, as written to metrics.jsonl.
+        data_report: counts of what happened to the data (split, augmentation, truncation, exclusions), as saved in
+            ``data_report.json``.
+    """
+
+    output_dir: Path
+    final_dir: Path
+    history: list[dict[str, Any]]
+    data_report: dict[str, Any]
+
+    @property
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.history
+
+
+def train(cfg: C, prepare: PrepareFn[C], say: Say = print) -> RunResult:
+    """Prepare the run, start its folder, run the doctor, plan the memory, train, and save ``final/``."""
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     clock = startup.Clock()
-    with startup.timing(clock), lock_run(cfg, say):  # one run at a time in --output_dir (run_folder.RunLock)
-        return _train(cfg, prepare, say, clock)
+    folder = RunFolder(cfg, say)
+    with startup.timing(clock), folder.locked():  # one run at a time in --output_dir (run_folder.RunLock)
+        return _train(folder, prepare, clock)
 
 
-def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict[str, Any]:
+def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock) -> RunResult:
     from accelerate.utils import set_seed
 
+    say = folder.say
     quiet_libraries()
-    say_alias_notes(cfg, say)
-    cfg = gpu_preset_without_gpu(cfg, say)
+    say_alias_notes(folder.cfg, say)
+    cfg = folder.cfg = gpu_preset_without_gpu(folder.cfg, say)
     set_seed(cfg.seed)
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
     early: list[Problem] = []
-    previous = check_output_dir(cfg, early)
-    resume_from = resume_point(cfg, early, say)
+    folder.check(early)
+    resume_from = folder.resume_point(early)
     with clock.phase("prepare (other)"):  # the task names its own phases inside (data, model, ...)
-        p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
-    out = start_output_dir(cfg, previous, say, keep_rejected=p.rejected > 0)
-    write_json(out, "data_report.json", p.data_report)
-    warn_small_validation(p.data_report, cfg, say)
-    for name, value in p.files.items():
-        write_json(out, name, value)
-    for name, records in p.jsonl.items():
-        if records:
-            write_jsonl(out / name, records)
+        try:
+            p = prepare(cfg, say, problems=early)
+        except SurefitError as e:
+            folder.write_rejected(e.rejected)  # so that "all rows rejected" points at a list that exists
+            raise
+    folder.start(p.found)
+    warn_small_validation(p.found.data_report, cfg, say)
 
     cache = startup_cache.StartupCache(None if getattr(cfg, "no_cache", False) else startup_cache.cache_dir(), say)
     with clock.phase("cache key"):
         key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
     with clock.phase("doctor"):
-        gate(run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache)), cfg, say, out)
+        report = run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache))
+        folder.write_doctor(report)
+        gate(report, cfg, say)
     acc = p.accelerator
-    plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
     with clock.phase("memory plan"):
         # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
         memo = startup_cache.planner_memo(cache, key)
         before = json.dumps(memo, sort_keys=True)
-        plan = plan_run(cfg, p.model, acc, features=p.features, lengths=p.lengths, counts=p.counts,
-                        collate=p.plan.get("collate", p.collate), loss_fn=p.plan.get("loss_fn", p.loss_fn), say=say,
-                        out=out, memo=memo, **plan_args)
+        plan = plan_run(cfg, p.model, acc, p.work, say=say, memo=memo)
+        folder.write_plan(plan)
         reused = bool(before != "{}" and json.dumps(memo, sort_keys=True) == before)
         clock.cache["planner"] = cache.status(key, reused)
         if not reused:
             cache.put("planner", key, memo)
     settings = LoopSettings.from_config(cfg, plan)
     # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
-    schedule = settings.schedule(len(p.features))
-    write_json(out, "schedule.json", schedule.to_dict())
+    schedule = settings.schedule(len(p.work.features))
+    folder.write_json("schedule.json", schedule.to_dict())
     with clock.phase("metrics log and trackers"):
-        log = open_metrics_log(cfg, out, acc)
+        log = folder.metrics_log(acc)
 
-    def started(model: Any, batch: dict[str, Any]) -> Any:
-        if clock.total is None:  # step 1 begins at the first training forward: the start-up ends here, once
-            end_startup(clock, out, say)
-        return p.loss_fn(model, batch)
+    def export(model: Any, into: Path) -> None:
+        p.save(acc.unwrap_model(model), into)
+        plain_architectures(into)  # --sharding fsdp: the model's own class, not FSDP<Class>
 
-    def evaluate(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
-        # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
-        with startup.phase("evaluation before training"):  # epoch 0 (nothing after step 1)
-            result = p.evaluate(model, epoch, plan.eval_batch_size)
-        if result.records is not None:
-            path = predictions_path(out, int(epoch))
-            write_jsonl(path if step is None else path.with_name(f"step_{step}.jsonl"), result.records)
-            if cfg.log_samples:
-                at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
-                log_samples(out, log, result.records[: cfg.log_samples], epoch, at, say)
-        return result.metrics
-
-    evaluates = has_validation(cfg)
-    if not evaluates:
+    evaluates = has_validation(cfg) and p.work.evaluate is not None
+    if not has_validation(cfg):
         say("no validation data (--val_fraction 0 and no --val_data): training without evaluation; metrics.jsonl "
             "holds the training figures and final/ the last state")
-
-    def export(model: Any, folder: Path) -> None:
-        p.save(acc.unwrap_model(model), folder)
-        plain_architectures(folder)  # --sharding fsdp: the model's own class, not FSDP<Class>
-
-    checkpointing = Checkpointing(folder=out / "checkpoints", save_every=cfg.save_every, keep=cfg.keep_checkpoints,
-                                  export=export, resume_from=resume_from, resume_command=resume_command(cfg))
+    hooks = LoopHooks(accelerator=acc, checkpointing=folder.checkpointing(export, resume_from), log=log, say=say,
+                      evaluate=_evaluation(folder, p, log, settings, plan.eval_batch_size) if evaluates else None)
     clock.begin("loop setup")  # until step 1: the optimizer, accelerate's prepare, the sampler
+    work = dataclasses.replace(p.work, loss_fn=_starting(clock, folder, p.work.loss_fn))
     try:
-        history = fit(p.model, p.features, p.lengths, p.counts, loss_fn=started, collate=p.collate,
-                      settings=settings, accelerator=acc, evaluate=evaluate if evaluates else None,
-                      checkpointing=checkpointing, log=log, say=say, on_epoch=p.on_epoch, counters=p.counters,
-                      epoch_batches=p.epoch_batches, where=p.where)
+        history = fit(p.model, work, settings, hooks)
     finally:
         log.close()
-    final = save_final(out, final_model(out, history, lambda d: export(p.model, d), say))
+    final = folder.save_final(final_model(folder, history, lambda d: export(p.model, d)))
     say(f"saved {p.saved} to {final}")
-    write_run_report(out, acc, say)
-    return {"output_dir": out, "final_dir": final, "history": history, "data_report": p.data_report}
+    folder.write_report(acc)
+    return RunResult(folder.path, final, history, p.found.data_report.to_json())
 
 
-def end_startup(clock: startup.Clock, out: Path, say: Say) -> None:
+def _starting(clock: startup.Clock, folder: RunFolder, loss_fn: Any) -> Any:
+    """The loss function, stopping the start-up clock at the first training forward (step 1 begins there)."""
+
+    def started(model: Any, batch: dict[str, Any]) -> Any:
+        if clock.total is None:
+            end_startup(clock, folder)
+        return loss_fn(model, batch)
+
+    return started
+
+
+def _evaluation(folder: RunFolder, p: Prepared, log: MetricsLog, settings: LoopSettings,
+                batch_size: int) -> Callable[..., dict[str, Any]]:
+    """The loop's evaluation: the task's, with its predictions written and ``--log_samples`` logged."""
+    cfg, evaluate = p.cfg, p.work.evaluate
+    assert evaluate is not None
+    schedule = settings.schedule(len(p.work.features))
+
+    def run(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
+        # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
+        with startup.phase("evaluation before training"):  # epoch 0 (nothing after step 1)
+            result = evaluate(model, epoch, batch_size)
+        if result.records is not None:
+            folder.write_predictions(int(epoch), result.records, step)
+            if cfg.log_samples:
+                at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
+                log_samples(folder, log, result.records[: cfg.log_samples], epoch, at)
+        return result.metrics
+
+    return run
+
+
+# ------------------------------------------------------------------------------------------------------------ control
+# Training control around the loop: other tools' names noted, a GPU preset on a machine without that GPU, training
+# without validation data, a small validation split, logged samples, and which model ``final/`` holds.
+
+
+def final_model(folder: RunFolder, history: list[dict[str, Any]],
+                export_last: Callable[[Path], None]) -> Callable[[Path], object]:
+    """What writes ``final/``: the model as training left it, or, when the run selected the best evaluation, that
+    evaluation's model as its checkpoint exported it (said with its metric, value and step)."""
+    best = best_evaluation(history)
+    if best is None:
+        return export_last
+    source = folder.checkpoint_model(best["best_checkpoint"])
+    folder.say(f"final/ is the best evaluation: {best['best_metric']} {best['best_value']:.4f} at step "
+        f"{best['best_step']} (checkpoints/{best['best_checkpoint']})")
+    return lambda folder: shutil.copytree(source, folder)
+
+
+def log_samples(folder: RunFolder, log: MetricsLog, records: list[dict[str, Any]], epoch: int | float,
+                step: int) -> None:
+    """``--log_samples``: the same first validation rows at every evaluation, as prompt / reference / prediction, to
+    ``predictions/samples/step_N.jsonl`` (one file per evaluation, so a resumed run rewrites rather than repeats),
+    the trackers' text (TensorBoard) and the printout."""
+    samples = [{"step": step, "epoch": epoch, "sample": i, "where": r.get("where"),
+                "prompt": r.get("input", r.get("text")), "reference": r.get("gold"), "prediction": r.get("prediction")}
+               for i, r in enumerate(records)]
+    folder.write_samples(step, samples)
+    if is_main_process() and getattr(log, "trackers", None) is not None:
+        log.trackers.log_text({f"samples/{s['sample']}": f"**prompt**: {s['prompt']}\n\n**reference**: "
+                               f"{s['reference']}\n\n**prediction**: {s['prediction']}" for s in samples}, step)
+    for s in samples:
+        folder.say(f"  sample {s['sample']} at step {step}: {str(s['prompt'])[:60]!r} -> {str(s['prediction'])[:80]!r} "
+            f"(reference {str(s['reference'])[:60]!r})")
+
+
+# Below this many validation examples, an evaluation's metrics move in coarse steps (1/N): say so.
+SMALL_VALIDATION = 20
+
+
+def warn_small_validation(data_report: DataSummary, cfg: TrainConfig, say: Say) -> None:
+    """A validation split of fewer than :data:`SMALL_VALIDATION` examples gets a warning that gives the number."""
+    n = data_report.validation_examples
+    if isinstance(n, int) and 0 < n < SMALL_VALIDATION:
+        selects = " and --keep_best/--early_stopping would choose on noise" if (cfg.keep_best or cfg.early_stopping) \
+            else ""
+        say(f"warning: the validation split has only {n} example{'s' if n != 1 else ''} (fewer than "
+            f"{SMALL_VALIDATION}): each metric moves in steps of 1/{n}{selects}; give more with --val_fraction or "
+            "--val_data")
+
+
+def gpu_preset_without_gpu(cfg: TrainConfig, say: Say) -> TrainConfig:
+    """A preset made for a GPU (it sets --gpu_memory_gb) on a machine without a CUDA GPU: say that the plan is for a
+    GPU this machine does not have, and leave off the preset's gradient checkpointing (on a CPU it only slows
+    training down) unless the user asked for it themselves."""
+    import torch
+
+    preset_only = getattr(cfg, "preset_only", None) or set()
+    if not cfg.preset or "gpu_memory_gb" not in preset_only or torch.cuda.is_available():
+        return cfg
+    text = (f"preset {cfg.preset} plans for a GPU with {cfg.gpu_memory_gb} GB, and this machine has no CUDA GPU: "
+            "the memory plan is for that GPU's budget, and training runs on the CPU")
+    if cfg.gradient_checkpointing and "gradient_checkpointing" in preset_only:
+        text += ("; the preset's gradient checkpointing is left off (on a CPU it only slows training; pass "
+                 "--gradient_checkpointing to keep it)")
+        notes = {k: getattr(cfg, k) for k in ("alias_notes", "preset_only") if hasattr(cfg, k)}
+        cfg = dataclasses.replace(cfg, gradient_checkpointing=False)
+        for k, v in notes.items():
+            setattr(cfg, k, v)
+    say(text)
+    return cfg
+
+
+def has_validation(cfg: TrainConfig) -> bool:
+    """Whether the run has validation data to evaluate on (``--val_data``, or a ``--val_fraction`` above 0)."""
+    return cfg.val_data is not None or cfg.val_fraction > 0
+
+
+def best_evaluation(history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last evaluation record's best-so-far (``best_*`` keys, written with a best-model goal), or ``None``."""
+    for record in reversed(history):
+        if record.get("best_checkpoint"):
+            return record
+    return None
+
+
+def say_alias_notes(cfg: TrainConfig, say: Say) -> None:
+    """Print once which other tools' setting names were read as which surefit settings (``config.ALIASES``)."""
+    for note in dict.fromkeys(getattr(cfg, "alias_notes", None) or []):
+        say(note)
+
+
+def end_startup(clock: startup.Clock, folder: RunFolder) -> None:
     """Stop the start-up clock, write ``OUTPUT/startup.json``, and say where the time went when it was long."""
     if clock.stop() > startup.REPORT_AFTER_S:
-        say(clock.line())
-    write_json(out, STARTUP, clock.record())  # main process only
+        folder.say(clock.line())
+    folder.write_startup(clock.record())  # main process only
 
 
-def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
+def doctor(cfg: C, prepare: PrepareFn[C], say: Say = print) -> Report:
     """The doctor's report on the setup ``prepare`` builds, exactly as training would use it; nothing is written."""
     quiet_libraries()
     say_alias_notes(cfg, say)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,19 +22,23 @@ from surefit.config_files import load_json
 from surefit.config_tasks import CustomConfig
 from surefit.data.readers.common import short
 from surefit.data.shards import TensorData, load_tensor_data
+from surefit.data.summary import DataSummary
 from surefit.doctor import check
 from surefit.doctor.shapes import diagnose, first_layers, trace
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if, raise_input_problems
 from surefit.models import load_factory
-from surefit.run_folder import COLUMNS
+from surefit.run_folder import COLUMNS, Found
 from surefit.run_folder.finished import Run
-from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.tasks.finished_common import Loaded
 from surefit.training.loss import classification_loss_sum
 from surefit.training.precision import make_accelerator, precision_name
+from surefit.training.work import TrainingWork
 
 # A custom run has no column flags for other data (its tensors are named by the shards).
 FIELDS: tuple[str, ...] = ()
+
+Say = Callable[[str], None]
 
 
 def final_files(cfg: CustomConfig) -> list[tuple[str, ...]]:
@@ -272,7 +276,7 @@ def _build(cfg: CustomConfig, factory: Any) -> tuple[nn.Module, dict[str, Any]]:
     return model, model_args
 
 
-def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None, on_rejected: Any = None) -> Prepared:
+def prepare(cfg: CustomConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
     """Everything the loop needs: the shards, the factory's model, how to call it, a real forward under hooks
     before step 1 (a shape mismatch stops here, naming the input and the layer), the split and the loss."""
     early = list(problems or [])
@@ -344,7 +348,7 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
     def collate(idx: Any) -> dict[str, torch.Tensor]:
         return model_batch(data, list(idx), caller)
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         avg = mean_loss(m, caller, val_source, val_idx, batch_size, accelerator)
         if epoch == 0 or not float(epoch).is_integer():  # before training, and --eval_every's mid-epoch ones
             say(f"epoch {epoch}/{cfg.epochs}  avg_valid_loss={avg:.4f}")
@@ -366,17 +370,18 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
             return [order[i : i + cfg.batch_size] for i in range(0, len(order), cfg.batch_size)]
 
     ones = [1] * len(train_idx)
+    work = TrainingWork(features=train_idx, lengths=ones, counts=ones, collate=collate, loss_fn=caller,
+                        evaluate=evaluate, on_epoch=on_epoch, epoch_batches=epoch_batches,
+                        where=lambda i: f"{cfg.data} row {train_idx[i]}")
+    summary = DataSummary(train_rows=len(train_idx), val_rows=len(val_idx),
+                          details={"arrays": {k: list(v.shape) for k, v in data.arrays.items()}})
     return Prepared(
-        cfg=cfg, model=model, accelerator=accelerator, features=train_idx, lengths=ones, counts=ones,
-        collate=collate, loss_fn=caller, evaluate=evaluate, save=lambda m, folder: save(m, cfg, model_args, folder),
+        cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, cfg, model_args, folder),
         check=lambda: check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size}, task="custom"),
-        data_report={"train_rows": len(train_idx), "val_rows": len(val_idx),
-                     "arrays": {k: list(v.shape) for k, v in data.arrays.items()}},
-        files={COLUMNS: table}, saved="the model (safetensors) and its factory spec", on_epoch=on_epoch,
-        epoch_batches=epoch_batches, where=lambda i: f"{cfg.data} row {train_idx[i]}")
+        found=Found(summary, files={COLUMNS: table}), saved="the model (safetensors) and its factory spec")
 
 
-def run(cfg: CustomConfig, say=print) -> dict[str, Any]:
+def run(cfg: CustomConfig, say: Say = print) -> RunResult:
     """Train the factory's model on tensor shards; report avg_train_loss, avg_valid_loss, time_per_epoch."""
     return train(cfg, prepare, say)
 
@@ -445,14 +450,15 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     return described, len(indices), {"eval_loss": avg, "avg_valid_loss": avg}, []
 
 
-def predict(run: Run, *args: Any, **kwargs: Any) -> Any:
+def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_size: int,
+            max_new_tokens: int | None, fields: dict[str, str], say: Say = print) -> Iterator[list[dict[str, Any]]]:
     """Custom models have no text inputs to predict on."""
     raise ConfigError(Problem(f"{run.folder} is a custom-task run: predict works on text runs (sft, classify)",
                               "--run", "load final/model.safetensors with your factory (see final/surefit_model.json), "
                               "or use `surefit eval --run ... --data FOLDER` for its loss"))
 
 
-def export(run: Run, folder: Path, merge: bool, say=print) -> str:
+def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     """A copy of ``final/`` (custom models have no adapter to merge)."""
     import shutil
 

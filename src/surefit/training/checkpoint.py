@@ -29,15 +29,16 @@ import os
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+import surefit.run_folder.integrity as integrity
 from surefit.errors import Problem, SurefitError
-from surefit.training import integrity
-from surefit.training.integrity import MANIFEST
+from surefit.run_folder.integrity import MANIFEST
 
 STATE = "trainer_state.json"
 WEIGHTS = "trainable.safetensors"
@@ -125,29 +126,77 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    folder: str | Path,
-    *,
-    model: torch.nn.Module,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    state: dict[str, Any] | None = None,
-    export: Callable[[Path], None] | None = None,
-    before_commit: Callable[[Path], None] | None = None,
-    optimizer_state: dict[str, Any] | None = None,
-) -> Path:
+# trainer_state.json's layout: a newer one is refused by name rather than misread (files without a version are 1).
+STATE_VERSION = 1
+
+
+@dataclass
+class TrainerState:
+    """Where a run is and what it has seen (``trainer_state.json``), enough to continue it exactly.
+
+    Attributes:
+        global_step: optimizer steps taken; position: the loop's progress (epoch, step in it, the epoch's sums).
+        history: the evaluation records so far; metrics_bytes: the length of ``metrics.jsonl`` at this point.
+        plan: how steps were cut (batch, micro-batch, accumulation, precision, processes, sharding), for the report.
+        oom: the out-of-memory guard's splits; counters: the task's epoch counters, summed over processes;
+        selection: the best evaluation so far and the early-stopping count.
+        micro_step: always 0 (checkpoints are taken between optimizer steps).
+    """
+
+    global_step: int
+    position: dict[str, Any]
+    history: list[dict[str, Any]]
+    metrics_bytes: int
+    plan: dict[str, Any] = field(default_factory=dict)
+    oom: dict[str, Any] = field(default_factory=dict)
+    counters: dict[str, int] | None = None
+    selection: dict[str, Any] | None = None
+    micro_step: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": STATE_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> TrainerState:
+        """The state a checkpoint wrote; ``ValueError`` naming what is wrong when it is not one."""
+        if not isinstance(data, dict) or not isinstance(data.get("position"), dict):
+            raise ValueError("not a trainer state (no 'position')")
+        version = data.get("version", 1)
+        if version != STATE_VERSION:
+            raise ValueError(f"trainer state version {version!r}; this surefit reads version {STATE_VERSION}")
+        known = {f.name for f in fields(cls)}
+        state = cls(**{k: v for k, v in data.items() if k in known})
+        if not isinstance(state.global_step, int) or not isinstance(state.history, list):
+            raise ValueError("global_step is not a number or history not a list")
+        return state
+
+
+@dataclass
+class States:
+    """The training objects a checkpoint saves by ``state_dict()`` besides the weights (``None``: not in this run).
+
+    ``optimizer_state`` is written instead of ``optimizer.state_dict()``: a sharded run's whole state, gathered from
+    every process in the unsharded layout (the checkpoint is then the same files as an unsharded run's).
+    """
+
+    optimizer: Any = None
+    scheduler: Any = None
+    scaler: Any = None
+    optimizer_state: dict[str, Any] | None = None
+
+
+def save_checkpoint(folder: str | Path, *, model: torch.nn.Module, states: States | None = None,
+                    state: TrainerState | None = None, export: Callable[[Path], None] | None = None,
+                    before_commit: Callable[[Path], None] | None = None) -> Path:
     """Write a checkpoint atomically; on a failed write, the previous checkpoints are untouched.
 
     Args:
         folder: the checkpoint's final path (e.g. ``OUT/checkpoints/step-0000120``).
         model: the model whose trainable state is saved.
-        optimizer, scheduler, scaler: saved by ``state_dict()`` when given.
-        state: JSON-serialisable training state (epoch, step, metrics ...).
+        states: the optimizer, scheduler and scaler, saved by ``state_dict()`` when given.
+        state: the trainer state (epoch, step, metrics ...).
         export: writes the model in its ecosystem format into the folder it is given (``model/``), or ``None``.
         before_commit: called with the temporary folder just before the rename (tests use it to crash mid-write).
-        optimizer_state: written instead of ``optimizer.state_dict()`` (a sharded run's whole state, gathered from
-            every process in the unsharded layout: the checkpoint is then the same files as an unsharded run's).
 
     Raises:
         CheckpointError: the write failed (disk full, permissions); the message names the folder and the cause.
@@ -155,6 +204,9 @@ def save_checkpoint(
     from safetensors.torch import save_file
 
     folder = Path(folder)
+    states = states or States()
+    optimizer, scheduler, scaler, optimizer_state = states.optimizer, states.scheduler, states.scaler, \
+        states.optimizer_state
     tmp = folder.with_name(folder.name + ".tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -167,7 +219,7 @@ def save_checkpoint(
         if scaler is not None:
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
         torch.save(capture_rng(), tmp / "rng.pt")
-        (tmp / STATE).write_text(json.dumps(state or {}, indent=2), encoding="utf-8")
+        (tmp / STATE).write_text(json.dumps(state.to_json() if state else {}, indent=2), encoding="utf-8")
         if export is not None:
             export(tmp / "model")
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
@@ -237,7 +289,7 @@ def latest_checkpoint(checkpoints: str | Path, say: Callable[[str], None] = prin
 
 def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
                     scaler: Any = None, set_weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                    set_optimizer: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                    set_optimizer: Callable[[dict[str, Any]], None] | None = None) -> TrainerState:
     """Restore everything :func:`save_checkpoint` wrote (RNG last) and return the trainer state.
 
     ``set_weights`` and ``set_optimizer`` replace loading the weights into ``model`` and ``optimizer.load_state_dict``
@@ -270,9 +322,7 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = No
                 loaded = torch.load(folder / name, weights_only=True, map_location="cpu")
                 (set_optimizer if obj is optimizer and set_optimizer is not None else obj.load_state_dict)(loaded)
         current = STATE
-        state = json.loads((folder / STATE).read_text(encoding="utf-8"))
-        if not isinstance(state, dict) or not isinstance(state.get("position"), dict):
-            raise ValueError("not a trainer state (no 'position')")
+        state = TrainerState.from_json(json.loads((folder / STATE).read_text(encoding="utf-8")))
         current = RNG
         restore_rng(torch.load(folder / RNG, weights_only=True))
     except CheckpointError:

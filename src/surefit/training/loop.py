@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from surefit.config import TrainConfig
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import (
-    barrier,
     clip_grad_norm,
     describe_processes,
     full_optimizer_state,
@@ -44,23 +44,22 @@ from surefit.training.distributed import (
     load_full_optimizer_state,
     load_full_weights,
     local,
-    max_over_processes,
     process_micro_batches,
     refuse_fsdp_fp16,
     refuse_sharded,
     shard_model,
-    share_from_main,
-    sum_over_processes,
     tell_ddp_about_unused,
-    world_size,
 )
 from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
-from surefit.training.schedule import Schedule, make_scheduler, plan_schedule
+from surefit.training.processes import barrier, max_over_processes, share_from_main, sum_over_processes, world_size
+from surefit.training.schedule import Schedule, Warmup, make_scheduler, plan_schedule
 from surefit.training.selection import Selection
+from surefit.training.work import LossFn, TrainingWork
 
-LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+if TYPE_CHECKING:
+    from surefit.training.plan import Plan
 
 
 @dataclass
@@ -95,19 +94,19 @@ class LoopSettings:
     sharding: str = "none"
 
     @classmethod
-    def from_config(cls, cfg: Any, plan: Any) -> LoopSettings:
+    def from_config(cls, cfg: TrainConfig, plan: Plan) -> LoopSettings:
         """A task config's settings, with the micro-batch and activation storage the memory plan chose."""
         return cls(epochs=cfg.epochs, batch_size=cfg.batch_size, micro_batch_size=plan.micro_batch_size, lr=cfg.lr,
                    weight_decay=cfg.weight_decay, warmup_ratio=cfg.warmup_ratio, max_grad_norm=cfg.max_grad_norm,
                    seed=cfg.seed, log_every=cfg.log_every, saved_activations=plan.saved_activations,
-                   on_nonfinite=getattr(cfg, "on_nonfinite", "stop"), sharding=getattr(cfg, "sharding", "none"),
+                   on_nonfinite=cfg.on_nonfinite, sharding=cfg.sharding,
                    **{name: getattr(cfg, name) for name in CONTROL})
 
     def schedule(self, n_examples: int) -> Schedule:
         """The learning-rate schedule and run length for ``n_examples`` training examples."""
         return plan_schedule(n_examples=n_examples, batch_size=self.batch_size, epochs=self.epochs, lr=self.lr,
-                             kind=self.lr_scheduler, warmup=self.warmup, warmup_ratio=self.warmup_ratio,
-                             min_lr=self.min_lr, max_steps=self.max_steps)
+                             kind=self.lr_scheduler, warmup=Warmup(self.warmup, self.warmup_ratio), min_lr=self.min_lr,
+                             max_steps=self.max_steps)
 
 # The task configs' training-control settings, passed to the loop under the same names.
 CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
@@ -138,6 +137,47 @@ class Checkpointing:
     resume_from: Path | None = None
     resume_command: str = ""
     before_commit: Callable[[Path], None] | None = None
+
+
+@dataclass
+class LoopHooks:
+    """What the loop reports to and saves through, beside the model and its work.
+
+    Attributes:
+        accelerator: the run's accelerator (device, autocast, processes).
+        checkpointing: where and when to save, and what to resume from.
+        log: the run's :class:`~surefit.training.trackers.MetricsLog`.
+        evaluate: ``(model, epoch, step=None) -> metrics``; called for epoch 0 (before training) and each epoch;
+            ``None``: no validation data, no evaluation.
+        say: prints a line (the main process's).
+    """
+
+    accelerator: Any
+    checkpointing: Checkpointing
+    log: Any
+    evaluate: Callable[..., dict[str, Any]] | None = None
+    say: Callable[[str], None] = print
+
+
+@dataclass
+class StepPlan:
+    """How one optimizer step is cut and run (see :func:`accumulate_step`).
+
+    Attributes:
+        micro_batch_size: the most examples per forward on this process.
+        guard: out-of-memory splits remembered across steps (``None``: a fresh one, no injected failures).
+        saved_activations: ``"bf16"``: activations saved for the backward pass stored in bf16; ``None``: as saved.
+        dropout_key: ``(run seed, optimizer step)``: dropout masks drawn per example; ``None``: torch's generator.
+        lockstep: FSDP: every process runs the same number of micro-batches, and none can be split.
+        say: prints a line.
+    """
+
+    micro_batch_size: int
+    guard: OOMGuard | None = None
+    saved_activations: str | None = None
+    dropout_key: tuple[int, int] | None = None
+    lockstep: bool = False
+    say: Callable[[str], None] = print
 
 
 class OutOfMemoryInSync(SurefitError):
@@ -264,15 +304,14 @@ class _Fit:
     """The state of one ``fit`` call: model, optimizer and schedule as prepared by accelerate, the progress, and the
     steps the loop takes (see :func:`fit` for what each argument means)."""
 
-    def __init__(self, model: Any, features: Sequence[Any], lengths: list[int], counts: list[int], *,
-                 loss_fn: LossFn, collate: Callable[[list[Any]], dict[str, torch.Tensor]], settings: LoopSettings,
-                 accelerator: Any, evaluate: Callable[[Any, int], dict[str, Any]], checkpointing: Checkpointing,
-                 log: Any, say: Callable[[str], None], counters: Any) -> None:
-        self.features, self.lengths, self.counts = features, lengths, counts
-        self.loss_fn, self.collate, self.settings = loss_fn, collate, settings
-        self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, evaluate, checkpointing
-        self.log, self.say, self.counters = log, say, counters
-        self.where: Callable[[int], str] | None = None  # a training example's source row, for messages
+    def __init__(self, model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks) -> None:
+        self.work, self.settings = work, settings
+        self.features, self.lengths, self.counts = work.features, work.lengths, work.counts
+        self.loss_fn, self.collate, self.counters, self.where = work.loss_fn, work.collate, work.counters, work.where
+        accelerator, say = hooks.accelerator, hooks.say
+        self.accelerator, self.evaluate_fn, self.checkpointing = accelerator, hooks.evaluate, hooks.checkpointing
+        self.log, self.say = hooks.log, say
+        features, collate, loss_fn = work.features, work.collate, work.loss_fn
         refuse_sharded(accelerator, settings.sharding)
         self.sharded = settings.sharding == "fsdp"
         if self.sharded:
@@ -366,13 +405,13 @@ class _Fit:
         state = load_checkpoint(folder, model=self.model if self.sharded else self.accelerator.unwrap_model(self.model),
                                 optimizer=self.optimizer, scheduler=self.scheduler,
                                 scaler=getattr(self.accelerator, "scaler", None), **(sharded if self.sharded else {}))
-        self.history, self.progress = state["history"], Progress(**state["position"])
-        self.guard.load(state.get("oom", {}))
-        self.selection.load(state.get("selection"))  # the best so far and the early-stopping count go on
+        self.history, self.progress = state.history, Progress(**state.position)
+        self.guard.load(state.oom)
+        self.selection.load(state.selection)  # the best so far and the early-stopping count go on
         if self.counters is not None:  # saved summed over processes: the main process carries them on
-            self.counters.load((state.get("counters") or {}) if self.main else {})
+            self.counters.load((state.counters or {}) if self.main else {})
         if self.main:
-            self.log.truncate(state["metrics_bytes"])  # lines written after this checkpoint would be written twice
+            self.log.truncate(state.metrics_bytes)  # lines written after this checkpoint would be written twice
         p = self.progress
         self.say(f"resumed from {folder}: epoch {p.epoch}, step {p.step_in_epoch} of {self.steps_per_epoch} (global "
                  f"step {p.global_step})")
@@ -388,11 +427,9 @@ class _Fit:
         """Accumulate the step's micro-batches (splitting any that run out of memory), clip, step, and agree with the
         other processes on the step's loss and on whether to stop after it (one exchange per step)."""
         t0 = time.perf_counter()
-        loss_sum = accumulate_step(
-            self.model, self.features, step_indices, self.lengths, self.counts, micro_batch_size=self.micro,
-            loss_fn=self.loss_fn, collate=self.collate, accelerator=self.accelerator, guard=self.guard, say=self.say,
-            saved_activations=self.settings.saved_activations,
-            dropout_key=(self.settings.seed, self.progress.global_step), lockstep=self.sharded)
+        how = StepPlan(self.micro, guard=self.guard, saved_activations=self.settings.saved_activations,
+                       dropout_key=(self.settings.seed, self.progress.global_step), lockstep=self.sharded, say=self.say)
+        loss_sum = accumulate_step(self.model, self.work, step_indices, self.accelerator, how)
         if UNKEYED and not self.unkeyed_said:
             self.unkeyed_said = True
             names = sorted(UNKEYED)
@@ -493,27 +530,26 @@ class _Fit:
 
     def _save(self, name: str, export: bool, counts: dict[str, int] | None,
               optimizer_state: dict[str, Any] | None) -> Path:
-        from surefit.training.checkpoint import prune, save_checkpoint
+        from surefit.training.checkpoint import States, TrainerState, prune, save_checkpoint
 
         ck = self.checkpointing
         if not self.main:
             barrier()
             return ck.folder / name
         acc = self.accelerator
+        plan = {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro, "grad_accum": self.accum,
+                "mixed_precision": str(acc.mixed_precision), "processes": acc.num_processes,
+                "sharding": self.settings.sharding}
+        # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth saving),
+        # so the micro-step of the position is always 0.
+        state = TrainerState(global_step=self.progress.global_step, position=asdict(self.progress),
+                             history=self.history, metrics_bytes=self.log.bytes_written(), plan=plan,
+                             oom=self.guard.state(), counters=counts, selection=self.selection.state())
         folder = save_checkpoint(
             ck.folder / name, model=self.model if self.sharded else acc.unwrap_model(self.model),
-            optimizer=self.optimizer, scheduler=self.scheduler, optimizer_state=optimizer_state,
-            scaler=getattr(acc, "scaler", None),  # fp16 loss scaling state (None otherwise)
-            # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth
-            # saving), so the micro-step of the position is always 0.
-            state={"global_step": self.progress.global_step, "position": asdict(self.progress), "micro_step": 0,
-                   "history": self.history, "oom": self.guard.state(), "counters": counts,
-                   "selection": self.selection.state(),
-                   "metrics_bytes": self.log.bytes_written(),
-                   "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
-                            "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
-                            "processes": acc.num_processes, "sharding": self.settings.sharding}},
-            export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
+            # fp16 loss scaling state (None otherwise)
+            states=States(self.optimizer, self.scheduler, getattr(acc, "scaler", None), optimizer_state),
+            state=state, export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
         best = self.selection.best
@@ -529,25 +565,7 @@ class _Fit:
 
 
 @flushing_denormals
-def fit(
-    model: Any,
-    features: Sequence[Any],
-    lengths: list[int],
-    counts: list[int],
-    *,
-    loss_fn: LossFn,
-    collate: Callable[[list[Any]], dict[str, torch.Tensor]],
-    settings: LoopSettings,
-    accelerator: Any,
-    evaluate: Callable[[Any, int], dict[str, Any]],
-    checkpointing: Checkpointing,
-    log: Any,
-    say: Callable[[str], None] = print,
-    on_epoch: Callable[[dict[str, Any]], None] | None = None,
-    counters: Any | None = None,
-    epoch_batches: Callable[[int], list[list[int]]] | None = None,
-    where: Callable[[int], str] | None = None,
-) -> list[dict[str, Any]]:
+def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks) -> list[dict[str, Any]]:
     """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
 
     A checkpoint is written every ``checkpointing.save_every`` optimizer steps, at each epoch end (after its
@@ -557,22 +575,14 @@ def fit(
 
     Args:
         model: the model to train.
-        features: encoded examples the collator accepts; lengths: their token lengths; counts: supervised items
-            per example (tokens for a language model, 1 for a classifier) used to normalise the loss.
-        loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
-        evaluate: ``(model, epoch) -> metrics``; called for epoch 0 (before training) and each epoch.
-        log: the run's :class:`~surefit.training.trackers.MetricsLog`.
-        on_epoch: called with each epoch's complete record (training and evaluation figures) before it is logged;
-            it may add keys.
-        counters: the task's running counts for the epoch in progress (``state() -> {name: int}``, ``load(state)``;
-            e.g. :class:`~surefit.training.speedups.prefixes.PrefixSharing`): checkpoints keep them, summed over
-            processes, so a resumed epoch's record reports what an uninterrupted one does.
-        epoch_batches: ``epoch -> steps`` (lists of example indices), the same on every process and for the same
-            epoch; default: length-grouped batches of ``settings.batch_size`` (:func:`~surefit.data.sampling.step_batches`).
-        where: a training example's index -> its source row in words (``train.jsonl line 7``), for messages.
+        work: the examples, collator, loss and the task's hooks (:class:`~surefit.training.work.TrainingWork`; its
+            ``counters`` are summed over processes into checkpoints, so a resumed epoch reports what an uninterrupted
+            one does).
+        settings: the run's length, optimizer and control settings, with the memory plan's micro-batch.
+        hooks: the accelerator, checkpointing, metrics log and evaluation (:class:`LoopHooks`).
 
-    With several processes, ``evaluate`` runs on the main process only, on the unwrapped model, while the others wait
-    for its result; ``log`` and checkpoints are written by the main process only.
+    With several processes, ``hooks.evaluate`` runs on the main process only, on the unwrapped model, while the others
+    wait for its result; the log and checkpoints are written by the main process only.
 
     Returns:
         One record per evaluation (epoch 0 first).
@@ -582,10 +592,8 @@ def fit(
     """
     from tqdm.auto import tqdm
 
-    run = _Fit(model, features, lengths, counts, loss_fn=loss_fn, collate=collate, settings=settings,
-               accelerator=accelerator, evaluate=evaluate, checkpointing=checkpointing, log=log, say=say,
-               counters=counters)
-    run.where = where
+    run = _Fit(model, work, settings, hooks)
+    say, lengths, evaluate, checkpointing = hooks.say, work.lengths, hooks.evaluate, hooks.checkpointing
     if (settings.max_steps is not None or settings.lr_scheduler != "cosine" or settings.min_lr
             or run.schedule.warmup_asked is not None):  # a warmup longer than the run is said, never silent
         say(run.schedule.describe())
@@ -595,7 +603,7 @@ def fit(
     with _StopSignal(announce=run.main) as stop:
         while p.epoch <= epochs:
             run.model.train()
-            batches = (epoch_batches(p.epoch) if epoch_batches is not None
+            batches = (work.epoch_batches(p.epoch) if work.epoch_batches is not None
                        else step_batches(lengths, settings.batch_size, settings.seed, p.epoch))
             # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
             bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{epochs}",
@@ -627,12 +635,12 @@ def fit(
             if run.stopped_early:
                 break
             epoch = p.epoch
-            folder = run.end_epoch(on_epoch)
+            folder = run.end_epoch(work.on_epoch)
             run.stopped_early = run.selection.should_stop
             if run.stopped_early:
                 break
             # A signal may have come during the evaluation: agree again, so no process goes on alone.
-            stop_now = sum_over_processes([float(stop.requested is not None)], accelerator.device)[0] > 0
+            stop_now = sum_over_processes([float(stop.requested is not None)], hooks.accelerator.device)[0] > 0
             if p.global_step >= run.schedule.total_steps:
                 break
             if stop_now and epoch < epochs:
@@ -645,23 +653,8 @@ def fit(
     return run.history
 
 
-def accumulate_step(
-    model: Any,
-    features: Sequence[dict[str, Any]],
-    step_indices: list[int],
-    lengths: list[int],
-    counts: list[int],
-    *,
-    micro_batch_size: int,
-    loss_fn: LossFn,
-    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
-    accelerator: Any,
-    guard: OOMGuard | None = None,
-    say: Callable[[str], None] = print,
-    saved_activations: str | None = None,
-    dropout_key: tuple[int, int] | None = None,
-    lockstep: bool = False,
-) -> float:
+def accumulate_step(model: Any, work: TrainingWork, step_indices: list[int], accelerator: Any,
+                    how: StepPlan) -> float:
     """Forward and backward every micro-batch of one optimizer step; gradients are left in ``.grad``.
 
     The gradient equals that of (sum of per-item losses over the whole step, on all processes) / (their count), so
@@ -676,18 +669,19 @@ def accumulate_step(
     a process whose share is empty (a last step with fewer examples than processes) runs a zero-weight pass over one
     of the step's examples, which takes part in the gradient all-reduce and adds nothing to it.
 
-    ``dropout_key``: ``(run seed, optimizer step)``; each micro-batch's forward and backward then run with its
+    ``how.dropout_key``: ``(run seed, optimizer step)``; each micro-batch's forward and backward then run with its
     examples' indices set, so dropout masks are drawn per example (training/dropout.py) and a split step draws the
     same ones. None: torch's generator.
 
-    ``lockstep`` (FSDP): every forward and backward gathers parameters from the other processes, so every process
+    ``how.lockstep`` (FSDP): every forward and backward gathers parameters from the other processes, so every process
     runs the same number of micro-batches (the most any of them needs; the others add zero-weight passes), and an
     out-of-memory error cannot be split and redone (the others are already inside the collectives).
 
     Returns:
         The step's loss sum on this process (sum it over processes, then divide by the step's item count).
     """
-    guard = guard or OOMGuard(inject=set())
+    features, lengths, counts, collate, loss_fn = work.features, work.lengths, work.counts, work.collate, work.loss_fn
+    guard, say, lockstep, dropout_key = how.guard or OOMGuard(inject=set()), how.say, how.lockstep, how.dropout_key
     world = accelerator.num_processes
     n_global = sum(counts[i] for i in step_indices)
     share = list(step_indices)
@@ -695,7 +689,7 @@ def accumulate_step(
         share = deal(share, lengths, world)[accelerator.process_index]
     idle = not share
     scale = 0.0 if idle else world / max(n_global, 1)
-    parts = [[step_indices[0]]] if idle else guard.plan(micro_batches(share, micro_batch_size, lengths), lengths)
+    parts = [[step_indices[0]]] if idle else guard.plan(micro_batches(share, how.micro_batch_size, lengths), lengths)
     real = 0 if idle else len(parts)
     if lockstep and world > 1:
         parts += [[step_indices[0]]] * (max_over_processes(len(parts), accelerator.device) - len(parts))
@@ -712,7 +706,7 @@ def accumulate_step(
                 # The backward pass too: gradient checkpointing recomputes forwards there, with the same masks.
                 rows = nullcontext() if dropout_key is None else training_rows(*dropout_key, part)
                 with rows:
-                    with sync, accelerator.autocast(), saved_activations_in(saved_activations):
+                    with sync, accelerator.autocast(), saved_activations_in(how.saved_activations):
                         loss_sum, _ = loss_fn(model, batch)
                     in_sync_backward = last or lockstep
                     accelerator.backward(loss_sum * (scale if j < real else 0.0))

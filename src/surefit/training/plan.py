@@ -21,20 +21,20 @@ Why not the alternatives: Hugging Face's ``auto_find_batch_size`` restarts on OO
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from surefit.config import TrainConfig
 from surefit.errors import Problem, SurefitError
 from surefit.models_lowbit import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in
+from surefit.training.work import TrainingWork
 from surefit.units import GiB, human_bytes
 
 GB = GiB
@@ -117,8 +117,6 @@ class Plan:
         d["estimated_bytes"] = self.estimated_bytes
         return d
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=2), encoding="utf-8")
 
 
 # --------------------------------------------------------------------------------------------------- the budget
@@ -315,22 +313,34 @@ class Workload:
     forward: Callable[[list[int]], Any] | None = None
 
 
-def make_plan(
-    model: Any,
-    work: Workload,
-    *,
-    batch_size: int,
-    processes: int,
-    requested_micro: int,
-    gradient_checkpointing: bool,
-    precision: str,
-    eval_batch_size: int,
-    budget: tuple[float | None, str],
-    lora: bool,
-    device: torch.device,
-    probe: Callable[[int, bool], int] | None = None,
-    memo: dict[str, Any] | None = None,
-) -> Plan:
+@dataclass
+class PlanRequest:
+    """The settings the planner fits to the budget.
+
+    Attributes:
+        batch_size: the effective (global) batch, which is kept; processes: how many share it.
+        requested_micro: the largest micro-batch the settings allow (``batch_size / grad_accum``).
+        gradient_checkpointing: on by request (the planner may also turn it on, and says so).
+        precision: the compute precision in force ("fp32", "bf16", "fp16").
+        eval_batch_size: the evaluation batch asked for.
+        budget: (GB or None, where it came from), see :func:`resolve_budget`.
+        lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
+        device: where the model trains.
+    """
+
+    batch_size: int
+    processes: int
+    requested_micro: int
+    gradient_checkpointing: bool
+    precision: str
+    eval_batch_size: int
+    budget: tuple[float | None, str]
+    lora: bool
+    device: torch.device
+
+
+def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[[int, bool], int] | None = None,
+              memo: dict[str, Any] | None = None) -> Plan:
     """Choose micro-batch, accumulation, checkpointing and frozen-weight dtype for the budget.
 
     The choices that change the model are applied to it: checkpointing on or off, and frozen weights stored in
@@ -339,12 +349,7 @@ def make_plan(
     Args:
         model: the model as it will train (adapters applied).
         work: the examples (lengths and supervised counts) and how to run them.
-        batch_size: the effective (global) batch, which is kept.
-        requested_micro: the largest micro-batch the settings allow (``batch_size / grad_accum``).
-        gradient_checkpointing: on by request (the planner may also turn it on, and says so).
-        precision: the compute precision in force ("fp32", "bf16", "fp16").
-        budget: (GB or None, where it came from), see :func:`resolve_budget`.
-        lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
+        request: the settings to fit (:class:`PlanRequest`).
         probe: ``(micro, checkpointing) -> peak bytes`` of the longest micro-batch, forward and backward; raises an
             out-of-memory error if it does not fit. Default: measured on a GPU, none on a CPU.
         memo: measurements of an identical setup (``saved_activations``: [bytes, tokens]; ``probes``: "micro,ckpt"
@@ -354,6 +359,10 @@ def make_plan(
         MemoryPlanError: when not even one example of the longest length fits; the message gives the estimate and
             what to change.
     """
+    batch_size, processes, requested_micro = request.batch_size, request.processes, request.requested_micro
+    gradient_checkpointing, precision, eval_batch_size = (request.gradient_checkpointing, request.precision,
+                                                          request.eval_batch_size)
+    budget, lora, device = request.budget, request.lora, request.device
     budget_gb, source = budget
     share = math.ceil(batch_size / processes)
     mixed = precision in ("bf16", "fp16")
@@ -575,28 +584,16 @@ def run_with_restored_rng(fn: Callable[..., Any], *args: Any) -> Any:
             torch.cuda.set_rng_state_all(state[3])
 
 
-def plan_run(
-    cfg: Any,
-    model: Any,
-    accelerator: Any,
-    *,
-    features: Sequence[dict[str, Any]],
-    lengths: Sequence[int],
-    counts: Sequence[int],
-    collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
-    loss_fn: Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]],
-    eval_lengths: Sequence[int] = (),
-    generate_lengths: Sequence[int] = (),
-    lora: bool = False,
-    say: Callable[[str], None] = print,
-    out: Path | None = None,
-    memo: dict[str, Any] | None = None,
-) -> Plan:
-    """Plan a task's run from its config and examples; print the plan and save ``OUTPUT/memory_plan.json``.
+def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork, say: Callable[[str], None] = print,
+             memo: dict[str, Any] | None = None) -> Plan:
+    """Plan a task's run from its config and examples, and print the plan (the run folder saves it).
 
     The model is moved to the accelerator's device first (the probe runs there). Probes put every RNG back.
     ``memo``: earlier measurements of an identical setup, see :func:`make_plan`.
     """
+    features = work.features
+    collate = work.plan.collate or work.collate
+    loss_fn = work.plan.loss_fn or work.loss_fn
     model.to(accelerator.device)
 
     def batch(indices: list[int]) -> dict[str, torch.Tensor]:
@@ -618,15 +615,14 @@ def plan_run(
         del loss
         model.zero_grad(set_to_none=True)
 
-    work = Workload(lengths=lengths, supervised=counts, eval_lengths=eval_lengths, generate_lengths=generate_lengths,
-                    train_step=train_step, forward=forward)
+    load = Workload(lengths=work.lengths, supervised=work.counts, eval_lengths=work.plan.eval_lengths,
+                    generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward)
     budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
     plan = run_with_restored_rng(
-        lambda: make_plan(model, work, batch_size=cfg.batch_size, processes=accelerator.num_processes,
-                          requested_micro=cfg.micro_batch_size, gradient_checkpointing=cfg.gradient_checkpointing,
-                          precision=precision_name(accelerator), eval_batch_size=cfg.resolved_eval_batch_size,
-                          budget=budget, lora=lora, device=accelerator.device, memo=memo))
+        lambda: make_plan(model, load, PlanRequest(
+            batch_size=cfg.batch_size, processes=accelerator.num_processes, requested_micro=cfg.micro_batch_size,
+            gradient_checkpointing=cfg.gradient_checkpointing, precision=precision_name(accelerator),
+            eval_batch_size=cfg.resolved_eval_batch_size, budget=budget, lora=work.plan.lora,
+            device=accelerator.device), memo=memo))
     say(plan.render())
-    if out is not None and accelerator.is_main_process:
-        plan.save(out / "memory_plan.json")
     return plan

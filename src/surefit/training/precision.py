@@ -79,7 +79,7 @@ def _process_settings() -> dict[str, Any]:
     """
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
-    from surefit.training.distributed import WAIT, cpu_processes
+    from surefit.training.processes import WAIT, cpu_processes
 
     return {"cpu": cpu_processes(),
             "kwargs_handlers": [DistributedDataParallelKwargs(find_unused_parameters=True),

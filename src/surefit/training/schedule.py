@@ -94,25 +94,38 @@ def lr_factor(step: int, kind: str, warmup_steps: int, total_steps: int, min_rat
     raise ValueError(f"unknown scheduler {kind!r}; one of {', '.join(SCHEDULERS)}")
 
 
+@dataclass(frozen=True)
+class Warmup:
+    """``--warmup`` (a step count when >= 1, a ratio of the steps below 1; replaces the ratio when given) and
+    ``--warmup_ratio``."""
+
+    warmup: float | None = None
+    ratio: float = 0.0
+
+    def asked(self, total: int) -> int:
+        """The warmup steps asked for, before they are capped at the run's length."""
+        if self.warmup is not None and self.warmup >= 1:
+            return int(self.warmup)
+        return int((self.warmup if self.warmup is not None else self.ratio) * total)
+
+    def steps(self, total: int) -> int:
+        return min(self.asked(total), total)
+
+
 def plan_schedule(*, n_examples: int, batch_size: int, epochs: int, lr: float, kind: str = "cosine",
-                  warmup: float | None = None, warmup_ratio: float = 0.0, min_lr: float = 0.0,
-                  max_steps: int | None = None) -> Schedule:
+                  warmup: Warmup = Warmup(), min_lr: float = 0.0, max_steps: int | None = None) -> Schedule:
     """The schedule of a run on ``n_examples`` training examples.
 
     ``max_steps`` overrides ``epochs``: the run takes exactly that many steps (its last epoch partial, or more
-    epochs than ``epochs``). ``warmup`` is a step count when >= 1, a ratio of the steps when below 1, and replaces
-    ``warmup_ratio`` when given.
+    epochs than ``epochs``).
     """
     steps_per_epoch = max(1, math.ceil(n_examples / batch_size))
     total = max_steps if max_steps else steps_per_epoch * epochs
     run_epochs = math.ceil(total / steps_per_epoch) if max_steps else epochs
-    if warmup is not None and warmup >= 1:
-        warmup_steps = int(warmup)
-    else:
-        warmup_steps = int((warmup if warmup is not None else warmup_ratio) * total)
-    return Schedule(kind=kind, lr=lr, min_lr=min_lr, total_steps=total, warmup_steps=min(warmup_steps, total),
+    asked = warmup.asked(total)
+    return Schedule(kind=kind, lr=lr, min_lr=min_lr, total_steps=total, warmup_steps=warmup.steps(total),
                     steps_per_epoch=steps_per_epoch, epochs=run_epochs, max_steps=max_steps or None,
-                    warmup_asked=warmup_steps if warmup_steps > total else None)
+                    warmup_asked=asked if asked > total else None)
 
 
 def make_scheduler(optimizer: Any, schedule: Schedule) -> Any:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
+
 # accelerate's project name: the W&B project, and the TensorBoard run folder under OUTPUT/tensorboard.
 PROJECT = "surefit"
 TENSORBOARD_DIR = "tensorboard"
@@ -56,7 +58,7 @@ def tracker_values(record: dict[str, Any]) -> tuple[dict[str, float], int]:
     return values, int(record.get("step") or 0)
 
 
-def _hparams(config: Any) -> dict[str, Any]:
+def _hparams(config: TrainConfig) -> dict[str, Any]:
     """The resolved config as the flat scalar mapping trackers store (TensorBoard hparams, W&B config)."""
     if config is None:
         return {}
@@ -73,7 +75,7 @@ class Trackers:
         run_dir: the run folder; W&B's local files go there, named after it.
     """
 
-    def __init__(self, accelerator: Any, config: Any, run_dir: str | Path):
+    def __init__(self, accelerator: Any, config: TrainConfig, run_dir: str | Path):
         self.accelerator = accelerator
         self.config = config
         self.run_dir = Path(run_dir)

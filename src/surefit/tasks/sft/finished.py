@@ -30,8 +30,11 @@ from surefit.run_folder.finished import Run
 from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.recipe import (
     FINAL_FILES,
+    Decoded,
     Encoder,
+    Generation,
     Say,
+    Scoring,
     _encode_settings,
     _input_text,
     choose_metric,
@@ -44,6 +47,7 @@ from surefit.tasks.sft.recipe import (
 )
 from surefit.training.precision import make_accelerator, store_frozen_in
 from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.work import Switches
 
 
 def _base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
@@ -130,15 +134,11 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                 f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
                                 "evaluate on rows with shorter targets"))
     max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc)
-    metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, target_field=target_field,
-                                              eos_token_ids=loaded.extra["eos"], max_new_tokens=max_new,
-                                              batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                                              share_prefixes=cfg.share_prefixes,
-                                              merge_lora=getattr(cfg, "eval_merge_lora", False),
-                                              share_prompts=getattr(cfg, "eval_share_prefixes", False),
-                                              fused=getattr(cfg, "fused_cross_entropy", True),
-                                              metric=choose_metric(cfg, bool(run.report.get("format_conversational"))),
-                                              answer=encoder.answer_of())
+    scoring = Scoring(target_field, choose_metric(cfg, bool(run.report.get("format_conversational"))),
+                      Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)),
+                      answer=encoder.answer_of())
+    metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, loaded.accelerator, scoring,
+                                              say)
     records = prediction_records(examples, preds, golds, input_field)
     if rep.excluded:
         metrics["excluded_rows"] = len(rep.excluded)
@@ -217,12 +217,10 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             ids, n_cut = encoder.prompt_ids(r, room)
             prompts.append(ids)
             cut.append(n_cut)
-        lengths: list[int] = []
-        raw: list[str] = []
-        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
-                               max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                               lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
-                               share_prefixes=getattr(cfg, "eval_share_prefixes", False), raw=raw)
+        gen = Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg))
+        out = Decoded()
+        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, loaded.accelerator, gen, say, out=out)
+        lengths, raw = out.lengths, out.raw
         batch = []
         for row, pred, n_cut, n, text in zip(part, preds, cut, lengths, raw, strict=True):
             rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
@@ -288,8 +286,8 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     import sys
 
     rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
-    rejected: list[Any] = []
-    rows, _, report = load_data(rows_cfg, say, on_rejected=rejected.extend)
+    rows, _, report = load_data(rows_cfg, say)
+    rejected = report.rejected or []
     if rejected:
         # inspect writes no run folder, so the rows left out are listed here (training writes rejected_rows.jsonl).
         say(f"--on_bad_rows skip: {len(rejected)} row{'s' if len(rejected) != 1 else ''} rejected and left out:")
@@ -300,7 +298,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     source = resolve_model(cfg.model)
     path = model_folder(source, log=say)
     tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
-    encoder = Encoder.build(cfg, tokenizer, report["format"], report["format_conversational"])
+    encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
     say(encoder.why)
     examples, rep = encoder.encode(rows, "all", cfg.on_bad_rows == "skip")
     if color is None:

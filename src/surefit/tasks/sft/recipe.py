@@ -46,9 +46,17 @@ from surefit.data.formats import (
 from surefit.data.readers import Rejected, check_text_fields, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import leaked, normalize_key, split_or_check
+from surefit.data.summary import DataSummary
 from surefit.doctor import check
-from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
-from surefit.eval.generate import greedy_generate
+from surefit.errors import (
+    ConfigError,
+    DataError,
+    ModelError,
+    Problem,
+    raise_if,
+    raise_with_rejected,
+)
+from surefit.eval.generate import Decode, greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
 from surefit.models import (
     apply_lora,
@@ -58,17 +66,18 @@ from surefit.models import (
     resolve_model,
 )
 from surefit.models_lowbit import keep_4bit_trainable, require_bitsandbytes
-from surefit.run_folder import EXCLUDED
-from surefit.tasks.common import Evaluation, Prepared, render_columns, train
-from surefit.training.distributed import sum_over_processes
+from surefit.run_folder import EXCLUDED, Found
+from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
+from surefit.training.processes import sum_over_processes
 from surefit.training.speedups.lora_fast import fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
+from surefit.training.work import PlanInputs, Switches, TrainingWork
 
 Say = Callable[[str], None]
 # The column flags of an sft run (``surefit eval`` / ``predict`` take them for other data).
@@ -153,66 +162,64 @@ def conversation_key(row: Row, input_field: str) -> str:
     return normalize_key(str(row.fields[input_field]))
 
 
-def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = None,
-              on_rejected: Callable[[list[Rejected]], None] | None = None) -> tuple[list[Row], list[Row], dict[str, Any]]:
+def load_data(cfg: SFTConfig, say: Say = print,
+              problems: list[Problem] | None = None) -> tuple[list[Row], list[Row], DataSummary]:
     """Read, detect the format, check, split (before augmentation) and augment. Every problem in every file is
     reported at once.
 
     Args:
         problems: problems already found (e.g. with ``--output_dir``), reported together with the data's.
-        on_rejected: given the rows dropped under ``--on_bad_rows skip`` before any problem is raised (so that an
-            "all rows rejected" problem can point at the file they were written to).
 
     Returns:
-        ``(train_rows, val_rows, report)``; ``report`` holds the counts printed to the user and saved, the format
-        (``report["format"]``) and what became of each field (``report["field_table"]``).
+        ``(train_rows, val_rows, summary)``: the summary holds the counts printed to the user and saved, the format,
+        the rows rejected under ``--on_bad_rows skip`` and what became of each field (``details["field_table"]``).
+        A problem raised carries the rejected rows too (``error.rejected``), for the run folder to list.
     """
     problems = list(problems or [])
-    report: dict[str, Any] = {"notes": []}
-    rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
-    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
+    rejects: list[Rejected] = []
+    report = DataSummary(notes=[], rejected=rejects)
+    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects if cfg.on_bad_rows == "skip" else None,
+                         report.notes)
     choice: FormatChoice | None = None
     table: list[dict[str, str]] = []
     for name, path in (("train", cfg.data), ("validation", cfg.val_data)):
         if loaded.get(name):
             raw = loaded[name]
             before = len(rejects or [])
-            loaded[name], found, notes = _read_formatted(raw, cfg, str(path), problems, rejects,
+            loaded[name], found, notes = _read_formatted(raw, cfg, str(path), problems,
+                                                        rejects if cfg.on_bad_rows == "skip" else None,
                                                         choice.name if choice else None)
-            report["notes"] += notes
+            report.notes += notes
             if found is not None and choice is None:
                 choice = found
                 named = tuple(template_fields(cfg.template)) if cfg.template else ()
                 table = field_table(raw, found, named)
-            if found is not None and found.conversational and rejects is not None and raw and not loaded[name]:
+            if found is not None and found.conversational and cfg.on_bad_rows == "skip" and raw and not loaded[name]:
                 problems.append(Problem(f"all {len(raw)} rows of {path} were rejected (first: {rejects[before].where}: "
                                         f"{rejects[before].reason})", str(path), "fix the rows (see the rejected rows "
                                         "file)"))
-    if rejects and on_rejected is not None:
-        on_rejected(rejects)
-    report["rejected_rows"] = len(rejects or [])
-    raise_input_problems(problems)
+    raise_with_rejected(problems, rejects)
     assert choice is not None
-    report["format"] = choice.name
-    report["format_conversational"] = choice.conversational
-    report["field_table"] = table
+    report.format, report.format_conversational = choice.name, choice.conversational
+    report.details["field_table"] = table
     say(choice.line())
     say("fields of the rows:\n" + render_columns(table))
 
     key = lambda r: conversation_key(r, cfg.input_field)  # noqa: E731
     train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
                                             key, "conversation" if choice.conversational else "input")
-    report["notes"] += notes
+    report.notes += notes
     # Augment AFTER the split and only the training side: a variant of a validation row in training is a leak.
     if choice.conversational:
         train_rows, stats = augment_conversations(train_rows, cfg.augmentation_factor, cfg.seed)
     else:
         train_rows, stats = augment_rows(train_rows, cfg.augmentation_factor, cfg.seed, cfg.input_field)
-    report["notes"].append(stats.summary())
+    report.notes.append(stats.summary())
     if not cfg.val_data:
         assert not leaked(train_rows, val, key), "split/augment invariant broken: a validation row leaked into training"
-    report.update(train_rows=len(train_rows), val_rows=len(val), augmentation=stats.__dict__)
-    for note in report["notes"]:
+    report.train_rows, report.val_rows = len(train_rows), len(val)
+    report.details["augmentation"] = stats.__dict__
+    for note in report.notes:
         say(note)
     return train_rows, val, report
 
@@ -274,8 +281,7 @@ class Encoder:
                        prompt=build_prompt_format(tokenizer, chat_template=True))
         return cls(cfg, tokenizer, why, prompt=build_prompt_format(tokenizer))
 
-    def encode(self, rows: list[Row], split: str, skip: bool = False,
-               on_rejected: Callable[[list[Rejected]], None] | None = None) -> tuple[list[Example], EncodeReport]:
+    def encode(self, rows: list[Row], split: str, skip: bool = False) -> tuple[list[Example], EncodeReport]:
         """Examples and the report of one split. A row the chat template cannot label is an error (or, with
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
@@ -337,8 +343,7 @@ class Encoder:
 # ------------------------------------------------------------------------------------------------------------ prepare
 
 
-def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = None,
-            on_rejected: Callable[[list[Rejected]], None] | None = None) -> Prepared:
+def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
     """Everything the loop needs: rows -> encoded examples, the model with LoRA, the collator, the loss and the
     per-epoch evaluation. Nothing is written to the run folder.
 
@@ -356,19 +361,19 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         except ConfigError as e:
             early += e.problems
     with startup.phase("reading data"):
-        train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
+        train_rows, val_rows, data_report = load_data(cfg, say, early)
     with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models_gguf.gguf_to_folder)
         path = model_folder(source, log=say)
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:
         say(note)
-    conversational = data_report["format_conversational"]
-    encoder = Encoder.build(cfg, tokenizer, data_report["format"], conversational)
+    conversational = bool(data_report.format_conversational)
+    encoder = Encoder.build(cfg, tokenizer, str(data_report.format), conversational)
     say(encoder.why)
     with startup.phase("encoding data"):
-        train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip", on_rejected)
-        val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip", on_rejected)
+        train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip")
+        val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip")
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
     for rep in (train_rep, val_rep):
         say(rep.summary())
@@ -385,12 +390,12 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                       "--max_seq_length allows", "--max_seq_length",
                       f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the rows")
               for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
-    data_report["encoding"] = {
+    data_report.encoding = {
         r.split: {k: v for k, v in r.__dict__.items() if k not in ("excluded", "rows_shortened")}
         | {"excluded": len(r.excluded)}
         for r in (train_rep, val_rep)
     }
-    data_report["template"] = encoder.why
+    data_report.details["template"] = encoder.why
 
     with startup.phase("model load"):
         model = load_model(cfg, path, source, say)
@@ -426,16 +431,14 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     metric = choose_metric(cfg, conversational)
     say(f"metrics: {metric}" + (" (--metric auto: " + ("open-ended answers" if conversational else
                                                         "extractive answers") + ")" if cfg.metric == "auto" else ""))
-    data_report["stop_ids"] = eos_ids
+    data_report.details["stop_ids"] = eos_ids
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
-        metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
-                                                  eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
-                                                  accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
-                                                  merge_lora=cfg.eval_merge_lora,
-                                                  share_prompts=cfg.eval_share_prefixes, generate=cfg.eval_generate,
-                                                  metric=metric, fused=cfg.fused_cross_entropy,
-                                                  answer=encoder.answer_of())
+    switches = Switches.of(cfg)
+
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
+        scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches),
+                          answer=encoder.answer_of())
+        metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, accelerator, scoring, say)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
@@ -476,20 +479,19 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         "model": model_files, "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
         "train": startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
+    work = TrainingWork(
+        features=features, lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex],
+        collate=collate, loss_fn=train_loss, evaluate=evaluate, on_epoch=on_epoch, counters=sharing,
+        where=lambda i: train_ex[i].row.where,
+        plan=PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
+                        generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
+                        loss_fn=base_loss))  # the planner measures with the plain loss: a shared layout is never larger
     return Prepared(
-        cfg=cfg, model=model, accelerator=accelerator, features=features,
-        lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex], collate=collate,
-        loss_fn=train_loss, evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, folder),
+        cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
                                                            args=doctor_args, task="sft")),
-        cache_key=cache_key,
-        data_report=data_report, jsonl={EXCLUDED: excluded},
-        plan={"eval_lengths": [len(e.input_ids) for e in val_ex],
-              "generate_lengths": [len(e.prompt_ids) + max_new for e in val_ex], "lora": cfg.lora_r > 0,
-              # the planner measures with the plain loss: a shared layout is never larger
-              "loss_fn": base_loss},
-        saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer",
-        on_epoch=on_epoch, counters=sharing, rejected=data_report["rejected_rows"], where=lambda i: train_ex[i].row.where)
+        cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: excluded}),
+        saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 
 def _autocast(accelerator: Any, fn: Callable[[], Any]) -> Any:
@@ -523,7 +525,7 @@ def load_model(cfg: SFTConfig, path: str, source: Any, say: Say = print) -> Any:
     return model
 
 
-def run(cfg: SFTConfig, say: Say = print) -> dict[str, Any]:
+def run(cfg: SFTConfig, say: Say = print) -> RunResult:
     """Train, evaluating before the first epoch and after each one; see :func:`surefit.tasks.common.train`."""
     return train(cfg, prepare, say)
 
@@ -537,25 +539,44 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 # ------------------------------------------------------------------------------------------------------------ evaluation
 
 
-def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_token_ids: list[int],
-                   max_new_tokens: int, batch_size: int, accelerator: Any, say: Say = print,
-                   progress: bool = False, lengths: list[int] | None = None, merge_lora: bool = False,
-                   share_prefixes: bool = False, raw: list[str] | None = None) -> list[str]:
+@dataclass
+class Generation:
+    """How answers are generated: the ids that end one, the longest, the batch (halved on out of memory), and the
+    switches (``eval_merge_lora``, ``eval_share_prefixes``; the others do not touch generation)."""
+
+    eos_token_ids: list[int]
+    max_new_tokens: int
+    batch_size: int
+    switches: Switches = field(default_factory=Switches)
+
+
+@dataclass
+class Decoded:
+    """What :func:`generate_texts` can hand back beside the answers: each continuation's length in tokens (its
+    stop token excluded) and its raw text with special tokens kept (where a template marks reasoning and answer)."""
+
+    lengths: list[int] = field(default_factory=list)
+    raw: list[str] = field(default_factory=list)
+
+
+def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, accelerator: Any, gen: Generation,
+                   say: Say = print, progress: bool = False, out: Decoded | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
     With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
     the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
-    tokens, its stop token excluded. ``merge_lora``: decode with the adapter merged into a temporary copy of the
-    weights (``--eval_merge_lora``); ``share_prefixes``: compute a prompt beginning several prompts share once, for
-    the model families verified for it (``--eval_share_prefixes``; see :func:`surefit.eval.generate.greedy_generate`).
-    Otherwise the answers are those of the unoptimised generation, bit for bit (the adapter's lean forward and the
-    reserved cache compute the same numbers)."""
+    tokens, its stop token excluded. ``gen.switches.eval_merge_lora``: decode with the adapter merged into a temporary
+    copy of the weights; ``eval_share_prefixes``: compute a prompt beginning several prompts share once, for the model
+    families verified for it (see :func:`surefit.eval.generate.greedy_generate`). Otherwise the answers are those of
+    the unoptimised generation, bit for bit (the adapter's lean forward and the reserved cache compute the same
+    numbers)."""
     import sys
 
     from tqdm.auto import tqdm
 
-    from surefit.training.distributed import is_main_process
+    from surefit.training.processes import is_main_process
 
+    batch_size = gen.batch_size
     bar = None
     if progress and len(prompts) > batch_size:
         # As the training bar: in a log file (not a terminal) redrawn at most every 30 s.
@@ -571,16 +592,13 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
         lambda bs: greedy_generate(
             inner,
             prompts,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=eos_token_ids,
-            max_new_tokens=max_new_tokens,
-            batch_size=bs,
+            Decode(pad_token_id=tokenizer.pad_token_id, eos_token_ids=gen.eos_token_ids,
+                   max_new_tokens=gen.max_new_tokens, batch_size=bs, merge_lora=gen.switches.eval_merge_lora,
+                   share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None),
             device=accelerator.device,
             autocast=accelerator.autocast,
             progress=show if bar is not None else None,
-            merge_lora=merge_lora,
             lora_context=lean_lora,
-            share_prefixes=share_prefixes and why_not_shared(inner) is None,
             stats=stats,
         ),
         batch_size,
@@ -592,54 +610,61 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
     if stats.get("merge_out_of_memory"):
         say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
-    if lengths is not None:
-        lengths += [len(g) for g in generated]
-    if raw is not None:  # special tokens kept: where the template marks reasoning and answer (channels, think tags)
-        raw += [tokenizer.decode(g, skip_special_tokens=False) for g in generated]
+    if out is not None:
+        out.lengths += [len(g) for g in generated]
+        out.raw += [tokenizer.decode(g, skip_special_tokens=False) for g in generated]
     return [tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
 
 
-def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, target_field: str,
-                      eos_token_ids: list[int], max_new_tokens: int, batch_size: int, accelerator: Any,
-                      say: Say = print, share_prefixes: bool = True, merge_lora: bool = False,
-                      share_prompts: bool = False, generate: bool = True, metric: str = "squad",
-                      fused: bool = True, answer: Callable[[str], str] | None = None) -> tuple[dict[str, float], list[str],
-                                                                             list[list[str]]]:
-    """Validation loss (per supervised token) and, with ``generate``, SQuAD F1 / exact match (normalised) and
+@dataclass
+class Scoring:
+    """How an evaluation scores: the gold answers' field, the metric (``--metric``, resolved) and how answers are
+    generated (with the run's switches: ``share_prefixes`` and ``fused_cross_entropy`` compute the loss as training
+    does, ``eval_generate`` false scores the loss only)."""
+
+    target_field: str
+    metric: str
+    generation: Generation
+    answer: Callable[[str], str] | None = None  # a reasoning template: the answer part of a raw generation
+
+
+def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accelerator: Any, scoring: Scoring,
+                      say: Say = print) -> tuple[dict[str, float], list[str], list[list[str]]]:
+    """Validation loss (per supervised token) and, with ``eval_generate``, SQuAD F1 / exact match (normalised) and
     ROUGE-L of greedy generations against the gold answers (a conversation's gold is its last assistant turn).
 
     Used after every epoch of training and by ``surefit eval``, so both report the same numbers. With
     ``share_prefixes`` the loss computes prompt prefixes that rows of a batch share once, as training does (the
-    same loss; see :mod:`surefit.training.speedups.prefixes`); ``fused`` runs the LM head and the loss fused (the
-    same loss; ``--fused_cross_entropy``). ``merge_lora`` and ``share_prompts``: generation with the adapter merged
-    into a temporary copy of the weights (``--eval_merge_lora``) and with shared prompt beginnings computed once
-    (``--eval_share_prefixes``).
+    same loss; see :mod:`surefit.training.speedups.prefixes`); ``fused_cross_entropy`` runs the LM head and the loss
+    fused (the same loss). Generation: :func:`generate_texts`.
 
     Returns:
         ``({"eval_loss", "eval_f1", "eval_em", "eval_rouge_l"}, predictions, gold answers per example)``.
     """
+    gen = scoring.generation
+    switches, batch_size = gen.switches, gen.batch_size
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
-    share = share_prefixes and why_not_shared(model) is None
+    share = switches.share_prefixes and why_not_shared(model) is None
     loss = evaluate_loss(
         model,
         [e.features() for e in examples],
         [len(e.input_ids) for e in examples],
-        loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None, fused=fused),
+        loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
+                                  fused=switches.fused_cross_entropy),
         collate=collate,
         batch_size=batch_size,
         accelerator=accelerator,
         say=say,
     )
-    if not generate:
+    if not switches.eval_generate:
         return {"eval_loss": loss}, [], []
-    raw: list[str] = []
-    preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
-                           max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
-                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts, raw=raw)
-    if answer is not None:  # a reasoning template: the metrics score the answer, not the reasoning before it
-        preds = [answer(r) for r in raw]
-    golds = [_golds(e.row, target_field) for e in examples]
-    return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
+    out = Decoded()
+    preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, accelerator, gen, say, progress=True,
+                           out=out)
+    if scoring.answer is not None:  # a reasoning template: the metrics score the answer, not the reasoning before it
+        preds = [scoring.answer(r) for r in out.raw]
+    golds = [_golds(e.row, scoring.target_field) for e in examples]
+    return {"eval_loss": loss, **score(scoring.metric, preds, golds)}, preds, golds
 
 
 def choose_metric(cfg: SFTConfig, conversational: bool) -> str:

@@ -105,8 +105,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                targets: torch.Tensor, chunk: int, softcap: float | None, compute_dtype: torch.dtype,
-                ignore_index: int) -> torch.Tensor:
+                targets: torch.Tensor, how: tuple[int, float | None, torch.dtype, int]) -> torch.Tensor:
+        chunk, softcap, compute_dtype, ignore_index = how  # not tensors: one argument, one None in backward
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         n = hidden.shape[0]
@@ -160,7 +160,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         gh = gh * grad_out.to(gh.dtype) if gh is not None else None
         gw = (saved.pop(0) * grad_out).to(ctx.dtypes[0]) if need_w else None
         gb = (saved.pop(0) * grad_out).to(ctx.dtypes[1]) if need_b else None
-        return gh, gw, gb, None, None, None, None, None
+        return gh, gw, gb, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -182,8 +182,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         hidden, weight = hidden.detach(), weight.detach()
         bias = bias.detach() if bias is not None else None
     chunk = max(MIN_CHUNK_TOKENS, chunk_values // max(1, weight.shape[0]))
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), chunk, softcap,
-                                          _compute_dtype(hidden, weight), ignore_index)
+    how = (chunk, softcap, _compute_dtype(hidden, weight), ignore_index)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets.reshape(-1), how)
 
 
 def fused_loss(model: Any, kwargs: dict[str, Any], keep: torch.Tensor, targets: torch.Tensor,

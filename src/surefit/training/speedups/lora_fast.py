@@ -134,8 +134,8 @@ class _LoraMixed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, xh: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float,
-                drop: nn.Module | None = None) -> torch.Tensor:
+                a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
+        p, scaling, drop = adapter  # dropout p, LoRA scaling, the dropout module: one argument, one None back
         dt = w.dtype
         with torch.autocast(x.device.type, enabled=False):
             ah, bh = a.to(dt), b.to(dt)
@@ -173,7 +173,7 @@ class _LoraMixed(torch.autograd.Function):
                     gx.mul_(kf if needs[4] else _as(keep, gx.dtype))
                 grad_x = (g @ w).float().add_(gx).to(ctx.x_dtype)  # the two paths summed in fp32
         return (grad_x, None, None, None, None if grad_a is None else grad_a.float(),
-                None if grad_b is None else grad_b.float(), None, None, None)
+                None if grad_b is None else grad_b.float(), None)
 
 
 class _SwiGLUDown(torch.autograd.Function):
@@ -190,8 +190,8 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, p: float, scaling: float,
-                drop: nn.Module | None = None) -> torch.Tensor:
+                a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
+        p, scaling, drop = adapter  # as _LoraMixed's
         dt = w.dtype
         with torch.autocast(gate.device.type, enabled=False):
             h = F.silu(gate.float()).mul_(up).to(dt)
@@ -242,7 +242,7 @@ class _SwiGLUDown(torch.autograd.Function):
                     grad_gate = grad_h.mul_(up).mul_(dsilu)
                     grad_gate = grad_gate.to(ctx.dtypes[0])
         return (grad_gate, grad_up, None, None, None if grad_a is None else grad_a.float(),
-                None if grad_b is None else grad_b.float(), None, None, None)
+                None if grad_b is None else grad_b.float(), None)
 
 
 _SWIGLU_FORWARDS = {  # the MLP forwards whose computation _fused_mlp_forward reproduces (125 transformers models)
@@ -289,8 +289,8 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
     drop = down.lora_dropout[name]
     p = drop.p if down.training and isinstance(drop, nn.Dropout) else 0.0
     bias = None if down.base_layer.bias is None else down.base_layer.bias.to(down.lora_A[name].weight.dtype)
-    return _SwiGLUDown.apply(gate, up, w, bias, down.lora_A[name].weight, down.lora_B[name].weight, p,
-                             float(down.scaling[name]), drop)
+    return _SwiGLUDown.apply(gate, up, w, bias, down.lora_A[name].weight, down.lora_B[name].weight,
+                             (p, float(down.scaling[name]), drop))
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -362,7 +362,7 @@ def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> tor
         # Frozen weights stored in 16 bits (mixed precision with LoRA): all matmuls in 16 bits, as autocast would
         # run them, whether autocast is on or not; the adapter's contribution is added in fp32.
         bias = None if base.bias is None else base.bias.to(a.dtype)
-        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b, p, float(self.scaling[name]), drop)
+        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b, (p, float(self.scaling[name]), drop))
     y = base(x).to(a.dtype)
     return y + _LoraBranch.apply(x, a, b, p, float(self.scaling[name]), drop)
 

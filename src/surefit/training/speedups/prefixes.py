@@ -42,11 +42,11 @@ _ATTENTION = {"sdpa", "eager"}
 _reasons: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _window(cfg: Any) -> tuple[str | None, int | None]:
+def _window(model_config: Any) -> tuple[str | None, int | None]:
     """``(why not, sliding window)``: a window every layer applies is kept in the mask; mixed layers are refused."""
-    types = set(getattr(cfg, "layer_types", None) or [])
-    window = getattr(cfg, "sliding_window", None)
-    if getattr(cfg, "use_sliding_window", True) is False:
+    types = set(getattr(model_config, "layer_types", None) or [])
+    window = getattr(model_config, "sliding_window", None)
+    if getattr(model_config, "use_sliding_window", True) is False:
         window = None
     if types - {"full_attention", "sliding_attention"}:
         return f"it has {', '.join(sorted(types - {'full_attention', 'sliding_attention'}))} layers", None

@@ -2,7 +2,7 @@
 writes named in the user's terms.
 
 A manifest is ``{"format": 2, "required": [...], "files": {name: {"bytes", "sha256"}}}``. Checkpoints carry one
-(training/checkpoint.py), and so does ``final/`` (run_folder.py), so that a missing, cut or changed file is found
+(training/checkpoint.py), and so does ``final/`` (run_folder/__init__.py), so that a missing, cut or changed file is found
 before it is used. The first form, a flat ``{name: {"bytes", "sha256"}}``, is still read.
 
 Failed writes: what the libraries really raise when a disk is full is not one type. Python raises ``OSError``,

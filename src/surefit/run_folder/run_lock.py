@@ -20,8 +20,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
 from surefit.errors import Problem, SurefitError
-from surefit.training.distributed import is_main_process, world_size
+from surefit.training.processes import is_main_process, world_size
 
 Say = Callable[[str], None]
 LOCK = ".surefit.lock"
@@ -118,7 +119,7 @@ class RunLock:
 
 
 @contextmanager
-def lock_run(cfg: Any, say: Say = print) -> Iterator[RunLock | None]:
+def lock_run(cfg: TrainConfig, say: Say = print) -> Iterator[RunLock | None]:
     """Hold the lock on ``--output_dir`` for the block. With several processes the main one takes it and every
     process learns whether it did, so that a refused run stops on all of them rather than leaving some waiting."""
     lock = RunLock(cfg.output_dir, say) if is_main_process() else None
@@ -131,7 +132,7 @@ def lock_run(cfg: Any, say: Say = print) -> Iterator[RunLock | None]:
             if world_size() <= 1:
                 raise
     if world_size() > 1:
-        from surefit.training.distributed import share_from_main
+        from surefit.training.processes import share_from_main
 
         refused = share_from_main(refused)
         if refused:

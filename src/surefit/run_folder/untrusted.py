@@ -14,13 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
 from surefit.errors import Problem, SurefitError, raise_if
-from surefit.training.integrity import MANIFEST, hash_source, verify
+from surefit.run_folder.integrity import MANIFEST, hash_source, verify
 
 Say = Callable[[str], None]
 
 
-def code_problems(cfg: Any, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
+def code_problems(cfg: TrainConfig, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
     """The settings of a run's config.yaml that would import or run code, unless this command line allows it."""
     found: list[tuple[str, Any, str, bool]] = []
     if cfg.trust_remote_code:
@@ -98,7 +99,7 @@ def read_json(path: Path, what: str, keys: dict[str, tuple[type, ...]] | None = 
     return value
 
 
-def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
+def data_hashes(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
     """sha256 and size of the run's data files (``--data``, ``--val_data``; a folder: all its files), so that
     ``eval`` can warn when the data it re-derives the validation split from has changed since training."""
     out = {}
@@ -136,7 +137,7 @@ def last_epoch(path: Path) -> dict[str, Any] | None:
     return last
 
 
-def changed_data(path: Path, cfg: Any) -> dict[str, tuple[str, str]]:
+def changed_data(path: Path, cfg: TrainConfig) -> dict[str, tuple[str, str]]:
     """The run's data files whose contents differ from what training read (``path``: its ``data_files.json``)."""
     if not path.is_file():
         return {}

@@ -1,0 +1,101 @@
+"""What a task hands the loop and the memory planner: the training work (examples and how to batch, score and count
+them), the planner's extra inputs, and the speed and evaluation switches. A task's ``prepare`` builds them once;
+``tasks/common.train`` passes them on unopened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from surefit.config import TrainConfig
+
+LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
+Collate = Callable[[list[Any]], dict[str, torch.Tensor]]
+
+
+@dataclass
+class Evaluation:
+    """One evaluation: the metrics (``eval_loss`` and the task's own) and, per validation row, its prediction record
+    (``None`` when the task has none, e.g. custom models)."""
+
+    metrics: dict[str, Any]
+    records: list[dict[str, Any]] | None = None
+
+
+@dataclass
+class PlanInputs:
+    """What the memory planner reads besides the training examples.
+
+    Attributes:
+        eval_lengths: tokens per validation example; generate_lengths: prompt + new tokens, when evaluation generates.
+        lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
+        collate, loss_fn: the probe's own where they differ from training's (``None``: training's).
+    """
+
+    eval_lengths: Sequence[int] = ()
+    generate_lengths: Sequence[int] = ()
+    lora: bool = False
+    collate: Collate | None = None
+    loss_fn: LossFn | None = None
+
+
+@dataclass
+class TrainingWork:
+    """The examples the loop trains on and the task's hooks around them.
+
+    Attributes:
+        features, lengths, counts: the training examples as the collator takes them, their token lengths, and the
+            items each carries in the loss (supervised tokens, or 1 per example).
+        collate: pads a list of features into a batch (nothing else; see ``data/collate.py``).
+        loss_fn: ``(model, batch) -> (loss_sum, n_items)``.
+        evaluate: ``(model, epoch, batch_size) -> Evaluation``; prints the epoch's line.
+        on_epoch: called with each epoch's complete record before it is logged; it may add keys.
+        counters: the task's running counts for the epoch in progress (``state()``, ``load(state)``, e.g. the shared
+            prefixes'), kept by checkpoints so that a resumed epoch reports what an uninterrupted one does.
+        epoch_batches: ``epoch -> steps`` (lists of example indices), the same on every process; default:
+            length-grouped batches (:func:`~surefit.data.sampling.step_batches`).
+        where: a training example's index -> its source row in words, for messages (a non-finite loss names rows).
+        plan: the memory planner's other inputs.
+    """
+
+    features: Sequence[Any]
+    lengths: list[int]
+    counts: list[int]
+    collate: Collate
+    loss_fn: LossFn
+    evaluate: Callable[[Any, int | float, int], Evaluation] | None = None
+    on_epoch: Callable[[dict[str, Any]], None] | None = None
+    counters: Any = None
+    epoch_batches: Callable[[int], list[list[int]]] | None = None
+    where: Callable[[int], str] | None = None
+    plan: PlanInputs = field(default_factory=PlanInputs)
+
+
+@dataclass(frozen=True)
+class Switches:
+    """The speed and evaluation switches of a run, under their flags' names. Each speed switch changes how fast, never
+    what is computed (docs/performance.md); ``eval_generate`` chooses whether an evaluation generates at all.
+
+    Attributes:
+        share_prefixes: compute a prompt prefix that rows of a micro-batch share once (training and the eval loss).
+        fused_cross_entropy: the LM head and the loss fused, over the supervised tokens only.
+        eval_generate: generate answers and score them at each evaluation (false: the validation loss only).
+        eval_merge_lora: generate with the adapter merged into a temporary copy of the weights.
+        eval_share_prefixes: generate with prompt beginnings shared by several prompts computed once.
+    """
+
+    share_prefixes: bool = True
+    fused_cross_entropy: bool = True
+    eval_generate: bool = True
+    eval_merge_lora: bool = False
+    eval_share_prefixes: bool = False
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Switches:
+        """A config's switches (a setting the config lacks keeps its default)."""
+        names = ("share_prefixes", "fused_cross_entropy", "eval_generate", "eval_merge_lora", "eval_share_prefixes")
+        return cls(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})

@@ -1,0 +1,52 @@
+"""Every registered task has the surface the runner and the finished-run commands call (tasks/common.Task)."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from surefit.config_tasks import TASK_CONFIGS
+from surefit.errors import ConfigError
+from surefit.tasks import TASKS, get_task
+from surefit.tasks.common import Task
+
+
+def _surface() -> dict[str, inspect.Signature | None]:
+    """The protocol's members: a method's signature without ``self``, or None for an attribute."""
+    out: dict[str, inspect.Signature | None] = {}
+    for name, member in vars(Task).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(member, property):
+            out[name] = None
+        elif callable(member):
+            sig = inspect.signature(member)
+            out[name] = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return out
+
+
+def test_the_protocol_names_what_the_runner_and_the_commands_call():
+    assert set(_surface()) == {"FIELDS", "final_files", "prepare", "run", "evaluate", "predict", "export"}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_each_registered_task_has_the_surface_with_its_parameters(name):
+    task = TASKS[name]
+    for member, want in _surface().items():
+        assert hasattr(task, member), f"task {name} lacks {member}"
+        if want is None:
+            assert isinstance(getattr(task, member), tuple), f"{name}.{member}"
+            continue
+        got = inspect.signature(getattr(task, member))
+        assert [p.name for p in got.parameters.values()] == [p.name for p in want.parameters.values()], \
+            f"{name}.{member}{got} does not take {want}"
+        required = [p.name for p in got.parameters.values() if p.default is inspect.Parameter.empty]
+        assert required == [p.name for p in want.parameters.values() if p.default is inspect.Parameter.empty], \
+            f"{name}.{member}{got}: required parameters differ from {want}"
+
+
+def test_every_task_config_has_a_task_and_an_unknown_name_is_refused():
+    assert set(TASKS) == set(TASK_CONFIGS)
+    with pytest.raises(ConfigError, match="unknown task 'dpo2'"):
+        get_task("dpo2")
