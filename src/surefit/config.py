@@ -239,8 +239,9 @@ class SFTConfig(TrainConfig):
         "writes the user turn. Default: a plain instruction template, or the model's chat template."
     )
     chat_template: bool | None = opt(
-        None, "Format prompts with the model's own chat template. Default: yes when the model ships one (the choice "
-        "is printed); false: the plain template for input/target rows.")
+        None, "Format prompts with a chat template: true (the model's own), false (the plain template for "
+        "input/target rows), or a built-in name / Jinja file (read as --chat_format; aliases chat_template_path, "
+        "chat_template_jinja). Default: the choice is printed with its reason.")
     chat_format: str | None = opt(
         None, "A chat template for a model that ships none (or to replace its own): a built-in name (chatml, llama3, "
         "gemma) or a Jinja file. It is saved with the tokenizer.")

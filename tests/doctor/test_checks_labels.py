@@ -338,6 +338,9 @@ def test_explain_says_when_text_and_setup_disagree(bert_tok):
     other = IndexError("Target 7 is out of bounds.")
     f = explain(other, model, bert_tok, rows, data_collator=_collate(bert_tok))
     assert f.code == "label-dtype" and "does not show that" in f.message and "label-out-of-range" in f.message
+    # printed as the docs show it: "[code] where: message" and "  fix: ...", not the dataclass repr
+    text = str(f)
+    assert text.startswith(f"[label-dtype] {f.where}: ") and f"\n  fix: {f.fix}" in text and "Finding(" not in text
 
 
 def test_explain_unknown_cause_keeps_the_raw_error(bert_tok):

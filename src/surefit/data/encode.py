@@ -318,6 +318,9 @@ def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_n
         if template_name in BUILTIN_CHAT_TEMPLATES:
             fmt = chat_format(BUILTIN_CHAT_TEMPLATES[template_name], template_name)
             why = f"chat template: built-in {template_name!r} (--chat_format)"
+        elif "{%" in template_name or "{{" in template_name:  # the Jinja text itself (Axolotl's chat_template_jinja)
+            fmt = chat_format(template_name, "the given Jinja text")
+            why = "chat template: the Jinja text given (--chat_format)"
         else:
             from pathlib import Path
 

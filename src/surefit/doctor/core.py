@@ -36,6 +36,11 @@ class Finding:
     fix: str = ""
     where: str = ""
 
+    def __str__(self) -> str:
+        """``[code] where: message`` and ``  fix: ...``: how the docs show a finding (``print(explain(e, ...))``)."""
+        where = f" {self.where}:" if self.where else ""
+        return f"[{self.code}]{where} {self.message}" + (f"\n  fix: {self.fix}" if self.fix else "")
+
 
 _MARK = {"error": "✗", "warning": "!", "info": "i"}
 
