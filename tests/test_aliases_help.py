@@ -120,9 +120,8 @@ def test_chat_template_takes_a_file_a_builtin_name_or_a_bool(tmp_path):
 
 
 def test_chat_template_file_reaches_the_template_choice(tmp_path):
-    from surefit.data.encode import resolve_chat_template
-
     from conftest import build_tokenizer
+    from surefit.data.encode import resolve_chat_template
 
     tok = build_tokenizer()
     jinja = tmp_path / "my.jinja"
