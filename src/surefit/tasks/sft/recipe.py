@@ -45,6 +45,8 @@ from surefit.data.formats import (
 from surefit.data.readers import Rejected, check_text_fields, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import leaked, normalize_key, split_or_check
+from surefit.data.system_prompt import describe as describe_system
+from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
 from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
@@ -249,19 +251,23 @@ class Encoder:
     prompt: PromptFormat | None = None
     chat: ChatFormat | None = None
     terminators: set[int] = field(default_factory=set)
+    injected: str | None = None  # the default system prompt the chat template adds by itself (found by rendering)
+    system: str | None = None  # the system turn given to rows without one (--system_prompt); None: none added
 
     @classmethod
     def build(cls, cfg: SFTConfig, tokenizer: Any, format_name: str, conversational: bool) -> Encoder:
         """Choose the template: ``--chat_format``, else the model's own chat template (unless ``--chat_template
         false``); flat rows take ``--template`` first, string prompt / completion rows no template at all."""
         chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
+        injected = injected_system_prompt(tokenizer, chat.source) if chat is not None else None
+        system = system_turn(cfg.system_prompt, injected)
         if conversational:
             if chat is None:
                 raise ConfigError(Problem(
                     f"the rows are conversations ({format_name}) and need a chat template, but {why}",
                     "--chat_format", "pass --chat_format chatml (or llama3, gemma, or a Jinja file); it is saved with "
                     "the tokenizer so that inference formats prompts the same way"))
-            return cls(cfg, tokenizer, why, chat=chat)
+            return cls(cfg, tokenizer, why, chat=chat, injected=injected, system=system)
         if cfg.template:
             return cls(cfg, tokenizer, "prompt template: --template",
                        prompt=build_prompt_format(tokenizer, "{input}" if prerendered(cfg) else cfg.template))
@@ -269,8 +275,8 @@ class Encoder:
             return cls(cfg, tokenizer, "prompt template: none (prompt / completion rows: the prompt as written)",
                        prompt=build_prompt_format(tokenizer, "{input}"))
         if chat is not None or cfg.chat_template:
-            return cls(cfg, tokenizer, why + ", one user turn per row",
-                       prompt=build_prompt_format(tokenizer, chat_template=True))
+            return cls(cfg, tokenizer, why + ", one user turn per row", injected=injected, system=system,
+                       prompt=build_prompt_format(tokenizer, chat_template=True, system=system))
         return cls(cfg, tokenizer, why, prompt=build_prompt_format(tokenizer))
 
     def encode(self, rows: list[Row], split: str, skip: bool = False,
@@ -279,6 +285,7 @@ class Encoder:
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
             return encode_rows(rows, self.tokenizer, self.prompt, split=split, **_encode_settings(self.cfg))
+        rows = [self._with_system(r) for r in rows]
         settings = ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation)
         examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat, settings, split)
         self.terminators |= terminators
@@ -293,6 +300,26 @@ class Encoder:
         report.excluded += failures
         return examples, report
 
+    def _with_system(self, row: Row) -> Row:
+        """A conversation row with the --system_prompt turn in front when it has no system turn."""
+        messages = row.fields.get("messages")
+        if self.system is None or not isinstance(messages, list):
+            return row
+        return replace(row, fields={**row.fields, "messages": with_system(messages, self.system)})
+
+    def system_line(self, rows: list[Row]) -> str | None:
+        """What happens to system turns, with the count of rows it concerns (printed by the run)."""
+        if self.prompt is not None and self.chat is None and self.prompt.name != "chat":
+            return None if self.cfg.system_prompt == "auto" else \
+                "system prompt: --system_prompt is not used: the plain prompt template has no system turn"
+        if self.chat is not None:  # rows that give tools get a system turn from the tools' note instead
+            bare = [r for r in rows if isinstance(r.fields.get("messages"), list) and not
+                    (r.fields["messages"] and r.fields["messages"][0].get("role") == "system") and
+                    not (r.fields.get("tools") and not self.chat.takes_tools)]
+        else:
+            bare = rows
+        return describe_system(self.injected, self.cfg.system_prompt, len(bare), len(rows))
+
     def prompt_ids(self, row: Row, room: int) -> tuple[list[int], int]:
         """Generation prompt of a row and how many tokens were cut from it: a conversation continues with the next
         assistant turn (oldest exchanges dropped to fit ``room``); a flat row's input is cut as in training."""
@@ -300,7 +327,7 @@ class Encoder:
             [ids], [cut] = encode_prompts([str(row.fields[self.cfg.input_field])], self.tokenizer, self.prompt,
                                           max_prompt_length=room, truncation_side=self.cfg.truncation_side)
             return ids, cut
-        messages = list(row.fields["messages"])
+        messages = list(self._with_system(row).fields["messages"])
         while messages and messages[-1]["role"] == "assistant":  # predict the last answer again
             messages.pop()
         ids = chat_prompt(self.tokenizer, self.chat, messages, row.fields.get("tools"))
@@ -347,6 +374,11 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     conversational = data_report["format_conversational"]
     encoder = Encoder.build(cfg, tokenizer, data_report["format"], conversational)
     say(encoder.why)
+    system_line = encoder.system_line(train_rows + val_rows)
+    if system_line:
+        say(system_line)
+        data_report["system_prompt"] = {"template_default": encoder.injected, "setting": cfg.system_prompt,
+                                        "line": system_line}
     with startup.phase("encoding data"):
         train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip", on_rejected)
         val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip", on_rejected)
