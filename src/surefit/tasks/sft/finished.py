@@ -137,8 +137,9 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                               merge_lora=getattr(cfg, "eval_merge_lora", False),
                                               share_prompts=getattr(cfg, "eval_share_prefixes", False),
                                               fused=getattr(cfg, "fused_cross_entropy", True),
-                                              metric=choose_metric(cfg, bool(run.report.get("format_conversational"))))
-    records = prediction_records(examples, preds, golds, input_field)
+                                              metric=(metric := choose_metric(
+                                                  cfg, bool(run.report.get("format_conversational")))))
+    records = prediction_records(examples, preds, golds, input_field, metric)
     if rep.excluded:
         metrics["excluded_rows"] = len(rep.excluded)
     return described, len(examples), metrics, records

@@ -435,8 +435,11 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         # Saved with the model: plain transformers generation then stops at the template's end of turn too.
         model.generation_config.eos_token_id = eos_ids
     metric = choose_metric(cfg, conversational)
-    say(f"metrics: {metric}" + (" (--metric auto: " + ("open-ended answers" if conversational else
-                                                        "extractive answers") + ")" if cfg.metric == "auto" else ""))
+    if cfg.eval_generate:  # without generation only the loss is computed: no metric name to print
+        say(f"metrics: {metric}" + (" (--metric auto: " + ("open-ended answers" if conversational else
+                                                            "extractive answers") + ")" if cfg.metric == "auto" else ""))
+    else:
+        say("metrics: eval_loss only (--eval_generate false: no answers are generated to score)")
     data_report["stop_ids"] = eos_ids
 
     def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
@@ -451,7 +454,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
         if not cfg.eval_generate:
             return Evaluation(metrics, None)
-        return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field))
+        return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
 
     base_loss = functools.partial(causal_lm_loss_sum, fused=cfg.fused_cross_entropy)
     if cfg.fused_cross_entropy and (why_unfused := why_not_fused(model)):
@@ -692,19 +695,22 @@ def _extra_eos(model: Any) -> set[int]:
 
 
 def prediction_records(examples: list[Example], preds: list[str], golds: list[list[str]],
-                       input_field: str) -> list[dict[str, Any]]:
-    """Per example: where it came from, input, gold answers, prediction, F1 and EM (``predictions/epoch_N.jsonl``)."""
-    return [
-        {
-            "where": ex.row.where,
-            "input": _input_text(ex.row, input_field),
-            "gold": gold,
-            "prediction": pred,
-            "f1": max(token_f1(pred, g) for g in gold),
-            "em": max(exact_match(pred, g) for g in gold),
-        }
-        for ex, pred, gold in zip(examples, preds, golds, strict=True)
-    ]
+                       input_field: str, metric: str = "squad") -> list[dict[str, Any]]:
+    """Per example: where it came from, input, gold answers, prediction, and its scores under the run's metric,
+    named as computed (``f1``/``em`` for squad, ``rouge_l``/``em`` for rouge_l; none for a user's own metric, which
+    scores the whole set) (``predictions/epoch_N.jsonl``)."""
+    out = []
+    for ex, pred, gold in zip(examples, preds, golds, strict=True):
+        record: dict[str, Any] = {"where": ex.row.where, "input": _input_text(ex.row, input_field), "gold": gold,
+                                  "prediction": pred}
+        if metric == "squad":
+            record["f1"] = max(token_f1(pred, g) for g in gold)
+        elif metric == "rouge_l":
+            record["rouge_l"] = max(rouge_l(pred, g) for g in gold)
+        if metric in ("squad", "rouge_l"):
+            record["em"] = max(exact_match(pred, g) for g in gold)
+        out.append(record)
+    return out
 
 
 def _input_text(row: Row, input_field: str) -> Any:
