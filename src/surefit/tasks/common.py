@@ -22,6 +22,7 @@ import surefit.startup_cache as startup_cache
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
 from surefit.errors import Problem
+from surefit.eval.progress import phase
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
     STARTUP,
@@ -154,11 +155,11 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
     cache = startup_cache.StartupCache(None if getattr(cfg, "no_cache", False) else startup_cache.cache_dir(), say)
     with clock.phase("cache key"):
         key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
-    with clock.phase("doctor"):
+    with clock.phase("doctor"), phase("doctor"):
         gate(run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache)), cfg, say, out)
     acc = p.accelerator
     plan_args = {k: v for k, v in p.plan.items() if k not in ("collate", "loss_fn")}
-    with clock.phase("memory plan"):
+    with clock.phase("memory plan"), phase("memory plan"):
         # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
         memo = startup_cache.planner_memo(cache, key)
         before = json.dumps(memo, sort_keys=True)
@@ -231,7 +232,8 @@ def doctor(cfg: Any, prepare: PrepareFn, say: Say = print) -> Report:
     say_alias_notes(cfg, say)
     cfg = gpu_preset_without_gpu(cfg, say)
     p = prepare(cfg, say)
-    report = p.check()
+    with phase("doctor"):
+        report = p.check()
     say(str(report))
     return report
 

@@ -220,7 +220,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         lengths: list[int] = []
         preds = generate_texts(loaded.model, prompts, loaded.tokenizer, eos_token_ids=loaded.extra["eos"],
                                max_new_tokens=max_new, batch_size=batch_size, accelerator=loaded.accelerator, say=say,
-                               lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
+                               progress=True, lengths=lengths, merge_lora=getattr(cfg, "eval_merge_lora", False),
                                share_prefixes=getattr(cfg, "eval_share_prefixes", False))
         batch = []
         for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):

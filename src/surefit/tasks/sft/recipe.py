@@ -51,6 +51,7 @@ from surefit.doctor import check
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
 from surefit.eval.generate import greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
+from surefit.eval.progress import Progress, phase
 from surefit.models import (
     apply_lora,
     load_causal_lm,
@@ -59,7 +60,7 @@ from surefit.models import (
     resolve_model,
 )
 from surefit.models_lowbit import keep_4bit_trainable, require_bitsandbytes
-from surefit.run_folder import EXCLUDED
+from surefit.run_folder import EXCLUDED, SHORTENED
 from surefit.tasks.common import Evaluation, Prepared, render_columns, train
 from surefit.training.distributed import sum_over_processes
 from surefit.training.dropout import seed_dropout
@@ -67,6 +68,7 @@ from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
+from surefit.training.schedule import plan_schedule
 from surefit.training.speedups.lora_fast import fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
@@ -363,9 +365,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             require_bitsandbytes(cfg.quantize)
         except ConfigError as e:
             early += e.problems
-    with startup.phase("reading data"):
+    with startup.phase("reading data"), phase("reading data"):
         train_rows, val_rows, data_report = load_data(cfg, say, early, on_rejected)
-    with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models_gguf.gguf_to_folder)
+    with startup.phase("model conversion"), phase("model conversion"):  # GGUF: once, then a cached folder (models_gguf.gguf_to_folder)
         path = model_folder(source, log=say)
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
@@ -379,18 +381,23 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         say(system_line)
         data_report["system_prompt"] = {"template_default": encoder.injected, "setting": cfg.system_prompt,
                                         "line": system_line}
-    with startup.phase("encoding data"):
+    with startup.phase("encoding data"), phase("encoding data"):
         train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip", on_rejected)
         val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip", on_rejected)
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
+    shortened: list[dict[str, Any]] = []
     for rep in (train_rep, val_rep):
         say(rep.summary())
         for where, why in rep.excluded[:10]:
             say(f"  excluded {where}: {why}")
         if len(rep.excluded) > 10:
             say(f"  ... and {len(rep.excluded) - 10} more (all listed in {Path(cfg.output_dir) / EXCLUDED})")
-        for where, n in getattr(rep, "rows_shortened", [])[:10]:
+        shortened_rows = getattr(rep, "rows_shortened", [])
+        for where, n in shortened_rows[:10]:
             say(f"  shortened {where}: its oldest {n} turns dropped to fit --max_seq_length {cfg.max_seq_length}")
+        if len(shortened_rows) > 10:
+            say(f"  ... and {len(shortened_rows) - 10} more (all listed in {Path(cfg.output_dir) / SHORTENED})")
+        shortened += [{"split": rep.split, "where": w, "turns_dropped": n} for w, n in shortened_rows]
     too_long = "conversations are longer" if conversational else "targets are longer"
     raise_if([Problem(f"no {r.split} rows left after encoding: all {r.rows} {too_long} than "
                       "--max_seq_length allows", "--max_seq_length",
@@ -403,7 +410,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     }
     data_report["template"] = encoder.why
 
-    with startup.phase("model load"):
+    with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
     with startup.phase("LoRA setup"):
         if cfg.gradient_checkpointing:
@@ -442,6 +449,10 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         say("metrics: eval_loss only (--eval_generate false: no answers are generated to score)")
     data_report["stop_ids"] = eos_ids
 
+    # The epochs the run takes, as the loop's bar counts them: --max_steps may end it early or run more (schedule.py).
+    run_epochs = plan_schedule(n_examples=len(features), batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr,
+                               max_steps=getattr(cfg, "max_steps", None)).epochs
+
     def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
@@ -451,7 +462,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                                   metric=metric, fused=cfg.fused_cross_entropy)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
-        say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
+        say(f"epoch {epoch}/{run_epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
         if not cfg.eval_generate:
             return Evaluation(metrics, None)
         return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
@@ -496,7 +507,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
                                                            args=doctor_args, task="sft")),
         cache_key=cache_key,
-        data_report=data_report, jsonl={EXCLUDED: excluded},
+        data_report=data_report, jsonl={EXCLUDED: excluded, SHORTENED: shortened},
         plan={"eval_lengths": [len(e.input_ids) for e in val_ex],
               "generate_lengths": [len(e.prompt_ids) + max_new for e in val_ex], "lora": cfg.lora_r > 0,
               # the planner measures with the plain loss: a shared layout is never larger
@@ -556,52 +567,41 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
                    share_prefixes: bool = False) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
-    With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
-    the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
+    With ``progress`` a bar over the answers shows how far it is, with an estimate of the time left (on the main
+    process, for any number of batches; one line in a log file). ``lengths`` (a list) receives each continuation's length in
     tokens, its stop token excluded. ``merge_lora``: decode with the adapter merged into a temporary copy of the
     weights (``--eval_merge_lora``); ``share_prefixes``: compute a prompt beginning several prompts share once, for
     the model families verified for it (``--eval_share_prefixes``; see :func:`surefit.eval.generate.greedy_generate`).
     Otherwise the answers are those of the unoptimised generation, bit for bit (the adapter's lean forward and the
     reserved cache compute the same numbers)."""
-    import sys
-
-    from tqdm.auto import tqdm
-
     from surefit.training.distributed import is_main_process
 
-    bar = None
-    if progress and len(prompts) > batch_size:
-        # As the training bar: in a log file (not a terminal) redrawn at most every 30 s.
-        bar = tqdm(total=len(prompts), desc="generating", unit="answer", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not is_main_process())
-
-    def show(done: int, total: int) -> None:
-        bar.update(done - bar.n)
-
+    # Any number of batches, one included: a single batch of long answers can take minutes. A bar with the time left
+    # on a terminal, one line in a log file (eval/progress.py).
+    bar = Progress("generating", total=len(prompts), unit="answer", enabled=progress and is_main_process())
     inner = accelerator.unwrap_model(model)
     stats: dict[str, int] = {}
-    generated = shrink_on_oom(
-        lambda bs: greedy_generate(
-            inner,
-            prompts,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_ids=eos_token_ids,
-            max_new_tokens=max_new_tokens,
-            batch_size=bs,
-            device=accelerator.device,
-            autocast=accelerator.autocast,
-            progress=show if bar is not None else None,
-            merge_lora=merge_lora,
-            lora_context=lean_lora,
-            share_prefixes=share_prefixes and why_not_shared(inner) is None,
-            stats=stats,
-        ),
-        batch_size,
-        "generation",
-        say,
-    )
-    if bar is not None:
-        bar.close()
+    with bar:
+        generated = shrink_on_oom(
+            lambda bs: greedy_generate(
+                inner,
+                prompts,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_ids=eos_token_ids,
+                max_new_tokens=max_new_tokens,
+                batch_size=bs,
+                device=accelerator.device,
+                autocast=accelerator.autocast,
+                progress=lambda done, total: bar.set(done),
+                merge_lora=merge_lora,
+                lora_context=lean_lora,
+                share_prefixes=share_prefixes and why_not_shared(inner) is None,
+                stats=stats,
+            ),
+            batch_size,
+            "generation",
+            say,
+        )
     if stats.get("merge_out_of_memory"):
         say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
@@ -631,7 +631,22 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
     """
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
     share = share_prefixes and why_not_shared(model) is None
-    loss = evaluate_loss(
+    from surefit.training.distributed import is_main_process
+
+    with Progress("evaluation loss", enabled=is_main_process()):
+        loss = _loss(model, examples, share, fused, collate, batch_size, accelerator, say)
+    if not generate:
+        return {"eval_loss": loss}, [], []
+    preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
+                           max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
+                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts)
+    golds = [_golds(e.row, target_field) for e in examples]
+    return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
+
+
+def _loss(model: Any, examples: list[Example], share: bool, fused: bool, collate: Any, batch_size: int,
+          accelerator: Any, say: Say) -> float:
+    return evaluate_loss(
         model,
         [e.features() for e in examples],
         [len(e.input_ids) for e in examples],
@@ -641,13 +656,6 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, *, ta
         accelerator=accelerator,
         say=say,
     )
-    if not generate:
-        return {"eval_loss": loss}, [], []
-    preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, eos_token_ids=eos_token_ids,
-                           max_new_tokens=max_new_tokens, batch_size=batch_size, accelerator=accelerator, say=say,
-                           progress=True, merge_lora=merge_lora, share_prefixes=share_prompts)
-    golds = [_golds(e.row, target_field) for e in examples]
-    return {"eval_loss": loss, **score(metric, preds, golds)}, preds, golds
 
 
 def choose_metric(cfg: SFTConfig, conversational: bool) -> str:
