@@ -24,6 +24,7 @@ from surefit.data.formats import (
 from surefit.data.readers import check_text_fields, read_checked
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
+from surefit.eval.progress import phase
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.models_lowbit import keep_4bit_trainable
 from surefit.run_folder.finished import Run
@@ -116,7 +117,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     else:
         rows = _read_run_file(run, data, [(input_field, "--input_field"), (target_field, "--target_field")])
         described = str(data)
-    loaded = load(run, say)
+    with phase("loading the run's model"):
+        loaded = load(run, say)
     enc = _encode_settings(cfg, input_field, target_field)
     encoder: Encoder = loaded.extra["encoder"]
     if encoder.chat is not None:
@@ -206,7 +208,8 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         names = template_fields(cfg.template)
         rows = [r.with_fields(**{input_field: fill_template(cfg.template, {
             n: r.fields.get(input_field if n == "input" else n) for n in names})}) for r in rows]
-    loaded = load(run, say)
+    with phase("loading the run's model"):
+        loaded = load(run, say)
     encoder: Encoder = loaded.extra["encoder"]
     max_new = _max_new_tokens(run, max_new_tokens, loaded, None, _encode_settings(cfg))
     # Like training, prompt + answer fit in max_seq_length: the input is cut (and counted) so that they do.
