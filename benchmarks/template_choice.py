@@ -4,13 +4,15 @@ Trains the embedded SmolLM2-135M-Instruct with the seeds' flags (``--augmentatio
 1 epoch) on two kinds of rows, each with ``--chat_template true`` and ``false``, and records the held-out scores
 before and after training:
 
-- extractive QA: the first ``--rows`` questions of ``../shared/data/squad/dev-v1.1-part-a.json`` (metric squad F1);
+- extractive QA: the first ``--rows`` questions of ``../shared/data/squad/dev-v1.1-part-a.json``;
 - open answers: the first human turn -> first assistant answer of ``../shared/data/chat/glaive_toolcall_en_demo.json``
-  (answers up to 400 characters, no tool calls; metric ROUGE-L).
+  (answers up to 400 characters, no tool calls).
+
+Both are input/target rows, so both are scored with token F1 (``--metric auto``), and the eval loss.
 
 Runs one training at a time (the machine is shared); writes ``results/template_choice.{json,md}``.
 
-    OMP_NUM_THREADS=2 python benchmarks/template_choice.py --rows 60
+    OMP_NUM_THREADS=2 python benchmarks/template_choice.py --rows 40 --val-fraction 0.25
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def main() -> None:
         chat_file = Path(tmp) / "open_answers.jsonl"
         chat_file.write_text("".join(json.dumps(r) + "\n" for r in open_answer_rows(args.rows)))
         sets = [("extractive QA (SQuAD)", str(DATA / "squad" / "dev-v1.1-part-a.json"), "eval_f1"),
-                ("open answers (glaive first turns)", str(chat_file), "eval_rouge_l")]
+                ("open answers (glaive first turns)", str(chat_file), "eval_f1")]
         for name, data, metric in sets:
             for chat in (True, False):
                 print(f"{name}, chat_template {chat} ...", file=sys.stderr, flush=True)
