@@ -277,6 +277,10 @@ class Encoder:
             return cls(cfg, tokenizer, "prompt template: none (prompt / completion rows: the prompt as written)",
                        prompt=build_prompt_format(tokenizer, "{input}"))
         if chat is not None or cfg.chat_template:
+            if cfg.chat_template is None and not cfg.chat_format:  # the default, and why (measured: docs/sft.md)
+                why = ("chat template: the model's own (the default for a model that ships one: it scored higher than "
+                       "the plain template on extractive and open answers, docs/sft.md; --chat_template false uses the "
+                       "plain template)")
             return cls(cfg, tokenizer, why + ", one user turn per row", injected=injected, system=system,
                        prompt=build_prompt_format(tokenizer, chat_template=True, system=system))
         return cls(cfg, tokenizer, why, prompt=build_prompt_format(tokenizer))
