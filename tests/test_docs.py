@@ -1,8 +1,9 @@
 """The docs cannot rot: every ``console`` block of README.md and docs/*.md is run, and its output is compared.
 
 A ``console`` block holds ``$ command`` lines (a trailing ``\\`` continues one), each followed by the output it
-printed. The commands of one page run in order in one scratch folder (``examples/`` and ``src/`` linked in), so a page
-may train a run and then evaluate it. ``surefit`` is this checkout's CLI and ``python`` this interpreter. The shown
+printed. The commands of one page run in order in one scratch folder that holds the shipped files only (git's
+tracked files: a fresh clone, no untracked data or runs), so a page may train a run and then evaluate it. ``surefit``
+is this checkout's CLI and ``python`` this interpreter. The shown
 output must appear in the real output in order (other lines may come between: a page shows what matters), compared
 after each run of digits is replaced by ``N``, so that timings and losses may move while every message, table and
 column stays checked. A line ``...`` only marks that lines were left out.
@@ -65,13 +66,15 @@ def _normal(line: str) -> str:
 
 
 def run_command(cmd: Command, cwd: Path) -> tuple[int, str]:
-    """Run one documented command as a user would type it, in ``cwd``; returns (exit code, stdout + stderr)."""
+    """Run one documented command as a user would type it, in ``cwd`` (a fresh clone: :func:`scratch`), with the
+    clone's own source; returns (exit code, stdout + stderr)."""
     argv = shlex.split(cmd.text)
     if argv and argv[0] == "surefit":
         argv = [sys.executable, "-m", "surefit", *argv[1:]]
     elif argv and argv[0] == "python":
         argv = [sys.executable, *argv[1:]]
-    env = {**os.environ, "TQDM_DISABLE": "1", "COLUMNS": "120", "PYTHONPATH": str(REPO / "src")}
+    src = cwd / "src" if (cwd / "src" / "surefit").is_dir() else REPO / "src"
+    env = {**os.environ, "TQDM_DISABLE": "1", "COLUMNS": "120", "PYTHONPATH": str(src)}
     proc = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -89,9 +92,23 @@ def missing_lines(expected: list[str], actual: str) -> list[str]:
     return missing
 
 
+def shipped_files() -> list[str]:
+    """The files a fresh clone has (git's tracked files, as in the working tree); empty outside git."""
+    proc = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True)
+    return [p for p in proc.stdout.split("\0") if p] if proc.returncode == 0 and proc.stdout else []
+
+
 def scratch(tmp: Path) -> Path:
-    for name in LINKED:
-        (tmp / name).symlink_to(REPO / name)
+    """A fresh clone: every shipped file (and nothing else: no untracked data, no runs, no caches) linked in."""
+    files = shipped_files()
+    if not files:  # not a git checkout (an unpacked release): its folders are what ships
+        for name in LINKED:
+            (tmp / name).symlink_to(REPO / name)
+        return tmp
+    for rel in files:
+        if (REPO / rel).is_file():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).symlink_to(REPO / rel)
     return tmp
 
 
@@ -133,6 +150,33 @@ def test_the_sft_path_listed_in_the_architecture_page_is_true():
     for path, count in listed:
         real = len((REPO / "src" / "surefit" / path).read_text().splitlines())
         assert abs(real - int(count)) <= 0.15 * real, f"{path}: listed {count} lines, has {real}"
+
+
+def _readme_first_example() -> list[str]:
+    """The README's first command block after `make demo`: its activate line and the commands, comments cut."""
+    text = (REPO / "README.md").read_text()
+    after = text.split("## One example per task", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", after, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_the_readme_first_example_runs_in_a_new_shell(tmp_path):
+    """A fresh clone, a new shell (no PYTHONPATH, no activated environment), and the README's first commands as
+    written: the activate line puts `surefit` on the PATH, and the first command runs."""
+    lines = _readme_first_example()
+    assert lines[0] == ". .venv/bin/activate" and lines[1].startswith("surefit "), lines
+    if sys.prefix == sys.base_prefix:
+        pytest.skip("not run from a virtual environment: there is no .venv to activate")
+    clone = scratch(tmp_path)
+    (clone / ".venv").symlink_to(sys.prefix)  # what `make demo` made in the clone
+    env = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", str(tmp_path)), "TQDM_DISABLE": "1",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    script = "\n".join(["set -e", "! command -v surefit", lines[0], lines[1]])
+    proc = subprocess.run(["bash", "--noprofile", "--norc", "-c", script], cwd=clone, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[[" in proc.stdout and "2/2 rows encoded" in proc.stdout, proc.stdout
 
 
 def test_the_readme_stays_an_overview():

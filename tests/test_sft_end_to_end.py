@@ -204,3 +204,16 @@ def test_shared_prompt_prefixes_train_the_same_and_are_reported(tmp_path, tiny_l
     logged = [json.loads(line) for line in (tmp_path / "shared" / "metrics.jsonl").read_text().splitlines()]
     assert [r["shared_prefix_tokens"] for r in logged if r["type"] == "epoch" and r["epoch"] == 1] == [
         record["shared_prefix_tokens"]]
+
+
+def test_metric_names_printed_and_stored_are_the_ones_computed(tmp_path, tiny_lm_dir, qa_jsonl, capsys):
+    """--eval_generate false prints no metric that is not computed; a rouge_l run stores rouge_l per row, not f1."""
+    base = ["train", "--model", str(tiny_lm_dir), "--data", str(qa_jsonl), "--epochs", "1", "--batch_size", "8",
+            "--max_seq_length", "128"]
+    assert main([*base, "--eval_generate", "false", "--output_dir", str(tmp_path / "loss")]) == 0
+    out = capsys.readouterr().out
+    assert "metrics: squad" not in out and "metrics: eval_loss only (--eval_generate false" in out
+    assert main([*base, "--metric", "rouge_l", "--output_dir", str(tmp_path / "rouge")]) == 0
+    assert "metrics: rouge_l" in capsys.readouterr().out
+    pred = json.loads((tmp_path / "rouge" / "predictions" / "epoch_1.jsonl").read_text().splitlines()[0])
+    assert "rouge_l" in pred and "em" in pred and "f1" not in pred, pred

@@ -235,11 +235,16 @@ class SFTConfig(TrainConfig):
         "writes the user turn. Default: a plain instruction template, or the model's chat template."
     )
     chat_template: bool | None = opt(
-        None, "Format prompts with the model's own chat template. Default: yes when the model ships one (the choice "
-        "is printed); false: the plain template for input/target rows.")
+        None, "Format prompts with a chat template: true (the model's own), false (the plain template for "
+        "input/target rows), or a built-in name / Jinja file (read as --chat_format; aliases chat_template_path, "
+        "chat_template_jinja). Default: the choice is printed with its reason.")
     chat_format: str | None = opt(
         None, "A chat template for a model that ships none (or to replace its own): a built-in name (chatml, llama3, "
         "gemma) or a Jinja file. It is saved with the tokenizer.")
+    system_prompt: str = opt(
+        "auto", "The system turn of rows that have none, under a chat template. 'auto': what the template does (a "
+        "default system prompt it adds is found by rendering and printed with its count); 'none': none (an empty "
+        "system turn where the template would add its default); other text: that system turn.")
     format: Literal["auto", "input_target", "prompt_completion", "alpaca", "messages", "sharegpt"] = opt(
         "auto", "Row format. 'auto' detects it from the fields (messages, conversations, instruction/output, "
         "prompt/completion, --input_field/--target_field) and prints the mapping.")

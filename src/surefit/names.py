@@ -69,6 +69,8 @@ ALIASES: dict[str, str] = {
     "lora_target": "lora_targets",
     "bf16": "precision",
     "fp16": "precision",
+    "chat_template_path": "chat_format",  # TRL: a Jinja file (or a tokenizer folder's template)
+    "chat_template_jinja": "chat_format",  # Axolotl: the Jinja text itself
 }
 
 # The Trainer's scheduler names -> surefit's.
@@ -141,11 +143,46 @@ def as_keywords(text: str) -> str:
 
 
 
+# Axolotl's chat_template values that mean "the model's own template" or "the text in chat_template_jinja".
+_OWN_TEMPLATE = {"tokenizer_default", "default", "own"}
+
+
+def _chat_template_value(values: dict[str, Any], source_name: str, problems: list[Problem],
+                         notes: list[str]) -> None:
+    """``--chat_template`` takes what people type: true/false, a built-in name or a Jinja file (as TRL's and
+    Axolotl's ``chat_template`` do). A name or a file is ``--chat_format``'s value; it is moved there, with a note."""
+    raw = values["chat_template"]
+    if raw is None or isinstance(raw, bool) or str(raw).lower() in {"1", "0", "true", "false", "yes", "no", "on",
+                                                                      "off", "none", "null"}:
+        return
+    text = str(raw)
+    if text.lower() in _OWN_TEMPLATE:
+        values["chat_template"] = True
+        notes.append(f"--chat_template {text} (in the {source_name}) is read as --chat_template true: the model's own")
+        return
+    del values["chat_template"]
+    if text.lower() == "jinja":  # Axolotl: the template is the text in chat_template_jinja
+        if "chat_template_jinja" not in values and "chat_format" not in values:
+            problems.append(Problem(f"--chat_template jinja (in the {source_name}) names no template",
+                                    "--chat_template", "give the Jinja file: --chat_template FILE.jinja (or "
+                                    "--chat_format FILE.jinja)"))
+        return
+    if "chat_format" in values and str(values["chat_format"]) != text:
+        problems.append(Problem(f"--chat_template {text} and --chat_format {values['chat_format']} both given (in "
+                                f"the {source_name})", "--chat_template", "keep one: --chat_format FILE.jinja or NAME"))
+        return
+    values["chat_format"] = text
+    notes.append(f"--chat_template {text} (in the {source_name}) is read as --chat_format {text}: the chat template "
+                 "to use (a built-in name or a Jinja file); --chat_template itself is true/false")
+
+
 def resolve_layer(source: dict[str, Any], known: Collection[str], source_name: str, problems: list[Problem],
                   notes: list[str]) -> dict[str, Any]:
     """One layer's settings with other tools' names replaced by surefit's (a note for each), and the settings whose
     meaning differs reported as problems that say the surefit flags to use."""
     values = {str(k).replace("-", "_"): v for k, v in source.items()}
+    if "chat_template" in values and "chat_format" in known:
+        _chat_template_value(values, source_name, problems, notes)
     out: dict[str, Any] = {}
     for key, raw in values.items():
         if key in known:

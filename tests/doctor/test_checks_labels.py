@@ -338,6 +338,9 @@ def test_explain_says_when_text_and_setup_disagree(bert_tok):
     other = IndexError("Target 7 is out of bounds.")
     f = explain(other, model, bert_tok, rows, data_collator=_collate(bert_tok))
     assert f.code == "label-dtype" and "does not show that" in f.message and "label-out-of-range" in f.message
+    # printed as the docs show it: "[code] where: message" and "  fix: ...", not the dataclass repr
+    text = str(f)
+    assert text.startswith(f"[label-dtype] {f.where}: ") and f"\n  fix: {f.fix}" in text and "Finding(" not in text
 
 
 def test_explain_unknown_cause_keeps_the_raw_error(bert_tok):
@@ -507,3 +510,114 @@ def test_multi_label_vectors_are_not_token_labels_even_without_logits(bert_tok):
     vectors = [[1.0, 0.0, 1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 0.0], [0.0, 0.0, 1.0]]
     report = check(Opaque(), bert_tok, _rows(bert_tok, vectors), data_collator=_collate(bert_tok))
     assert "labels-not-padded" not in report.codes(), str(report)
+
+
+# ------------------------------------------------- padded positions trained, whatever the pad id (issue 36)
+
+
+def _max_length_rows(tok, eos_in_text: bool = False, n: int = 6, length: int = 32) -> list[dict]:
+    """The common recipe: padding="max_length", labels = input_ids copied after padding."""
+    texts = [r["sentence"] + (tok.eos_token if eos_in_text else "") for r in sentiment_rows(n)]
+    enc = tok(texts, padding="max_length", max_length=length)
+    return [{"input_ids": ids, "attention_mask": m, "labels": list(ids)}
+            for ids, m in zip(enc["input_ids"], enc["attention_mask"], strict=True)]
+
+
+def _padded(rows) -> int:
+    return sum(m.count(0) for m in (r["attention_mask"] for r in rows))
+
+
+@pytest.mark.parametrize("pad_is_eos", [True, False])
+def test_labels_on_padding_found_by_position_through_check_trainer(tmp_path, pad_is_eos):
+    import datasets
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from surefit.doctor import check_trainer
+
+    tok = build_tokenizer(pad_is_eos=pad_is_eos)
+    model = build_tiny_lm(tok)
+    rows = _max_length_rows(tok)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=4)
+    trainer = Trainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                      data_collator=default_data_collator)
+    report = check_trainer(trainer)
+    f = _finding(report, "labels-pad-trained")
+    # pad == eos: the first pad position of each row is the row's EOS (labelled: the model learns to stop), the rest
+    # is padding; pad != eos: every pad position is padding
+    expected = _padded(rows) - (len(rows) if pad_is_eos else 0)
+    assert f.severity == "error" and f"{expected} of {32 * len(rows)} label positions" in f.message, f.message
+    assert f"in {len(rows)} rows of train_dataset" in f.message and f.where == "train_dataset column 'labels', row 0"
+    assert "[t if m else -100 for t, m in zip(input_ids, attention_mask)]" in f.fix
+    assert ("tokenizer.eos_token" in f.fix) == pad_is_eos
+    # pad == eos: the EOS is labelled at its first occurrence, so "append EOS" would be the wrong advice; with a
+    # distinct pad token these rows really have no EOS
+    assert ("eos-missing" in report.codes()) != pad_is_eos, str(report)
+
+
+@pytest.mark.parametrize("pad_is_eos", [True, False])
+def test_labels_on_padding_masked_by_position_is_clean(pad_is_eos):
+    tok = build_tokenizer(pad_is_eos=pad_is_eos)
+    model = build_tiny_lm(tok)
+    rows = _max_length_rows(tok, eos_in_text=True)
+    for r in rows:  # the fix as the finding gives it
+        r["labels"] = [t if m else -100 for t, m in zip(r["input_ids"], r["attention_mask"], strict=True)]
+    from transformers import default_data_collator
+
+    report = check(model, tok, rows, data_collator=default_data_collator)
+    _no_errors(report)
+    assert not {"labels-pad-trained", "eos-missing", "eos-masked"} & set(report.codes()), str(report)
+
+
+def test_labels_on_left_padding_are_found():
+    tok = build_tokenizer(pad_is_eos=True)
+    tok.padding_side = "left"
+    rows = _max_length_rows(tok, eos_in_text=True)
+    f = _finding(check(build_tiny_lm(tok), tok, rows), "labels-pad-trained")
+    assert f"{_padded(rows)} of {32 * len(rows)} label positions" in f.message, f.message
+
+
+def test_collator_that_labels_padding_is_named_with_its_fix():
+    """A hand-written collator copying input_ids into labels after padding with EOS (no mask applied)."""
+    tok = build_tokenizer(pad_is_eos=True)
+    rows = [{"input_ids": tok(r["sentence"] + tok.eos_token)["input_ids"]} for r in sentiment_rows(6)]
+
+    def collate(items):
+        n = max(len(it["input_ids"]) for it in items)
+        ids = torch.tensor([it["input_ids"] + [tok.pad_token_id] * (n - len(it["input_ids"])) for it in items])
+        mask = torch.tensor([[1] * len(it["input_ids"]) + [0] * (n - len(it["input_ids"])) for it in items])
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+
+    f = _finding(check(build_tiny_lm(tok), tok, rows, data_collator=collate), "labels-pad-trained")
+    assert "the batch's `labels` trains" in f.message and "collate leaves them trained" in f.message
+    assert "attention_mask is 0" in f.fix and "data_collator (collate)" in f.where
+
+
+@pytest.mark.parametrize("pad_is_eos", [True, False])
+def test_standard_lm_recipes_stay_clean_for_both_pad_forms(tmp_path, pad_is_eos):
+    """DataCollatorForLanguageModeling, DataCollatorForSeq2Seq and a TRL completion mask: no padding trained."""
+    import datasets
+    from transformers import DataCollatorForLanguageModeling, DataCollatorForSeq2Seq
+
+    tok = build_tokenizer(pad_is_eos=pad_is_eos)
+    model = build_tiny_lm(tok)
+    texts = [r["sentence"] for r in sentiment_rows(8)]
+    plain = [{"input_ids": tok(t)["input_ids"]} for t in texts]
+    report = check(model, tok, plain, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    assert "labels-pad-trained" not in report.codes(), str(report)
+    # DataCollatorForSeq2Seq over unpadded rows with prompt-masked labels and EOS
+    rows = []
+    for t in texts:
+        prompt, answer = tok("is this positive: ")["input_ids"], tok(t)["input_ids"] + [tok.eos_token_id]
+        rows.append({"input_ids": prompt + answer, "attention_mask": [1] * (len(prompt) + len(answer)),
+                     "labels": [-100] * len(prompt) + answer})
+    report = check(model, tok, datasets.Dataset.from_list(rows), data_collator=DataCollatorForSeq2Seq(tok))
+    _no_errors(report)
+    assert "labels-pad-trained" not in report.codes() and "eos-missing" not in report.codes(), str(report)
+    # TRL's completion-mask collator (padding never labelled)
+    from doctor.test_recipes import CompletionCollator
+
+    trl_rows = [{"input_ids": r["input_ids"], "completion_mask": [int(x != -100) for x in r["labels"]]}
+                for r in rows]
+    report = check(model, tok, trl_rows, data_collator=CompletionCollator(tok.pad_token_id))
+    _no_errors(report)
+    assert "labels-pad-trained" not in report.codes(), str(report)

@@ -62,13 +62,15 @@ class PromptFormat:
         return f"{self.prefix}{input_text}{self.suffix}"
 
 
-def build_prompt_format(tokenizer: Any, template: str | None = None, chat_template: bool = False) -> PromptFormat:
+def build_prompt_format(tokenizer: Any, template: str | None = None, chat_template: bool = False,
+                        system: str | None = None) -> PromptFormat:
     """Tokenize the template's fixed parts once.
 
     Args:
         tokenizer: a Hugging Face tokenizer.
         template: text with ``{input}`` once; ``None`` uses :data:`DEFAULT_TEMPLATE`.
         chat_template: use the tokenizer's chat template (a single user turn, then the assistant header).
+        system: a system turn before the user turn (``--system_prompt``); ``None``: none given.
     """
     if chat_template:
         if not getattr(tokenizer, "chat_template", None):
@@ -81,8 +83,9 @@ def build_prompt_format(tokenizer: Any, template: str | None = None, chat_templa
                     "drop --chat_template (the default template is used) or pass --template",
                 )
             )
+        turns = [{"role": "system", "content": system}] if system is not None else []
         text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
+            [*turns, {"role": "user", "content": _SENTINEL}], tokenize=False, add_generation_prompt=True
         )
         name = "chat"
         specials: list[int] = []  # chat templates write their own BOS into the text
@@ -278,6 +281,9 @@ def resolve_chat_template(tokenizer: Any, chat_template: bool | None, template_n
         if template_name in BUILTIN_CHAT_TEMPLATES:
             fmt = chat_format(BUILTIN_CHAT_TEMPLATES[template_name], template_name)
             why = f"chat template: built-in {template_name!r} (--chat_format)"
+        elif "{%" in template_name or "{{" in template_name:  # the Jinja text itself (Axolotl's chat_template_jinja)
+            fmt = chat_format(template_name, "the given Jinja text")
+            why = "chat template: the Jinja text given (--chat_format)"
         else:
             from pathlib import Path
 

@@ -561,9 +561,14 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
     missing: list[int] = []
     packed = total = 0
     ends: list[int] = []
+    labels = dict(_train_values(setup, "labels")[0])
     for i, ids in values:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids[:1]):
             continue
+        lab = labels.get(i)
+        if isinstance(lab, list) and len(lab) == len(ids) and eos in ids and lab[ids.index(eos)] != IGNORE_INDEX:
+            total += 1
+            continue  # EOS labelled at its first occurrence (pad == eos, padded to max_length): the model sees the end
         mask = masks.get(i)
         if isinstance(mask, list) and len(mask) == len(ids) and 0 in mask:
             ids = [t for t, m in zip(ids, mask, strict=True) if m]

@@ -18,6 +18,7 @@ from surefit.doctor.checks_data import (
     IGNORE_INDEX,
     _collator_name,
     _collator_where,
+    _is_lm_collator,
     _kind,
     _rows_text,
     _special_ids,
@@ -316,13 +317,137 @@ def _tuple_range(setup: Setup, key: str, n: int, model: str, logits: Any, where:
 # ------------------------------------------------------------------------------------------- labels-pad-trained
 
 
-@register("labels-pad-trained")
-def check_pad_trained(setup: Setup) -> list[Finding]:
-    """Token labels equal to the pad id (pad != eos): padding is trained as if it were text."""
+def _padding(ids: list, mask: list | None, pad: int | None, eos: int | None) -> list[int]:
+    """Positions of one row that are padding: attention mask 0, or (without a mask) the trailing run of pad ids.
+
+    When the first padding position right after the text holds EOS (pad == eos, `padding="max_length"`), it is
+    the row's end-of-sequence token, predicted from the last real token: it is kept out, so a labelled EOS there
+    is not counted as padding (and ``eos-missing`` does not fire for it).
+    """
+    if isinstance(mask, list) and len(mask) == len(ids) and 0 in mask:
+        out = [j for j, m in enumerate(mask) if not m]
+    elif pad is not None:
+        n = len(ids)
+        while n and ids[n - 1] == pad:
+            n -= 1
+        out = list(range(n, len(ids)))
+    else:
+        return []
+    if out and eos is not None and ids[out[0]] == eos and out[0] > 0 and (out[0] - 1) not in out:
+        out = out[1:]  # the EOS that ends the text (right padding): a label the model needs
+    return out
+
+
+def _pad_fix(setup: Setup, in_data: bool, pad_is_eos: bool) -> str:
+    """The fix that works with the user's collator."""
+    name = _collator_name(setup)
+    label_pad = getattr(setup.data_collator, "label_pad_token_id", None)
+    keep_eos = (" To keep the stop signal, make EOS a real token first: tokenize text + tokenizer.eos_token "
+                "(attention_mask 1 there), so it keeps its label" if pad_is_eos else "")
+    if not in_data:
+        if label_pad not in (None, IGNORE_INDEX):
+            return (f"pad labels with -100: {name}(..., label_pad_token_id=-100) (DataCollatorForSeq2Seq's default)"
+                    + keep_eos)
+        return (f"{name} builds the labels: make it set them to -100 where attention_mask is 0 (mask padding by "
+                "position, never by token id)" + keep_eos)
+    by_position = ("set the labels of padded positions to -100 when tokenizing: labels = [t if m else -100 for t, m "
+                   "in zip(input_ids, attention_mask)]")
+    if "Seq2Seq" in name or name in ("PadCollator", "DataCollatorWithPadding"):
+        alt = (f"; better, tokenize without padding='max_length' (padding=False) and let {name} pad: it pads "
+               "labels with -100")
+    elif _is_lm_collator(setup):
+        alt = "; or drop the labels column: DataCollatorForLanguageModeling(mlm=False) builds them with padding masked"
+    else:
+        alt = ""
+    return by_position + alt + ("." + keep_eos if keep_eos else "")
+
+
+def _pad_by_position(setup: Setup) -> list[Finding] | None:
+    """Labels trained at padded positions (attention mask 0, or after the row's end), whatever the pad id.
+
+    Returns ``None`` when the position test does not apply (labels not aligned with input_ids), so the pad-id
+    test decides.
+    """
     import torch
 
     eos, pad = _special_ids(setup)
-    if pad is None or pad == eos or _kind(setup) not in ("causal", "seq2seq"):
+    values, scope = _train_values(setup, "labels")
+    ids_by_row = dict(_train_values(setup, "input_ids")[0])
+    masks = dict(_train_values(setup, "attention_mask")[0])
+    hits: list[tuple[int, list[int]]] = []
+    total = aligned = 0
+    for i, lab in values:
+        ids = ids_by_row.get(i)
+        if not isinstance(lab, list) or not isinstance(ids, list) or len(lab) != len(ids):
+            continue
+        aligned += 1
+        total += len(lab)
+        trained = [j for j in _padding(ids, masks.get(i), pad, eos) if lab[j] != IGNORE_INDEX]
+        if trained:
+            hits.append((i, trained))
+    found = _batch_labels(setup)
+    batch, err = setup.batch()
+    bmask = batch.get("attention_mask") if err is None and isinstance(batch, Mapping) else None
+    bids = batch.get("input_ids") if err is None and isinstance(batch, Mapping) else None
+    batch_hits: list[tuple[int, list[int]]] = []
+    if found is not None and isinstance(bids, torch.Tensor) and found[1].shape == bids.shape and bids.dim() == 2 \
+            and not found[1].is_floating_point():
+        y = found[1]
+        for r in range(y.shape[0]):
+            m = bmask[r].tolist() if isinstance(bmask, torch.Tensor) and bmask.shape == y.shape else None
+            row = y[r].tolist()
+            trained = [j for j in _padding(bids[r].tolist(), m, pad, eos) if row[j] != IGNORE_INDEX]
+            if trained:
+                batch_hits.append((r, trained))
+    if not aligned and found is None:
+        return None
+    if hits:
+        rows_in_batch = set(_batch_rows(setup))
+        if found is not None and rows_in_batch & {i for i, _ in hits} and not batch_hits:
+            return []  # the collator rebuilds labels (padding masked): the column's padded labels never train
+        count = sum(len(p) for _, p in hits)
+        i, ps = hits[0]
+        eos_note = (f"; pad == EOS (id {pad}), so these are copies of EOS after the row's end (the first, the row's "
+                    "real EOS, is not counted)" if pad is not None and pad == eos else "")
+        return [Finding(
+            "labels-pad-trained", "error",
+            f"{count} of {total} label positions ({count / max(total, 1):.0%}) in {len(hits)} rows of train_dataset "
+            f"({scope}) are padding (attention_mask 0, or after the row's end) and are trained: e.g. row {i}, "
+            f"positions {ps[:3]}{'...' if len(ps) > 3 else ''} of {len(ids_by_row[i])}{eos_note}; padding then "
+            "dominates the loss and the model learns to emit it",
+            _pad_fix(setup, True, pad is not None and pad == eos), f"train_dataset column 'labels', row {i}")]
+    if batch_hits:
+        key = found[0]
+        rows = _batch_rows(setup)
+        r, ps = batch_hits[0]
+        count = sum(len(p) for _, p in batch_hits)
+        bad_rows = sorted(rows[b] if b < len(rows) else b for b, _ in batch_hits)
+        label_pad = getattr(setup.data_collator, "label_pad_token_id", None)
+        cause = (f"{_collator_name(setup)} pads labels with label_pad_token_id={label_pad}" if label_pad not in
+                 (None, IGNORE_INDEX) else f"{_collator_name(setup)} leaves them trained")
+        return [Finding(
+            "labels-pad-trained", "error",
+            f"the batch's `{key}` trains {count} padded positions (attention_mask 0, or after the row's end) of "
+            f"{found[1].numel()}: {len(ps)} in batch row {r} ({_rows_text(bad_rows)} in all): {cause}, so padding "
+            "is trained", _pad_fix(setup, False, pad is not None and pad == eos),
+            f"{_collator_where(setup)}, key '{key}'")]
+    return [] if aligned or found is not None and isinstance(bids, torch.Tensor) and found[1].shape == bids.shape \
+        else None
+
+
+@register("labels-pad-trained")
+def check_pad_trained(setup: Setup) -> list[Finding]:
+    """Labels trained at padded positions, whatever the pad id; for seq2seq targets, labels equal to the pad id."""
+    import torch
+
+    if _kind(setup) not in ("causal", "seq2seq"):
+        return []
+    if _kind(setup) == "causal":
+        by_position = _pad_by_position(setup)
+        if by_position is not None:
+            return by_position
+    eos, pad = _special_ids(setup)
+    if pad is None or pad == eos:
         return []
     tok = _tokenizer(setup)
     name = f" ({tok.pad_token!r})" if getattr(tok, "pad_token", None) else ""

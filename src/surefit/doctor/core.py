@@ -36,6 +36,11 @@ class Finding:
     fix: str = ""
     where: str = ""
 
+    def __str__(self) -> str:
+        """``[code] where: message`` and ``  fix: ...``: how the docs show a finding (``print(explain(e, ...))``)."""
+        where = f" {self.where}:" if self.where else ""
+        return f"[{self.code}]{where} {self.message}" + (f"\n  fix: {self.fix}" if self.fix else "")
+
 
 _MARK = {"error": "✗", "warning": "!", "info": "i"}
 
@@ -106,8 +111,8 @@ CODES: dict[str, str] = {
     "memory-over-budget": "the estimated peak exceeds the device memory budget",
     "label-shape": "labels shaped for another head: per-token labels (e.g. an MLM collator's) for a sequence "
                    "classifier, or one label per sequence for a token classifier",
-    "labels-pad-trained": "label positions holding the pad id (pad != eos) that would be trained, e.g. seq2seq "
-                          "labels padded with the pad id instead of -100",
+    "labels-pad-trained": "labels trained on padded positions (attention mask 0, or after the row's end), whatever "
+                          "the pad id (pad == eos included); seq2seq labels padded with the pad id",
     "token-labels-misaligned": "per-token labels whose length differs from input_ids before padding (word-level "
                                "tags not aligned to sub-word tokens)",
     "new-head-frozen": "layers the loader initialised fresh (classifier, score, pooler) that stay frozen under PEFT "

@@ -63,6 +63,7 @@ METRICS = "metrics.jsonl"
 DATA_REPORT = "data_report.json"
 REJECTED = "rejected_rows.jsonl"
 EXCLUDED = "excluded_rows.jsonl"
+SHORTENED = "shortened_rows.jsonl"
 COLUMNS = "columns.json"
 DOCTOR = "doctor.json"
 MEMORY_PLAN = "memory_plan.json"
@@ -74,7 +75,7 @@ FINAL = "final"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
-             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP)
+             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP, SHORTENED)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",

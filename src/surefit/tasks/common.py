@@ -23,6 +23,7 @@ from surefit.data.summary import DataSummary
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
 from surefit.errors import Problem, SurefitError
+from surefit.eval.progress import phase
 from surefit.models import quiet_libraries
 from surefit.run_folder import Found, RunFolder
 from surefit.run_folder.finished import Run
@@ -171,12 +172,12 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock) -> 
     cache = startup_cache.StartupCache(None if getattr(cfg, "no_cache", False) else startup_cache.cache_dir(), say)
     with clock.phase("cache key"):
         key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
-    with clock.phase("doctor"):
+    with clock.phase("doctor"), phase("doctor"):
         report = run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache))
         folder.write_doctor(report)
         gate(report, cfg, say)
     acc = p.accelerator
-    with clock.phase("memory plan"):
+    with clock.phase("memory plan"), phase("memory plan"):
         # The planner's measurements (not its choices: the budget is read afresh) are reused for an identical setup.
         memo = startup_cache.planner_memo(cache, key)
         before = json.dumps(memo, sort_keys=True)
@@ -351,7 +352,8 @@ def doctor(cfg: C, prepare: PrepareFn[C], say: Say = print) -> Report:
     say_alias_notes(cfg, say)
     cfg = gpu_preset_without_gpu(cfg, say)
     p = prepare(cfg, say)
-    report = p.check()
+    with phase("doctor"):
+        report = p.check()
     say(str(report))
     return report
 

@@ -590,7 +590,7 @@ def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks
     Raises:
         TrainingInterrupted: after saving, when a stop signal arrived.
     """
-    from tqdm.auto import tqdm
+    from surefit.eval.progress import Progress
 
     run = _Fit(model, work, settings, hooks)
     say, lengths, evaluate, checkpointing = hooks.say, work.lengths, hooks.evaluate, hooks.checkpointing
@@ -605,22 +605,22 @@ def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks
             run.model.train()
             batches = (work.epoch_batches(p.epoch) if work.epoch_batches is not None
                        else step_batches(lengths, settings.batch_size, settings.seed, p.epoch))
-            # In a log file (not a terminal) a bar redrawn every step is noise: redraw at most every 30 s there.
-            bar = tqdm(total=len(batches), initial=p.step_in_epoch, desc=f"epoch {p.epoch}/{epochs}",
-                       unit="step", dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30.0,
-                       disable=not run.main)
+            # A bar on a terminal; in a log file one line per epoch, never glued to the evaluation's (eval/progress.py).
+            bar = Progress(f"epoch {p.epoch}/{epochs}", total=len(batches), unit="step", enabled=run.main)
+            bar.__enter__()
+            bar.set(p.step_in_epoch)
             for step_indices in batches[p.step_in_epoch :]:
                 step = run.optimizer_step(step_indices, stop)
                 p.add(step)
-                bar.set_postfix(loss=f"{step.loss_sum / max(step.items, 1):.4f}",
-                                tok_s=f"{step.tokens / max(step.seconds, 1e-9):.0f}", refresh=False)
-                bar.update(1)
+                bar.update(1, note=f"loss={step.loss_sum / max(step.items, 1):.4f} "
+                                   f"tok/s={step.tokens / max(step.seconds, 1e-9):.0f}")
                 run.log_step(step)
                 if p.step_in_epoch == len(batches) or p.global_step >= run.schedule.total_steps:
                     break  # the epoch's end (or --max_steps) saves a checkpoint and handles a stop request
                 saved = None
                 if settings.eval_every and p.global_step % settings.eval_every == 0 and evaluate is not None:
-                    saved = run.evaluate_mid_epoch()
+                    with bar.pause():  # the evaluation's lines never share the bar's line
+                        saved = run.evaluate_mid_epoch()
                     run.stopped_early = run.selection.should_stop
                     if run.stopped_early:
                         break

@@ -24,6 +24,7 @@ from surefit.data.formats import (
 from surefit.data.readers import check_text_fields, read_checked
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
+from surefit.eval.progress import phase
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.models_lowbit import import_peft, keep_4bit_trainable
 from surefit.run_folder.finished import Run
@@ -120,7 +121,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     else:
         rows = _read_run_file(run, data, [(input_field, "--input_field"), (target_field, "--target_field")])
         described = str(data)
-    loaded = load(run, say)
+    with phase("loading the run's model"):
+        loaded = load(run, say)
     enc = _encode_settings(cfg, input_field, target_field)
     encoder: Encoder = loaded.extra["encoder"]
     if encoder.chat is not None:
@@ -134,12 +136,12 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                 f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
                                 "evaluate on rows with shorter targets"))
     max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc)
-    scoring = Scoring(target_field, choose_metric(cfg, bool(run.report.get("format_conversational"))),
-                      Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)),
+    metric = choose_metric(cfg, bool(run.report.get("format_conversational")))
+    scoring = Scoring(target_field, metric, Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)),
                       answer=encoder.answer_of())
     metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, loaded.accelerator, scoring,
                                               say)
-    records = prediction_records(examples, preds, golds, input_field)
+    records = prediction_records(examples, preds, golds, input_field, metric)
     if rep.excluded:
         metrics["excluded_rows"] = len(rep.excluded)
     return described, len(examples), metrics, records
@@ -206,7 +208,8 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         names = template_fields(cfg.template)
         rows = [r.with_fields(**{input_field: fill_template(cfg.template, {
             n: r.fields.get(input_field if n == "input" else n) for n in names})}) for r in rows]
-    loaded = load(run, say)
+    with phase("loading the run's model"):
+        loaded = load(run, say)
     encoder: Encoder = loaded.extra["encoder"]
     max_new = _max_new_tokens(run, max_new_tokens, loaded, None, _encode_settings(cfg))
     # Like training, prompt + answer fit in max_seq_length: the input is cut (and counted) so that they do.
@@ -219,7 +222,8 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             cut.append(n_cut)
         gen = Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg))
         out = Decoded()
-        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, loaded.accelerator, gen, say, out=out)
+        preds = generate_texts(loaded.model, prompts, loaded.tokenizer, loaded.accelerator, gen, say, progress=True,
+                               out=out)
         lengths, raw = out.lengths, out.raw
         batch = []
         for row, pred, n_cut, n, text in zip(part, preds, cut, lengths, raw, strict=True):

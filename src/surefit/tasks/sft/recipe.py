@@ -47,6 +47,8 @@ from surefit.data.readers import Rejected, check_text_fields, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.data.summary import DataSummary
+from surefit.data.system_prompt import describe as describe_system
+from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
 from surefit.doctor import check
 from surefit.errors import (
     ConfigError,
@@ -58,6 +60,7 @@ from surefit.errors import (
 )
 from surefit.eval.generate import Decode, greedy_generate
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
+from surefit.eval.progress import Progress, phase
 from surefit.models import (
     apply_lora,
     load_causal_lm,
@@ -66,14 +69,15 @@ from surefit.models import (
     resolve_model,
 )
 from surefit.models_lowbit import keep_4bit_trainable, require_bitsandbytes
-from surefit.run_folder import EXCLUDED, Found
+from surefit.run_folder import EXCLUDED, SHORTENED, Found
 from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
-from surefit.training.processes import sum_over_processes
+from surefit.training.processes import is_main_process, sum_over_processes
+from surefit.training.schedule import plan_schedule
 from surefit.training.speedups.lora_fast import fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
@@ -257,19 +261,23 @@ class Encoder:
     prompt: PromptFormat | None = None
     chat: ChatFormat | None = None
     terminators: set[int] = field(default_factory=set)
+    injected: str | None = None  # the default system prompt the chat template adds by itself (found by rendering)
+    system: str | None = None  # the system turn given to rows without one (--system_prompt); None: none added
 
     @classmethod
     def build(cls, cfg: SFTConfig, tokenizer: Any, format_name: str, conversational: bool) -> Encoder:
         """Choose the template: ``--chat_format``, else the model's own chat template (unless ``--chat_template
         false``); flat rows take ``--template`` first, string prompt / completion rows no template at all."""
         chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
+        injected = injected_system_prompt(tokenizer, chat.source) if chat is not None else None
+        system = system_turn(cfg.system_prompt, injected)
         if conversational:
             if chat is None:
                 raise ConfigError(Problem(
                     f"the rows are conversations ({format_name}) and need a chat template, but {why}",
                     "--chat_format", "pass --chat_format chatml (or llama3, gemma, or a Jinja file); it is saved with "
                     "the tokenizer so that inference formats prompts the same way"))
-            return cls(cfg, tokenizer, why, chat=chat)
+            return cls(cfg, tokenizer, why, chat=chat, injected=injected, system=system)
         if cfg.template:
             return cls(cfg, tokenizer, "prompt template: --template",
                        prompt=build_prompt_format(tokenizer, "{input}" if prerendered(cfg) else cfg.template))
@@ -277,8 +285,12 @@ class Encoder:
             return cls(cfg, tokenizer, "prompt template: none (prompt / completion rows: the prompt as written)",
                        prompt=build_prompt_format(tokenizer, "{input}"))
         if chat is not None or cfg.chat_template:
-            return cls(cfg, tokenizer, why + ", one user turn per row",
-                       prompt=build_prompt_format(tokenizer, chat_template=True))
+            if cfg.chat_template is None and not cfg.chat_format:  # the default, and why (measured: docs/sft.md)
+                why = ("chat template: the model's own (the default for a model that ships one: it scored higher than "
+                       "the plain template on extractive and open answers, docs/sft.md; --chat_template false uses the "
+                       "plain template)")
+            return cls(cfg, tokenizer, why + ", one user turn per row", injected=injected, system=system,
+                       prompt=build_prompt_format(tokenizer, chat_template=True, system=system))
         return cls(cfg, tokenizer, why, prompt=build_prompt_format(tokenizer))
 
     def encode(self, rows: list[Row], split: str, skip: bool = False) -> tuple[list[Example], EncodeReport]:
@@ -286,6 +298,7 @@ class Encoder:
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
             return encode_rows(rows, self.tokenizer, self.prompt, split=split, **_encode_settings(self.cfg))
+        rows = [self._with_system(r) for r in rows]
         examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat,
                                                                        self.chat_settings(), split)
         self.terminators |= terminators
@@ -315,6 +328,25 @@ class Encoder:
         return ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation,
                                   getattr(self.cfg, "thinking", "train_empty"),
                                   getattr(self.cfg, "system_turn", "fold"))
+    def _with_system(self, row: Row) -> Row:
+        """A conversation row with the --system_prompt turn in front when it has no system turn."""
+        messages = row.fields.get("messages")
+        if self.system is None or not isinstance(messages, list):
+            return row
+        return replace(row, fields={**row.fields, "messages": with_system(messages, self.system)})
+
+    def system_line(self, rows: list[Row]) -> str | None:
+        """What happens to system turns, with the count of rows it concerns (printed by the run)."""
+        if self.prompt is not None and self.chat is None and self.prompt.name != "chat":
+            return None if self.cfg.system_prompt == "auto" else \
+                "system prompt: --system_prompt is not used: the plain prompt template has no system turn"
+        if self.chat is not None:  # rows that give tools get a system turn from the tools' note instead
+            bare = [r for r in rows if isinstance(r.fields.get("messages"), list) and not
+                    (r.fields["messages"] and r.fields["messages"][0].get("role") == "system") and
+                    not (r.fields.get("tools") and not self.chat.takes_tools)]
+        else:
+            bare = rows
+        return describe_system(self.injected, self.cfg.system_prompt, len(bare), len(rows))
 
     def prompt_ids(self, row: Row, room: int) -> tuple[list[int], int]:
         """Generation prompt of a row and how many tokens were cut from it: a conversation continues with the next
@@ -323,7 +355,7 @@ class Encoder:
             [ids], [cut] = encode_prompts([str(row.fields[self.cfg.input_field])], self.tokenizer, self.prompt,
                                           max_prompt_length=room, truncation_side=self.cfg.truncation_side)
             return ids, cut
-        messages = list(row.fields["messages"])
+        messages = list(self._with_system(row).fields["messages"])
         while messages and messages[-1]["role"] == "assistant":  # predict the last answer again
             messages.pop()
         st = self.chat_settings()
@@ -360,9 +392,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             require_bitsandbytes(cfg.quantize)
         except ConfigError as e:
             early += e.problems
-    with startup.phase("reading data"):
+    with startup.phase("reading data"), phase("reading data"):
         train_rows, val_rows, data_report = load_data(cfg, say, early)
-    with startup.phase("model conversion"):  # GGUF: once, then a cached folder (models_gguf.gguf_to_folder)
+    with startup.phase("model conversion"), phase("model conversion"):  # GGUF: once, then a cached folder
         path = model_folder(source, log=say)
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
@@ -371,10 +403,16 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     conversational = bool(data_report.format_conversational)
     encoder = Encoder.build(cfg, tokenizer, str(data_report.format), conversational)
     say(encoder.why)
-    with startup.phase("encoding data"):
+    system_line = encoder.system_line(train_rows + val_rows)
+    if system_line:
+        say(system_line)
+        data_report.details["system_prompt"] = {"template_default": encoder.injected, "setting": cfg.system_prompt,
+                                                "line": system_line}
+    with startup.phase("encoding data"), phase("encoding data"):
         train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip")
         val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip")
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
+    shortened: list[dict[str, Any]] = []
     for rep in (train_rep, val_rep):
         say(rep.summary())
         if rep is train_rep and (line := getattr(rep, "thinking_line", lambda: None)()):
@@ -383,8 +421,12 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             say(f"  excluded {where}: {why}")
         if len(rep.excluded) > 10:
             say(f"  ... and {len(rep.excluded) - 10} more (all listed in {Path(cfg.output_dir) / EXCLUDED})")
-        for where, n in getattr(rep, "rows_shortened", [])[:10]:
+        shortened_rows = getattr(rep, "rows_shortened", [])
+        for where, n in shortened_rows[:10]:
             say(f"  shortened {where}: its oldest {n} turns dropped to fit --max_seq_length {cfg.max_seq_length}")
+        if len(shortened_rows) > 10:
+            say(f"  ... and {len(shortened_rows) - 10} more (all listed in {Path(cfg.output_dir) / SHORTENED})")
+        shortened += [{"split": rep.split, "where": w, "turns_dropped": n} for w, n in shortened_rows]
     too_long = "conversations are longer" if conversational else "targets are longer"
     raise_if([Problem(f"no {r.split} rows left after encoding: all {r.rows} {too_long} than "
                       "--max_seq_length allows", "--max_seq_length",
@@ -397,7 +439,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     }
     data_report.details["template"] = encoder.why
 
-    with startup.phase("model load"):
+    with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
     with startup.phase("LoRA setup"):
         if cfg.gradient_checkpointing:
@@ -429,10 +471,16 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         # Saved with the model: plain transformers generation then stops at the template's end of turn too.
         model.generation_config.eos_token_id = eos_ids
     metric = choose_metric(cfg, conversational)
-    say(f"metrics: {metric}" + (" (--metric auto: " + ("open-ended answers" if conversational else
-                                                        "extractive answers") + ")" if cfg.metric == "auto" else ""))
+    if cfg.eval_generate:  # without generation only the loss is computed: no metric name to print
+        say(f"metrics: {metric}" + (" (--metric auto: " + ("open-ended answers" if conversational else
+                                                            "extractive answers") + ")" if cfg.metric == "auto" else ""))
+    else:
+        say("metrics: eval_loss only (--eval_generate false: no answers are generated to score)")
     data_report.details["stop_ids"] = eos_ids
 
+    # The epochs the run takes, as the loop's bar counts them: --max_steps may end it early or run more (schedule.py).
+    run_epochs = plan_schedule(n_examples=len(features), batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr,
+                               max_steps=getattr(cfg, "max_steps", None)).epochs
     switches = Switches.of(cfg)
 
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
@@ -441,10 +489,10 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, accelerator, scoring, say)
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
-        say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
+        say(f"epoch {epoch}/{run_epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
         if not cfg.eval_generate:
             return Evaluation(metrics, None)
-        return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field))
+        return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
 
     base_loss = functools.partial(causal_lm_loss_sum, fused=cfg.fused_cross_entropy)
     if cfg.fused_cross_entropy and (why_unfused := why_not_fused(model)):
@@ -490,7 +538,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
                                                            args=doctor_args, task="sft")),
-        cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: excluded}),
+        cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: excluded, SHORTENED: shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 
@@ -563,50 +611,37 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
                    say: Say = print, progress: bool = False, out: Decoded | None = None) -> list[str]:
     """Greedy continuations of tokenized prompts, decoded and stripped (out of memory halves the batch).
 
-    With ``progress`` a bar over the generation batches shows how far it is, with an estimate of the time left (on
-    the main process, when there is more than one batch). ``lengths`` (a list) receives each continuation's length in
-    tokens, its stop token excluded. ``gen.switches.eval_merge_lora``: decode with the adapter merged into a temporary
-    copy of the weights; ``eval_share_prefixes``: compute a prompt beginning several prompts share once, for the model
-    families verified for it (see :func:`surefit.eval.generate.greedy_generate`). Otherwise the answers are those of
-    the unoptimised generation, bit for bit (the adapter's lean forward and the reserved cache compute the same
-    numbers)."""
-    import sys
+    With ``progress`` a bar over the answers shows how far it is, with an estimate of the time left (on the main
+    process, for any number of batches; one line in a log file). ``out`` receives each continuation's length in tokens
+    (its stop token excluded) and its raw text. ``gen.switches.eval_merge_lora``: decode with the adapter merged into a
+    temporary copy of the weights; ``eval_share_prefixes``: compute a prompt beginning several prompts share once, for
+    the model families verified for it (see :func:`surefit.eval.generate.greedy_generate`). Otherwise the answers are
+    those of the unoptimised generation, bit for bit (the adapter's lean forward and the reserved cache compute the
+    same numbers)."""
 
-    from tqdm.auto import tqdm
-
-    from surefit.training.processes import is_main_process
-
-    batch_size = gen.batch_size
-    bar = None
-    if progress and len(prompts) > batch_size:
-        # As the training bar: in a log file (not a terminal) redrawn at most every 30 s.
-        bar = tqdm(total=len(prompts), desc="generating", unit="answer", dynamic_ncols=True,
-                   mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not is_main_process())
-
-    def show(done: int, total: int) -> None:
-        bar.update(done - bar.n)
-
+    # Any number of batches, one included: a single batch of long answers can take minutes. A bar with the time left
+    # on a terminal, one line in a log file (eval/progress.py).
+    bar = Progress("generating", total=len(prompts), unit="answer", enabled=progress and is_main_process())
     inner = accelerator.unwrap_model(model)
     stats: dict[str, int] = {}
-    generated = shrink_on_oom(
-        lambda bs: greedy_generate(
-            inner,
-            prompts,
-            Decode(pad_token_id=tokenizer.pad_token_id, eos_token_ids=gen.eos_token_ids,
-                   max_new_tokens=gen.max_new_tokens, batch_size=bs, merge_lora=gen.switches.eval_merge_lora,
-                   share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None),
-            device=accelerator.device,
-            autocast=accelerator.autocast,
-            progress=show if bar is not None else None,
-            lora_context=lean_lora,
-            stats=stats,
-        ),
-        batch_size,
-        "generation",
-        say,
-    )
-    if bar is not None:
-        bar.close()
+    with bar:
+        generated = shrink_on_oom(
+            lambda bs: greedy_generate(
+                inner,
+                prompts,
+                Decode(pad_token_id=tokenizer.pad_token_id, eos_token_ids=gen.eos_token_ids,
+                       max_new_tokens=gen.max_new_tokens, batch_size=bs, merge_lora=gen.switches.eval_merge_lora,
+                       share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None),
+                device=accelerator.device,
+                autocast=accelerator.autocast,
+                progress=lambda done, total: bar.set(done),
+                lora_context=lean_lora,
+                stats=stats,
+            ),
+            gen.batch_size,
+            "generation",
+            say,
+        )
     if stats.get("merge_out_of_memory"):
         say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
@@ -645,17 +680,18 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accel
     switches, batch_size = gen.switches, gen.batch_size
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
     share = switches.share_prefixes and why_not_shared(model) is None
-    loss = evaluate_loss(
-        model,
-        [e.features() for e in examples],
-        [len(e.input_ids) for e in examples],
-        loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
-                                  fused=switches.fused_cross_entropy),
-        collate=collate,
-        batch_size=batch_size,
-        accelerator=accelerator,
-        say=say,
-    )
+    with Progress("evaluation loss", enabled=is_main_process()):
+        loss = evaluate_loss(
+            model,
+            [e.features() for e in examples],
+            [len(e.input_ids) for e in examples],
+            loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
+                                      fused=switches.fused_cross_entropy),
+            collate=collate,
+            batch_size=batch_size,
+            accelerator=accelerator,
+            say=say,
+        )
     if not switches.eval_generate:
         return {"eval_loss": loss}, [], []
     out = Decoded()
@@ -712,19 +748,22 @@ def _extra_eos(model: Any) -> set[int]:
 
 
 def prediction_records(examples: list[Example], preds: list[str], golds: list[list[str]],
-                       input_field: str) -> list[dict[str, Any]]:
-    """Per example: where it came from, input, gold answers, prediction, F1 and EM (``predictions/epoch_N.jsonl``)."""
-    return [
-        {
-            "where": ex.row.where,
-            "input": _input_text(ex.row, input_field),
-            "gold": gold,
-            "prediction": pred,
-            "f1": max(token_f1(pred, g) for g in gold),
-            "em": max(exact_match(pred, g) for g in gold),
-        }
-        for ex, pred, gold in zip(examples, preds, golds, strict=True)
-    ]
+                       input_field: str, metric: str = "squad") -> list[dict[str, Any]]:
+    """Per example: where it came from, input, gold answers, prediction, and its scores under the run's metric,
+    named as computed (``f1``/``em`` for squad, ``rouge_l``/``em`` for rouge_l; none for a user's own metric, which
+    scores the whole set) (``predictions/epoch_N.jsonl``)."""
+    out = []
+    for ex, pred, gold in zip(examples, preds, golds, strict=True):
+        record: dict[str, Any] = {"where": ex.row.where, "input": _input_text(ex.row, input_field), "gold": gold,
+                                  "prediction": pred}
+        if metric == "squad":
+            record["f1"] = max(token_f1(pred, g) for g in gold)
+        elif metric == "rouge_l":
+            record["rouge_l"] = max(rouge_l(pred, g) for g in gold)
+        if metric in ("squad", "rouge_l"):
+            record["em"] = max(exact_match(pred, g) for g in gold)
+        out.append(record)
+    return out
 
 
 def _input_text(row: Row, input_field: str) -> Any:
