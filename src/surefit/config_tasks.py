@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from surefit.config import SFTConfig, TrainConfig, opt
+from surefit.config_dpo import DPOConfig
 from surefit.errors import Problem
 
 
@@ -115,4 +116,4 @@ class CustomConfig(TrainConfig):
         return p
 
 
-TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}
+TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig, "dpo": DPOConfig}
