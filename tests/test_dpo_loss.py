@@ -140,3 +140,28 @@ def test_averaging_per_micro_batch_would_break_it():
     _, g8 = _grads(model, feats, 8, wrong)
     _, g1 = _grads(model, feats, 3, wrong)
     assert any(not torch.allclose(g8[n], g1[n], atol=1e-6, rtol=1e-4) for n in g8)
+
+
+def test_under_bf16_the_reference_uses_the_policys_arithmetic_so_step0_is_exactly_ln2():
+    """With 16-bit frozen weights and surefit's fused LoRA forward (fp32 sums), peft's disabled-adapter path rounds
+    each layer's output to bf16: a reference computed that way differs from the zero-adapter policy by ~1e-3 per
+    token. The reference keeps the fused forward with the adapter scaled to 0 instead."""
+    from surefit.training.speedups.lora_fast import fuse_lora
+
+    model = tiny_llama().to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data = p.data.float()
+    model = _lora(model)
+    fuse_lora(model)
+    batch = PairCollator(pad_token_id=0)(_pairs(4))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        total, n = PreferenceLoss("sigmoid", 0.1, "adapters_off")(model, batch)
+        policy, _ = sequence_logps(model, batch)
+        with model.disable_adapter():  # peft's own path: not the same numbers
+            peft_off, _ = sequence_logps(model, batch)
+        with adapters_off(model):
+            ours, _ = sequence_logps(model, batch)
+    assert float(total) / n == math.log(2) or abs(float(total) / n - math.log(2)) < 1e-7
+    assert torch.equal(policy, ours) and not torch.equal(policy, peft_off)
+    assert all(float(v) == 2.0 for m in model.modules() if hasattr(m, "lora_A") for v in m.scaling.values())

@@ -53,12 +53,33 @@ def sequence_logps(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Te
 
 @contextlib.contextmanager
 def adapters_off(model: Any) -> Iterator[None]:
-    """The base model for the duration: peft's ``disable_adapter`` on the peft model inside any DDP wrapper."""
+    """The base model for the duration (the LoRA reference), with no second copy of the weights.
+
+    Plain LoRA layers (what surefit's fused forward covers) keep their forward and get a scaling of 0: the adapter adds
+    an exact zero, so the reference is the base model computed with the policy's own arithmetic, and before step 1 the
+    two log-probabilities are equal to the last bit (under bf16 peft's disabled path rounds the layer outputs to 16
+    bits where the fused forward keeps the fp32 sum: 1e-3 apart per token, a step-0 DPO loss of 0.64 instead of
+    ln 2 on SmolLM2). Any other adapter (DoRA, several adapters, quantised layers) uses peft's ``disable_adapter``.
+    """
+    from surefit.models import plain_lora_adapter
+
     inner = getattr(model, "module", model)
     if not hasattr(inner, "disable_adapter"):
         raise ValueError("the reference 'adapters off' needs a LoRA (peft) model; full fine-tuning precomputes it")
-    with inner.disable_adapter():
+    layers = [m for m in inner.modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")]
+    names = [plain_lora_adapter(m) for m in layers]
+    if not layers or any(n is None for n in names):
+        with inner.disable_adapter():
+            yield
+        return
+    saved = [(m, n, m.scaling[n]) for m, n in zip(layers, names, strict=True)]
+    try:
+        for m, n, _ in saved:
+            m.scaling[n] = 0.0
         yield
+    finally:
+        for m, n, value in saved:
+            m.scaling[n] = value
 
 
 def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
