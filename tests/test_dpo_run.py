@@ -121,3 +121,30 @@ def test_bad_pairs_are_refused_in_one_report_and_nothing_is_trained(tiny_lm_dir,
     text = capsys.readouterr().err
     assert "1 pair has chosen equal to rejected: line 7" in text and "--on_bad_rows skip" in text
     assert not (out / "final").exists()
+
+
+def test_eval_rescores_the_held_out_pairs_as_the_last_epoch_did(lora_run):
+    import surefit
+
+    result = surefit.evaluate(str(lora_run), say=lambda s: None)
+    last = _epochs(lora_run)[-1]
+    assert result["task"] == "dpo" and result["rows"] == 8
+    for key in ("eval_loss", "eval_reward_accuracy", "eval_margin", "eval_logps_chosen", "eval_ref_logps_rejected"):
+        assert result["metrics"][key] == pytest.approx(last[key], abs=1e-4), key
+
+
+def test_eval_of_another_pair_file_and_inspect_shows_both_sequences(lora_run, tiny_lm_dir, tmp_path, capsys):
+    import surefit
+
+    other = write_pairs(tmp_path / "other.jsonl", 6, shift=1)
+    result = surefit.evaluate(str(lora_run), str(other), say=lambda s: None)
+    assert result["rows"] == 6 and 0.0 <= result["metrics"]["eval_reward_accuracy"] <= 1.0
+    out = tmp_path / "pairs_inspected.jsonl"
+    assert main(["inspect", "--task", "dpo", "--model", str(tiny_lm_dir), "--data", str(other), "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "chosen:   the" in said and "rejected: the" in said and "shared prompt" in said
+    first = json.loads(out.read_text().splitlines()[0])
+    p = first["prompt_len"]
+    assert first["chosen"]["input_ids"][:p] == first["rejected"]["input_ids"][:p]
+    assert first["chosen"]["text"].endswith("[[ " + qa_rows(6)[0]["target"] + "</s>]]")
+    assert len(out.read_text().splitlines()) == 6

@@ -82,10 +82,8 @@ def doctor(config: Any = None, /, **settings: Any) -> Any:
 
 
 def inspect_sft(config: Any, out: str | None = None, show: int = 2, say=print) -> dict:
-    """What an sft run would supervise: see :func:`surefit.tasks.sft.inspect`."""
-    from surefit.tasks.sft import inspect
-
-    return inspect(config, out, show, say=say)
+    """What an sft (or dpo) run would supervise: see :func:`surefit.tasks.sft.inspect`."""
+    return task_module(config.task).inspect(config, out, show, say=say)
 
 
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,
