@@ -188,3 +188,14 @@ def test_file_reading_through_the_task_prints_format_and_splits_by_prompt(tmp_pa
     assert report["format"] == "explicit_prompt" and len(train) + len(val) == 40
     assert not {r.fields["pair_prompt"] for r in train} & {r.fields["pair_prompt"] for r in val}
     assert said[0].startswith("format: explicit_prompt (prompt / chosen / rejected)")
+
+
+def test_sft_settings_a_dpo_run_does_not_read_are_refused_not_ignored():
+    from surefit.config_dpo import DPOConfig
+
+    cfg = DPOConfig(data="pairs.jsonl", eval_generate=True, metric="rouge_l", loss="ipo", beta=0.0)
+    text = "\n".join(str(p) for p in cfg.problems())
+    assert "--eval_generate True does nothing in a dpo run" in text and "--metric rouge_l does nothing" in text
+    assert "--beta" in text and "must be > 0 (got 0.0)" in text
+    assert not DPOConfig(data="pairs.jsonl").problems()
+

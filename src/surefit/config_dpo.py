@@ -36,8 +36,7 @@ class DPOConfig(SFTConfig):
                               "reference log-probabilities of a pair are comparable).")
     lr: float = opt(5e-5, "Peak learning rate (AdamW).")
     epochs: int = opt(1, "Passes over the training pairs.")
-    eval_generate: bool = opt(False, "Also generate answers for the held-out prompts at each evaluation (scored as "
-                              "SFT scores them); the preference metrics are computed either way.")
+    eval_generate: bool = opt(False, "Not used by dpo runs (the held-out pairs are scored by their log-probabilities).")
     output_dir: str = opt("runs/dpo", "Where the config, metrics, checkpoints and final model go.")
 
     def problems(self) -> list[Problem]:
@@ -52,6 +51,14 @@ class DPOConfig(SFTConfig):
             p.append(Problem("--template writes the prompt of SFT's input/target rows; a pair's prompt is used as "
                              "written (text) or rendered by the chat template (messages)", "--template",
                              "drop --template"))
+        # SFT settings that a preference run does not read: refused rather than silently ignored.
+        unused = {"eval_generate": False, "metric": "auto", "max_new_tokens": None, "input_field": "input",
+                  "target_field": "target", "train_on": "all_assistant", "role_map": None, "augmentation_factor": 1}
+        for name, default in unused.items():
+            if getattr(self, name) != default:
+                p.append(Problem(f"--{name} {getattr(self, name)} does nothing in a dpo run (pairs are scored by their "
+                                 "log-probabilities; the shapes are detected; every answer turn is trained)",
+                                 f"--{name}", f"drop --{name}"))
         if self.format != "auto":
             p.append(Problem(f"--format {self.format} names an SFT row shape; pair shapes are detected",
                              "--format", "drop --format (see docs/preference.md for the pair shapes)"))

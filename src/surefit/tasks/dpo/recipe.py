@@ -86,9 +86,6 @@ def load_pairs(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None 
     train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
                                             prompt_key, "prompt")
     report["notes"] += notes
-    if cfg.augmentation_factor > 1:
-        report["notes"].append(f"--augmentation_factor {cfg.augmentation_factor} is not applied to preference pairs "
-                               "(a changed answer is a different preference)")
     report.update(train_rows=len(train_rows), val_rows=len(val))
     for note in report["notes"]:
         say(note)
