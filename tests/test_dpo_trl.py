@@ -94,3 +94,29 @@ def test_per_pair_logps_and_first_step_loss_equal_trl_dpo_trainer(tiny_lm_dir, t
     assert torch.allclose(s_rejected, t_rejected, atol=1e-5), (s_rejected, t_rejected)
     assert s_loss == pytest.approx(t_loss, abs=1e-5)
     assert abs(s_loss - 0.6931471805599453) > 1e-3 or kind != "sigmoid"  # a policy unlike its reference
+
+
+def test_doctor_reads_a_trl_dpo_trainer_and_finds_pairs_its_truncation_breaks(tiny_lm_dir, tmp_path):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    from surefit.doctor.checks_dpo import check_dpo_trainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_lm_dir)
+    policy, ref = _models(tiny_lm_dir)
+    prompt = PAIRS[2]["prompt"]
+    # max_length leaves one answer token after the prompt: " the" for both answers of row 1
+    rows = [{"prompt": prompt, "chosen": " a city", "rejected": " a city"},
+            {"prompt": prompt, "chosen": " the capital of France", "rejected": " the city"},
+            {"prompt": prompt, "chosen": " a", "rejected": " the"}]
+    limit = len(tok(prompt)["input_ids"]) + 1
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, bf16=False, max_length=limit)
+    trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
+                         processing_class=tok)
+    report = check_dpo_trainer(trainer)
+    by = {f.code: f for f in report.findings}
+    assert by["dpo-identical-pair"].where == "train_dataset rows 0"
+    assert by["dpo-truncation-empties"].where == "train_dataset rows 1"
+    assert by["dpo-terminator-masked"].where == "train_dataset rows 2"  # " a" / " the" kept, their EOS cut
+    assert report.has_errors

@@ -17,6 +17,7 @@ DPO_CODES = {
                                "adapters left on for the reference)",
     "dpo-step0-loss": "the loss before step 1 is not ln 2 (sigmoid) although the reference is the starting policy",
     "dpo-prompt-emptied": "a pair whose prompt truncation emptied",
+    "dpo-truncation-empties": "a pair whose answer truncation empties, or whose two answers it makes identical",
 }
 CODES.update(DPO_CODES)
 MAX_SHOWN = 5
@@ -117,3 +118,58 @@ def _with_nonzero_adapters(model: Any, fn: Any) -> Any:
         with torch.no_grad():
             for p, value in saved:
                 p.copy_(value)
+
+
+def check_dpo_trainer(trainer: Any) -> Report:
+    """The pair checks on a user's own TRL ``DPOTrainer``, read from its tokenised dataset and its settings: identical
+    pairs, answers its ``max_length`` truncation empties, makes identical or cuts before their EOS (``keep_start``
+    cuts the end of the sequence), and a reference model that is the trained model itself.
+
+    >>> print(check_dpo_trainer(trainer))  # doctest: +SKIP
+    """
+    findings: list[Finding] = []
+    data = trainer.train_dataset
+    args = trainer.args
+    limit = getattr(args, "max_length", None)
+    keep_end = getattr(args, "truncation_mode", "keep_start") == "keep_end"
+    same, emptied, cut = [], [], []
+    for i in range(len(data)):
+        row = data[i]
+        prompt, chosen, rejected = row["prompt_ids"], row["chosen_ids"], row["rejected_ids"]
+        if chosen == rejected:
+            same.append(i)
+            continue
+        if limit is None:
+            continue
+        if keep_end:  # the start of the prompt goes first, then the answer's start
+            kept = [(prompt + a)[-limit:][max(0, len(prompt) - max(0, len(prompt) + len(a) - limit)):]
+                    for a in (chosen, rejected)]
+        else:
+            kept = [a[: max(0, limit - len(prompt))] for a in (chosen, rejected)]
+        if not kept[0] or not kept[1] or kept[0] == kept[1]:
+            emptied.append(i)
+        elif not keep_end and len(prompt) + max(len(chosen), len(rejected)) > limit:
+            cut.append(i)
+
+    def rows(idx: list[int]) -> str:
+        return "train_dataset rows " + ", ".join(map(str, idx[:MAX_SHOWN])) + (
+            f" and {len(idx) - MAX_SHOWN} more" if len(idx) > MAX_SHOWN else "")
+
+    if same:
+        findings.append(Finding("dpo-identical-pair", "error", f"{len(same)} pairs have identical chosen and rejected "
+                                "answers: their loss is a constant and their gradient zero", "remove them", rows(same)))
+    if emptied:
+        findings.append(Finding("dpo-truncation-empties", "error", f"{len(emptied)} pairs lose a whole answer, or are "
+                                f"left with two identical answers, to max_length={limit} truncation: a zero gradient "
+                                "or NaN", "raise max_length, or drop pairs whose prompt fills it", rows(emptied)))
+    if cut:
+        findings.append(Finding("dpo-terminator-masked", "warning", f"{len(cut)} pairs have an answer cut by "
+                                f"max_length={limit} (truncation_mode keep_start cuts the end): its EOS is not "
+                                "trained, so the pair no longer compares whole answers", "raise max_length",
+                                rows(cut)))
+    ref = getattr(trainer, "ref_model", None)
+    if ref is not None and ref is getattr(trainer, "model", None):
+        findings.append(Finding("dpo-reference-is-policy", "error", "ref_model is the trained model itself: the "
+                                "log-ratios are always 0", "pass ref_model=None (a copy is made, or the adapter is "
+                                "switched off under peft) or a separate model", "ref_model"))
+    return Report(findings, 4)
