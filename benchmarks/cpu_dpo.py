@@ -2,7 +2,7 @@
 
 Same model (the embedded SmolLM2-135M-Instruct), same pairs (text prompt / chosen / rejected built from
 ../shared/data/chat/glaive_toolcall_en_demo.json: prompt = "Question: <first user turn>\\nAnswer:", chosen = the first
-assistant reply, rejected = the next conversation's first reply), same settings: LoRA r=16 / alpha 32 / dropout 0 on
+assistant reply of 6-60 words, rejected = the next such conversation's first reply), same settings: LoRA r=16 / alpha 32 / dropout 0 on
 all linear layers, batch 4, max length 512, AdamW lr 5e-5, one epoch, sigmoid loss, beta 0.1, seed 0.
 
     surefit              surefit's defaults (precision auto; the reference = the adapters off, per step)
@@ -42,7 +42,9 @@ def make_pairs(n: int, path: Path) -> None:
     firsts = []
     for r in rows:
         turns = r["conversations"]
-        if len(turns) >= 2 and turns[0]["from"] == "human" and turns[1]["from"] == "gpt":
+        # answers of 6-60 words: every pair fits max length 512 whole, so no tool truncates or drops one
+        if len(turns) >= 2 and turns[0]["from"] == "human" and turns[1]["from"] == "gpt" \
+                and 6 <= len(turns[1]["value"].split()) <= 60:
             firsts.append((turns[0]["value"], turns[1]["value"]))
     pairs = [{"prompt": f"Question: {q}\nAnswer:", "chosen": " " + a, "rejected": " " + firsts[(i + 1) % len(firsts)][1]}
              for i, (q, a) in enumerate(firsts[:n])]
