@@ -199,3 +199,10 @@ def test_sft_settings_a_dpo_run_does_not_read_are_refused_not_ignored():
     assert "--beta" in text and "must be > 0 (got 0.0)" in text
     assert not DPOConfig(data="pairs.jsonl").problems()
 
+
+
+def test_implicit_text_pairs_split_where_the_texts_part_before_a_space():
+    _, out, problems = read([{"chosen": "Q: where did it sit? A: on the mat", "rejected": "Q: where did it sit? A: on a sofa"}])
+    assert not problems
+    f = out[0].fields
+    assert (f["pair_prompt"], f["pair_chosen"], f["pair_rejected"]) == ("Q: where did it sit? A: on", " the mat", " a sofa")
