@@ -165,3 +165,22 @@ def test_under_bf16_the_reference_uses_the_policys_arithmetic_so_step0_is_exactl
     assert float(total) / n == math.log(2) or abs(float(total) / n - math.log(2)) < 1e-7
     assert torch.equal(policy, ours) and not torch.equal(policy, peft_off)
     assert all(float(v) == 2.0 for m in model.modules() if hasattr(m, "lora_A") for v in m.scaling.values())
+
+
+def test_doctor_step0_check_allows_16_bit_rounding_but_not_another_reference():
+    from surefit.doctor.checks_dpo import step0_finding
+    from surefit.training.preference import PairScores
+
+    batch = PairCollator(pad_token_id=0)(_pairs(2))  # answers of 2 and 3 (chosen), 2 and 5 (rejected) tokens
+
+    def scores(shift):
+        c, r = torch.tensor([-10.0, -12.0]), torch.tensor([-11.0, -9.0])
+        losses, cr, rr = pair_losses("sigmoid", c + shift, r, c, r, torch.ones(2), torch.ones(2), beta=0.1)
+        return PairScores(c + shift, r, c, r, losses, cr, rr)
+
+    assert step0_finding(scores(0.0), batch, fp32=True) is None
+    assert step0_finding(scores(0.01), batch, fp32=False) is None  # rounding-sized
+    found = step0_finding(scores(0.01), batch, fp32=True)
+    assert found.code == "dpo-step0-loss" and "not ln 2" in found.message
+    found = step0_finding(scores(2.0), batch, fp32=False)
+    assert found is not None and "nats per token (16-bit rounding alone stays under 0.02)" in found.message

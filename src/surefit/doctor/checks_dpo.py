@@ -70,14 +70,10 @@ def check_pairs(model: Any, tokenizer: Any, examples: list[Any], features: list[
     model.eval()
     try:
         with torch.no_grad(), accelerator.autocast():
-            if loss_fn.reference != "none":
-                loss = float(loss_fn(model, batch)[0]) / int(batch["input_ids"].shape[0] // 2)
-                tol = 1e-4 if precision_is_fp32(accelerator) else 2e-2
-                if cfg.loss == "sigmoid" and not math.isclose(loss, math.log(2), abs_tol=tol):
-                    findings.append(Finding(
-                        "dpo-step0-loss", "error", f"the sigmoid loss before step 1 is {loss:.6f}, not ln 2 = "
-                        f"{math.log(2):.6f}: the reference is not the starting policy", "use a fresh adapter (LoRA "
-                        "starts at zero) or --precompute_ref on the model as it starts", "first 2 training pairs"))
+            if loss_fn.reference != "none" and cfg.loss == "sigmoid":
+                finding = step0_finding(loss_fn.score(model, batch), batch, precision_is_fp32(accelerator))
+                if finding is not None:
+                    findings.append(finding)
             if loss_fn.reference == "adapters_off":
                 policy, ref = _with_nonzero_adapters(model, lambda: (sequence_logps(model, batch)[0],
                                                                      _off(model, batch, adapters_off, sequence_logps)))
@@ -89,6 +85,30 @@ def check_pairs(model: Any, tokenizer: Any, examples: list[Any], features: list[
     finally:
         model.train(was)
     return Report(sorted(findings, key=lambda f: f.severity != "error"), checks)
+
+
+# Per token, the most 16-bit rounding moves a log-probability computed in another batch shape (a precomputed
+# reference): measured ~0.004 nats on SmolLM2-135M under bf16. A reference that is another model is 0.1 or more away.
+ROUNDING_NATS_PER_TOKEN = 0.02
+
+
+def step0_finding(scores: Any, batch: dict, fp32: bool) -> Finding | None:
+    """The sigmoid loss before step 1 must be ln 2: the reference is the starting policy. In fp32 that holds to 1e-4;
+    under 16-bit precision a precomputed reference was computed in other batch shapes, so the policy's and the
+    reference's log-probabilities may differ by rounding: the check then allows ``ROUNDING_NATS_PER_TOKEN`` per token."""
+    labels = batch["labels"]
+    n = (labels[:, 1:] != -100).sum(1).float().clamp(min=1)
+    pairs = labels.shape[0] // 2
+    drift = float(((scores.chosen - scores.ref_chosen).abs() / n[:pairs]).mean()
+                  + ((scores.rejected - scores.ref_rejected).abs() / n[pairs:]).mean()) / 2
+    loss = float(scores.losses.mean())
+    if (fp32 and math.isclose(loss, math.log(2), abs_tol=1e-4)) or (not fp32 and drift <= ROUNDING_NATS_PER_TOKEN):
+        return None
+    allowed = "" if fp32 else f" (16-bit rounding alone stays under {ROUNDING_NATS_PER_TOKEN})"
+    return Finding("dpo-step0-loss", "error", f"the sigmoid loss before step 1 is {loss:.6f}, not ln 2 = "
+                   f"{math.log(2):.6f}: the policy's and the reference's log-probabilities differ by {drift:.4f} nats "
+                   f"per token{allowed}, so the reference is not the starting policy", "use a fresh adapter (LoRA "
+                   "starts at zero), or --precompute_ref on the model as it starts", "first 2 training pairs")
 
 
 def precision_is_fp32(accelerator: Any) -> bool:
