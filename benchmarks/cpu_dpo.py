@@ -121,7 +121,10 @@ def main() -> None:
     from surefit.models import model_folder, resolve_model
 
     model = model_folder(resolve_model(None), log=lambda s: None)  # the converted folder, cached: no worker pays it
-    results = {}
+    results: dict = {}
+    previous = HERE / "results" / "cpu_dpo.json"
+    if a.only != ",".join(CONFIGS) and previous.is_file():  # --only: the other configurations keep their last results
+        results = {k: v for k, v in json.loads(previous.read_text())["results"].items() if k in CONFIGS}
     for name in a.only.split(","):
         env_cmd = [sys.executable, __file__, "--worker", name, "--workdir", str(workdir), "--model", model]
         proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=3600)
@@ -134,7 +137,10 @@ def main() -> None:
              f"Measured on a loaded, shared 2-core machine (load average at the end: {' '.join(load)}; other "
              "helpers were training at the same time): the ratios are indicative, the absolute numbers are not.", "",
              "| configuration | whole-process s | tokens | tokens/s | peak RSS MiB | train loss |", "|---|---|---|---|---|---|"]
-    for name, r in results.items():
+    for name in CONFIGS:
+        r = results.get(name)
+        if r is None:
+            continue
         if "error" in r:
             lines.append(f"| {name} | failed | | | | |")
             continue
