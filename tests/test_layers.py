@@ -19,7 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("surefit.doctor",),
     ("surefit.training", "surefit.run_folder", "surefit.report"),
     ("surefit.data", "surefit.eval", "surefit.models", "surefit.models_gguf", "surefit.models_lowbit"),
-    ("surefit.config", "surefit.config_checks", "surefit.config_files", "surefit.config_tasks", "surefit.errors",
+    ("surefit.config", "surefit.config_checks", "surefit.config_files", "surefit.config_tasks", "surefit.config_dpo",
+     "surefit.errors",
      "surefit.units", "surefit.startup", "surefit.startup_cache"),
 ]
 

@@ -17,7 +17,7 @@ from surefit.errors import ConfigError, Problem
 # Using a finished run lives in surefit/finished.py; its names stay importable from here.
 from surefit.finished import evaluate, export, predict, report
 from surefit.names import build_with_aliases
-from surefit.tasks import task_of
+from surefit.tasks import get_task, task_of
 from surefit.tasks.common import RunResult
 
 
@@ -61,10 +61,8 @@ def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: An
 
 
 def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2, say=print) -> dict:
-    """What an sft run would supervise: see :func:`surefit.tasks.sft.inspect`."""
-    from surefit.tasks.sft import inspect
-
-    return inspect(config, out, show, say=say)
+    """What an sft (or dpo) run would supervise: see :func:`surefit.tasks.sft.inspect`."""
+    return get_task(config.task).inspect(config, out, show, say=say)
 
 
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
             report = doctor(cfg)
             return 1 if report.has_errors else 0
-        if command == "inspect" and _task_of(argv[1:]) == "sft":
+        if command == "inspect" and _task_of(argv[1:]) in ("sft", "dpo"):
             from surefit.api import inspect_sft
 
             rest, out = _pull(argv[1:], "--out")

@@ -16,7 +16,7 @@ from surefit.doctor.core import CODES, Finding, Report, Setup, normalise_args, r
 __all__ = ["check", "check_trainer", "explain", "Finding", "Report", "CODES"]
 
 _CHECK_MODULES = ("surefit.doctor.checks_data", "surefit.doctor.checks_labels", "surefit.doctor.checks_model",
-                  "surefit.doctor.checks_run", "surefit.doctor.checks_chat")
+                  "surefit.doctor.checks_run", "surefit.doctor.checks_chat", "surefit.doctor.checks_dpo")
 
 
 def _load_checks() -> None:
