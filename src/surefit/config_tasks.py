@@ -115,4 +115,4 @@ class CustomConfig(TrainConfig):
         return p
 
 
-TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}
+TASK_CONFIGS: dict[str, type[TrainConfig]] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig}

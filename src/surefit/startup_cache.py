@@ -93,7 +93,7 @@ def code_identity() -> dict[str, Any]:
     root = Path(__file__).resolve().parent
     versions["surefit"] = digest([[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
                                   for f in sorted(root.rglob("*.py"))])
-    device = {"cuda": torch.cuda.is_available()}
+    device: dict[str, Any] = {"cuda": torch.cuda.is_available()}
     if device["cuda"]:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         device.update(name=props.name, total=props.total_memory, count=torch.cuda.device_count())

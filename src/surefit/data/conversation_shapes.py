@@ -42,7 +42,7 @@ def parse_tools(value: Any, bad: RowProblems) -> list | None:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as e:
+        except json.JSONDecodeError as e:
             bad.add("tools", f"'tools' is not valid JSON ({e.msg} at character {e.pos})")
             return None
     if isinstance(value, dict):

@@ -539,9 +539,10 @@ def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, setti
     failures: list[tuple[str, str]] = []
     terminators: set[int] = set()
     for row in rows:
-        messages: list[dict] | None = row.fields["messages"]
+        messages: list[dict] = row.fields["messages"]
         tools = row.fields.get("tools")
         dropped = 0
+        excluded = False
         try:
             while True:
                 ids, labels, prompt_len, term, _ = label_conversation(tokenizer, fmt, messages, tools,
@@ -554,14 +555,14 @@ def encode_conversations(rows: list[Row], tokenizer: Any, fmt: ChatFormat, setti
                            else "(--truncation exclude)")
                     report.excluded.append((row.where, f"{len(ids)} tokens {how}; --max_seq_length is "
                                                        f"{settings.max_seq_length}"))
-                    messages = None
+                    excluded = True
                     break
                 dropped += len(messages) - len(shorter)
                 messages = shorter
         except TemplateProblem as e:
             failures.append((row.where, str(e)))
             continue
-        if messages is None:
+        if excluded:
             continue
         if dropped:
             report.turns_dropped += dropped

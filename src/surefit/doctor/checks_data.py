@@ -1035,8 +1035,8 @@ def _explained_by_others(setup: Setup, err: BaseException) -> bool:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates |= set(codes)
     candidates -= {"collate-failed", "dataset-item-failed", "forward-failed"}
-    for codes, fn in list(REGISTRY):
-        own = set(codes.split(","))
+    for registered, fn in list(REGISTRY):
+        own = set(registered.split(","))
         if own & {"collate-failed", "forward-failed"} or not own & candidates:
             continue
         if any(f.code in candidates and f.severity == "error" for f in _explained(setup, fn)):

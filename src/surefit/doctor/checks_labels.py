@@ -25,7 +25,7 @@ from surefit.doctor.checks_data import (
     _train_values,
     _turn_terminator,
 )
-from surefit.doctor.core import Finding, Setup, describe, register
+from surefit.doctor.core import Finding, Setup, Severity, describe, register
 
 # ------------------------------------------------------------------------------------------------------------ helpers
 
@@ -412,7 +412,7 @@ _PEFT_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "
                "QUESTION_ANS": ("qa_outputs",)}
 
 
-def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
+def _new_modules(base: Any) -> list[tuple[str, Any, Severity]]:
     """``(name, module, severity)`` of the modules the loader initialised fresh.
 
     The checkpoint's ``config.architectures`` names the class it was saved from; modules outside the backbone
@@ -433,7 +433,7 @@ def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
         return []
     n = getattr(cfg, "num_labels", None)
     shared = {p.data_ptr() for p in backbone.parameters()}
-    out: list[tuple[str, Any, str]] = []
+    out: list[tuple[str, Any, Severity]] = []
     for name, module in base.named_children():
         params = list(module.parameters())
         if module is backbone or not params or all(p.data_ptr() in shared for p in params):

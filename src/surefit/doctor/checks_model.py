@@ -699,8 +699,8 @@ def check_forward(setup: Setup) -> list[Finding]:
     for pattern, codes in _PATTERNS:
         if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
             candidates |= set(codes)
-    for codes, fn in list(REGISTRY):
-        own = set(codes.split(","))
+    for registered, fn in list(REGISTRY):
+        own = set(registered.split(","))
         if "forward-failed" in own or not own & candidates:
             continue
         try:

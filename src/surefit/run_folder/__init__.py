@@ -154,7 +154,7 @@ def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejec
     return out
 
 
-def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> None:
+def atomic_write(path: Path, write: Callable[[Path], object], what: str = "") -> None:
     """``write(tmp)`` a file beside ``path``, fsync it, then rename it into place: a reader sees the whole file or the
     previous one, never a part. A failed write (disk full ...) removes the partial file and raises
     :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
@@ -181,7 +181,7 @@ def resume_command(cfg: Any) -> str:
     return f"surefit train --config {Path(cfg.output_dir) / CONFIG} --resume{processes}"
 
 
-def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
+def save_final(out: Path, save_model: Callable[[Path], object]) -> Path:
     """Write ``final/`` atomically (temporary folder, then rename); the main process writes, the others wait."""
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():

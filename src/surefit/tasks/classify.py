@@ -69,6 +69,7 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
     report: dict[str, Any] = {"notes": []}
     sources = [("train", cfg.data)] + ([("validation", cfg.val_data)] if cfg.val_data else [])
     rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
+    assert cfg.data is not None  # required: the config's checks say so first
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
     fields: Fields | None = None
     if loaded["train"]:
@@ -370,25 +371,25 @@ def scores(logits: torch.Tensor, feats: list[dict[str, Any]], spec: LabelSpec) -
             "labels": spec.names,
         }, [spec.names[p] for p in preds]
     if spec.problem_type == "multi":
-        pred = (logits.sigmoid() > 0.5).int()
-        gold = torch.tensor([f["labels"] for f in feats]).int()
-        tp = (pred & gold).sum(0).float()
-        fp = (pred & (1 - gold)).sum(0).float()
-        fn = ((1 - pred) & gold).sum(0).float()
+        on = (logits.sigmoid() > 0.5).int()
+        truth = torch.tensor([f["labels"] for f in feats]).int()
+        tp = (on & truth).sum(0).float()
+        fp = (on & (1 - truth)).sum(0).float()
+        fn = ((1 - on) & truth).sum(0).float()
         per = (2 * tp / (2 * tp + fp + fn).clamp(min=1)).tolist()
         micro = float(2 * tp.sum() / (2 * tp.sum() + fp.sum() + fn.sum()).clamp(min=1))
-        names = [[spec.names[j] for j in range(spec.num_labels) if row[j]] for row in pred.tolist()]
+        names = [[spec.names[j] for j in range(spec.num_labels) if row[j]] for row in on.tolist()]
         return {
-            "eval_subset_accuracy": float((pred == gold).all(-1).float().mean()),
+            "eval_subset_accuracy": float((on == truth).all(-1).float().mean()),
             "eval_micro_f1": micro,
             "eval_macro_f1": sum(per) / len(per),
             "eval_per_class_f1": {spec.names[i]: per[i] for i in range(spec.num_labels)},
             "labels": spec.names,
         }, names
-    pred = logits.squeeze(-1)
-    gold = torch.tensor([float(f["labels"]) for f in feats])
-    pearson = float(torch.corrcoef(torch.stack([pred, gold]))[0, 1]) if len(gold) > 1 else float("nan")
-    return {"eval_mse": float(((pred - gold) ** 2).mean()), "eval_pearson": pearson}, pred.tolist()
+    estimate = logits.squeeze(-1)
+    target = torch.tensor([float(f["labels"]) for f in feats])
+    pearson = float(torch.corrcoef(torch.stack([estimate, target]))[0, 1]) if len(target) > 1 else float("nan")
+    return {"eval_mse": float(((estimate - target) ** 2).mean()), "eval_pearson": pearson}, estimate.tolist()
 
 
 HEADLINE = {"single": ("eval_accuracy", "eval_macro_f1"), "multi": ("eval_micro_f1", "eval_macro_f1"),
@@ -434,6 +435,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         except ConfigError as e:
             early += e.problems
     train_rows, val_rows, fields, spec, report = load_data(cfg, say, early, on_rejected)
+    assert source is not None and path is not None  # load_data raised the model's problems with its own
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -465,7 +467,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     collate = _collator(tokenizer, spec)
     first, second = HEADLINE[spec.problem_type]
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         result = evaluate_features(m, val_rows, val_feats, fields, spec, collate, batch_size, accelerator, say)
         metrics = result.metrics
         say(f"epoch {epoch}/{cfg.epochs}  {first}={metrics[first]:.4f}  {second}={metrics[second]:.4f}  "
@@ -529,7 +531,12 @@ def label_spec(run: Run, label_field: str | None = None) -> LabelSpec:
         raise SurefitError(Problem(f"cannot tell the labels of {run.folder}: data_report.json has no problem_type and "
                                    "the saved model has no label mapping", "--run",
                                    "the run folder is incomplete; train the run again"))
-    names = [] if ptype == "regression" else [n for n, _ in sorted(label2id.items(), key=lambda kv: kv[1])]
+    names: list[str] = []
+    if ptype != "regression":
+        if not label2id:
+            raise SurefitError(Problem(f"cannot tell the label names of {run.folder}: it records problem_type {ptype} "
+                                       "but no label2id", "--run", "the run folder is incomplete; train the run again"))
+        names = [n for n, _ in sorted(label2id.items(), key=lambda kv: kv[1])]
     fields = report.get("fields") or {}
     label = label_field or fields.get("label") or run.cfg.label_field or "label"
     return LabelSpec(problem_type=ptype, field=label, names=names, kind="str", how=f"the labels of {run.folder}")
@@ -689,10 +696,10 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
     for part in chunks(rows, batch_size):
         feats, rep = tokenize(part, loaded.tokenizer, flds, max_len, loaded.extra["keys"], "predict")
         _say_truncated(rep, max_len, say)
-        logits, _ = shrink_on_oom(
-            lambda b, feats=feats: predict_logits(loaded.model, feats, collate, b, loaded.accelerator,
-                                                  spec.problem_type),
-            batch_size, "prediction", say)
+        def logits_of(b: int, feats: list[dict[str, Any]] = feats) -> tuple[torch.Tensor, float]:
+            return predict_logits(loaded.model, feats, collate, b, loaded.accelerator, spec.problem_type)
+
+        logits, _ = shrink_on_oom(logits_of, batch_size, "prediction", say)
         batch = []
         for row, lg in zip(part, logits, strict=True):
             rec: dict[str, Any] = {"where": row.where, "text": str(row.fields[flds.text])}

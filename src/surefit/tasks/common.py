@@ -95,7 +95,7 @@ class Prepared:
     counts: list[int]
     collate: Callable[[list[Any]], dict[str, Any]]
     loss_fn: LossFn
-    evaluate: Callable[[Any, int, int], Evaluation]
+    evaluate: Callable[[Any, int | float, int], Evaluation]
     save: Callable[[Any, Path], None]
     check: Callable[[], Report]
     data_report: dict[str, Any]

@@ -15,8 +15,8 @@ from surefit.training.distributed import is_main_process
 Say = Callable[[str], None]
 
 
-def final_model(out: Path, history: list[dict[str, Any]], export_last: Callable[[Path], None],
-                say: Say) -> Callable[[Path], None]:
+def final_model(out: Path, history: list[dict[str, Any]], export_last: Callable[[Path], object],
+                say: Say) -> Callable[[Path], object]:
     """What writes ``final/``: the model as training left it, or, when the run selected the best evaluation, that
     evaluation's model as its checkpoint exported it (said with its metric, value and step)."""
     best = best_evaluation(history)

@@ -267,6 +267,7 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
     """Everything the loop needs: the shards, the factory's model, how to call it, a real forward under hooks
     before step 1 (a shape mismatch stops here, naming the input and the layer), the split and the loss."""
     early = list(problems or [])
+    assert cfg.model is not None and cfg.data is not None  # required: the config's checks say so first
     factory = None
     try:
         factory = load_factory(cfg.model, flag="--model")
@@ -335,7 +336,7 @@ def prepare(cfg: CustomConfig, say=print, problems: list[Problem] | None = None,
     def collate(idx: Any) -> dict[str, torch.Tensor]:
         return model_batch(data, list(idx), caller)
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         avg = mean_loss(m, caller, val_source, val_idx, batch_size, accelerator)
         if epoch == 0 or not float(epoch).is_integer():  # before training, and --eval_every's mid-epoch ones
             say(f"epoch {epoch}/{cfg.epochs}  avg_valid_loss={avg:.4f}")

@@ -56,6 +56,7 @@ class CheckpointError(SurefitError):
 def capture_rng() -> dict[str, Any]:
     """Every generator whose state decides what happens next (dropout masks, shuffles)."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # legacy=True, the default: the Mersenne Twister tuple
     state: dict[str, Any] = {
         "python": random.getstate(),
         # weights_only loading refuses numpy arrays; a tensor of the keys round-trips exactly.
@@ -133,8 +134,8 @@ def save_checkpoint(
     scheduler: Any = None,
     scaler: Any = None,
     state: dict[str, Any] | None = None,
-    export: Callable[[Path], None] | None = None,
-    before_commit: Callable[[Path], None] | None = None,
+    export: Callable[[Path], object] | None = None,
+    before_commit: Callable[[Path], object] | None = None,
     optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically; on a failed write, the previous checkpoints are untouched.

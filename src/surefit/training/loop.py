@@ -137,7 +137,7 @@ class Checkpointing:
     export: Callable[[Any, Path], None] | None = None
     resume_from: Path | None = None
     resume_command: str = ""
-    before_commit: Callable[[Path], None] | None = None
+    before_commit: Callable[[Path], object] | None = None
 
 
 class OutOfMemoryInSync(SurefitError):
@@ -200,7 +200,8 @@ def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: flo
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16,
                                                                                   torch.bfloat16, torch.float64)
                                  for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
+    extra: dict[str, Any] = {"fused": True} if fused else {}
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **extra)
 
 
 @dataclass
@@ -266,7 +267,7 @@ class _Fit:
 
     def __init__(self, model: Any, features: Sequence[Any], lengths: list[int], counts: list[int], *,
                  loss_fn: LossFn, collate: Callable[[list[Any]], dict[str, torch.Tensor]], settings: LoopSettings,
-                 accelerator: Any, evaluate: Callable[[Any, int], dict[str, Any]], checkpointing: Checkpointing,
+                 accelerator: Any, evaluate: Callable[[Any, int | float], dict[str, Any]], checkpointing: Checkpointing,
                  log: Any, say: Callable[[str], None], counters: Any) -> None:
         self.features, self.lengths, self.counts = features, lengths, counts
         self.loss_fn, self.collate, self.settings = loss_fn, collate, settings
@@ -289,6 +290,7 @@ class _Fit:
         # A sharded model skips accelerate's prepare, which would wrap it in DDP (or accelerate's own FSDP).
         if not self.sharded and world_size() > 1 and features:
             tell_ddp_about_unused(model, lambda: collate([features[0]]), loss_fn, accelerator, say)
+        self.optimizer: torch.optim.Optimizer
         self.model, self.optimizer = (model, optimizer) if self.sharded else accelerator.prepare(model, optimizer)
         self.world, self.main = accelerator.num_processes, accelerator.is_main_process
         if self.world != world_size():
@@ -333,7 +335,7 @@ class _Fit:
         p = self.progress
         rng = capture_rng()
         try:
-            record = {"type": "eval", "epoch": p.epoch, "step": p.global_step,
+            record: dict[str, Any] = {"type": "eval", "epoch": p.epoch, "step": p.global_step,
                       "epoch_progress": round((p.epoch - 1) + p.step_in_epoch / max(self.steps_per_epoch, 1), 4)}
             record.update(self.evaluate(record["epoch_progress"], step=p.global_step))
         finally:
@@ -409,8 +411,8 @@ class _Fit:
         elif not scaled:
             grads = [p.grad for p in self.params if p.grad is not None]
             grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        counts = dict(items=sum(self.counts[i] for i in step_indices), tokens=sum(self.lengths[i] for i in step_indices),
-                      examples=len(step_indices))
+        items, tokens = sum(self.counts[i] for i in step_indices), sum(self.lengths[i] for i in step_indices)
+        examples = len(step_indices)
         if not math.isfinite(loss_sum) or (not scaled and grad_norm is not None and not math.isfinite(grad_norm)):
             # Every process sees the same summed loss and all-reduced gradients, so all of them take this branch.
             self.optimizer.zero_grad(set_to_none=True)
@@ -419,13 +421,13 @@ class _Fit:
                 raise NonFiniteLoss(problem)
             self.scheduler.step()  # the schedule follows the steps taken through the data, applied or not
             self.say(f"--on_nonfinite skip_step: skipped step {self.progress.global_step + 1}: {problem.what}")
-            return StepResult(loss_sum=loss_sum, **counts, seconds=time.perf_counter() - t0, grad_norm=grad_norm,
-                              stop=stops > 0, skipped=True)
+            return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
+                              seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0, skipped=True)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum=loss_sum, **counts, seconds=time.perf_counter() - t0, grad_norm=grad_norm,
-                          stop=stops > 0)
+        return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
+                          seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)
 
     def nonfinite_problem(self, step_indices: list[int], loss_sum: float, grad_norm: float | None,
                           weights_only: bool = False) -> Problem:
@@ -496,6 +498,7 @@ class _Fit:
         from surefit.training.checkpoint import prune, save_checkpoint
 
         ck = self.checkpointing
+        ck_export = ck.export
         if not self.main:
             barrier()
             return ck.folder / name
@@ -513,7 +516,7 @@ class _Fit:
                    "plan": {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro,
                             "grad_accum": self.accum, "mixed_precision": str(acc.mixed_precision),
                             "processes": acc.num_processes, "sharding": self.settings.sharding}},
-            export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
+            export=(lambda d: ck_export(self.model, d)) if export and ck_export else None,
             before_commit=ck.before_commit,
         )
         best = self.selection.best
@@ -539,7 +542,7 @@ def fit(
     collate: Callable[[list[Any]], dict[str, torch.Tensor]],
     settings: LoopSettings,
     accelerator: Any,
-    evaluate: Callable[[Any, int], dict[str, Any]],
+    evaluate: Callable[[Any, int | float], dict[str, Any]],
     checkpointing: Checkpointing,
     log: Any,
     say: Callable[[str], None] = print,

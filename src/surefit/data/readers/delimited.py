@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import sys
-from typing import Any
+from typing import Any, Literal
 
 from surefit.data.readers.common import _ICONV_FIX, _MAX_HEADER_NAME, Rejected, _Capped, _clip, short
 from surefit.data.readers.text import _Text, _too_big, _too_big_what
@@ -31,11 +31,11 @@ def _read_delimited(
             decoded, source, delimiter, csv.QUOTE_NONE, unquoted, unquoted_rejects
         )
         if not unquoted_issues:
-            if rejects is not None:
+            if rejects is not None and unquoted_rejects is not None:
                 rejects.extend(unquoted_rejects)
             return plain
     problems.extend(trial)
-    if rejects is not None:
+    if rejects is not None and trial_rejects is not None:
         rejects.extend(trial_rejects)
     return rows
 
@@ -44,7 +44,7 @@ def _parse_delimited(
     decoded: _Text,
     source: str,
     delimiter: str,
-    quoting: int,
+    quoting: Literal[0, 1, 2, 3],
     problems: list[Problem],
     rejects: list[Rejected] | None,
 ) -> tuple[list[Row] | None, int]:
@@ -105,7 +105,8 @@ def _parse_delimited(
                     reason += f" (line {bad_at}, inside this record)"
                 if first_line != last_line:
                     raw_line = _clip(raw(first_line, last_line))
-                rejects.append(Rejected(where, reason, raw_line))  # bad_lines is only filled in skip mode
+                assert rejects is not None  # bad_lines is only filled in skip mode
+                rejects.append(Rejected(where, reason, raw_line))
                 encoding_rejects += 1
                 continue
             size = _too_big(record)

@@ -135,7 +135,7 @@ def _read_folder(p: Path, source: str, problems: list[Problem]) -> list[Row]:
         )
         return []
     if _is_dataset_folder(p):
-        return _read_dataset_folder(source, problems)
+        return _read_dataset_folder(source, problems) or []  # None: a problem says why
 
     found = _data_files_inside(p)
     if found:

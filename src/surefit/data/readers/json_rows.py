@@ -97,7 +97,8 @@ def _read_jsonl(
         was_first, first = first, False
         if n in decoded.bad_lines:
             reason, raw = decoded.bad_lines[n]
-            rejects.append(Rejected(where, reason, raw))  # bad_lines is only filled in skip mode
+            assert rejects is not None  # bad_lines is only filled in skip mode
+            rejects.append(Rejected(where, reason, raw))
             continue
         size = _too_big([line])
         if size is not None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from surefit.config import SFTConfig
 from surefit.data.encode import (
+    ChatReport,
     Example,
     encode_rows,
 )
@@ -305,7 +306,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
         trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
         say("turns per role: " + ", ".join(f"{r} {n}" for r, n in roles.items()) + f"; supervised: {trained} "
             "and its terminator; system, user and tool turns never")
-    if getattr(rep, "tools_rows", 0):
+    if isinstance(rep, ChatReport) and rep.tools_rows:
         say(f"tools: {rep.tools_rows} rows give tool schemas ({rep.tools_how}); {rep.tool_call_turns} assistant turns "
             "call a tool (trained like any assistant turn)")
     say(f"shortened to fit: {counts['shortened']} of {rep.rows} rows (oldest turns dropped); excluded: "

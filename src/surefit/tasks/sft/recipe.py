@@ -73,7 +73,7 @@ Say = Callable[[str], None]
 # The column flags of an sft run (``surefit eval`` / ``predict`` take them for other data).
 FIELDS = ("input_field", "target_field")
 # What ``final/`` holds: a LoRA adapter, or a full model.
-FINAL_FILES = [("adapter_config.json",), ("config.json",)]
+FINAL_FILES: list[tuple[str, ...]] = [("adapter_config.json",), ("config.json",)]
 
 
 def final_files(cfg: SFTConfig) -> list[tuple[str, ...]]:
@@ -100,6 +100,7 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
     if isinstance(choice, Problem):
         # No known shape: the flat fields' own problems say which field is missing and what the rows have instead.
         choice = detect_format(rows, source, "input_target", cfg.input_field, cfg.target_field)
+        assert not isinstance(choice, Problem)  # a named format is never refused
         found = len(problems)
         rows, _, notes = _read_formatted(rows, cfg, source, problems, rejects, "input_target")
         problems[found:] = [replace(p, fix=p.fix + FORMAT_HINT) if p.where in ("--input_field", "--target_field")
@@ -118,7 +119,7 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
     fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
     if choice.name == "prompt_completion":
         fields = [("prompt", "--format"), ("completion", "--format")]
-    if prerendered(cfg):  # the template's fields are the prompt: the input field may be absent or empty
+    if cfg.template and prerendered(cfg):  # the template's fields are the prompt: the input field may be absent
         fields = fields[1:]
         names = template_fields(cfg.template)
         choice.fields = " / ".join([*names, fields[0][0]])
@@ -127,7 +128,7 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
     if choice.name == "prompt_completion":
         kept = [r.with_fields(**{cfg.input_field: r.fields["prompt"], cfg.target_field: r.fields["completion"]})
                 for r in kept]
-    if prerendered(cfg):
+    if cfg.template and prerendered(cfg):
         kept, more = apply_template(kept, cfg.template, choice, cfg.input_field, source, problems)
         notes += more
     return kept, choice, notes
@@ -136,7 +137,7 @@ def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list
 def prerendered(cfg: SFTConfig) -> bool:
     """A --template naming fields other than {input} is filled per row while reading (see
     :func:`surefit.data.formats.apply_template`); one with only {input} is split around it as it always was."""
-    return bool(cfg.template) and template_fields(cfg.template) != ["input"]
+    return bool(cfg.template and template_fields(cfg.template) != ["input"])
 
 
 FORMAT_HINT = ("; or give the rows a shape surefit reads without field flags: 'messages', 'conversations', "
@@ -169,6 +170,7 @@ def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None =
     problems = list(problems or [])
     report: dict[str, Any] = {"notes": []}
     rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
+    assert cfg.data is not None  # required: the config's checks say so first
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
     choice: FormatChoice | None = None
     table: list[dict[str, str]] = []
@@ -278,6 +280,7 @@ class Encoder:
         """Examples and the report of one split. A row the chat template cannot label is an error (or, with
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
+            assert self.prompt is not None  # flat rows have a prompt format
             return encode_rows(rows, self.tokenizer, self.prompt, split=split, **_encode_settings(self.cfg))
         settings = ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation)
         examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat, settings, split)
@@ -297,6 +300,7 @@ class Encoder:
         """Generation prompt of a row and how many tokens were cut from it: a conversation continues with the next
         assistant turn (oldest exchanges dropped to fit ``room``); a flat row's input is cut as in training."""
         if self.chat is None:
+            assert self.prompt is not None  # flat rows have a prompt format
             [ids], [cut] = encode_prompts([str(row.fields[self.cfg.input_field])], self.tokenizer, self.prompt,
                                           max_prompt_length=room, truncation_side=self.cfg.truncation_side)
             return ids, cut
@@ -407,7 +411,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                                         "extractive answers") + ")" if cfg.metric == "auto" else ""))
     data_report["stop_ids"] = eos_ids
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, target_field=cfg.target_field,
                                                   eos_token_ids=eos_ids, max_new_tokens=max_new, batch_size=batch_size,
                                                   accelerator=accelerator, say=say, share_prefixes=cfg.share_prefixes,
@@ -541,7 +545,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, *, eos_
                    mininterval=0.5 if sys.stderr.isatty() else 30.0, disable=not is_main_process())
 
     def show(done: int, total: int) -> None:
-        bar.update(done - bar.n)
+        if bar is not None:
+            bar.update(done - bar.n)
 
     inner = accelerator.unwrap_model(model)
     stats: dict[str, int] = {}

@@ -277,7 +277,7 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
 def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     down = self.down_proj
     name = _fast_adapter(down, (), {}) if not (args or kwargs) and _is_lora_linear(down) else None
-    w = down.base_layer.weight if name is not None else None
+    w: Any = down.base_layer.weight if name is not None else None
     if name is None or w.dtype not in (torch.float16, torch.bfloat16) or w.requires_grad \
             or (down.base_layer.bias is not None and down.base_layer.bias.requires_grad) \
             or type(self.act_fn) is not self._surefit_act or _hooked(down) or _hooked(self.act_fn):
@@ -384,7 +384,7 @@ def fuse_lora(model: nn.Module) -> int:
             n += 1
         elif _is_swiglu_mlp(m):
             # Used only when down_proj is a LoRA layer on 16-bit frozen weights (checked at each call).
-            m._surefit_act = type(m.act_fn)
+            m._surefit_act = type(m.act_fn)  # type: ignore[assignment]  # a new attribute on the module
             m.forward = types.MethodType(_fused_mlp_forward, m)
     return n
 
@@ -465,10 +465,9 @@ class SavedActivationsIn:
 
     @staticmethod
     def unpack(p: torch.Tensor | _Packed | _Kept) -> torch.Tensor:
-        kind = type(p)
-        if kind is _Packed:
+        if isinstance(p, _Packed):
             return p.tensor.to(p.dtype)
-        return p.get() if kind is _Kept else p
+        return p.get() if isinstance(p, _Kept) else p
 
     def __enter__(self) -> SavedActivationsIn:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
