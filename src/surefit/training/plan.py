@@ -216,14 +216,14 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any 
 
     ``packer``: a :class:`~surefit.training.speedups.lora_fast.SavedActivationsIn` the run will train under; what it stores
     is counted."""
-    from surefit.training.speedups.lora_fast import SavedActivationsIn, _Packed, keep_saved
+    from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, keep_saved
 
     seen: dict[tuple[int, int], int] = {}
 
     def pack(t: torch.Tensor) -> Any:
         if packer is not None:
             packed = packer.pack(t)
-            if type(packed) is _Packed:
+            if type(packed) is Packed:
                 storage = packed.tensor.untyped_storage()
                 seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
                 return packed

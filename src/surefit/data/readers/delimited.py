@@ -7,16 +7,16 @@ import io
 import sys
 from typing import Any, Literal
 
-from surefit.data.readers.common import _ICONV_FIX, _MAX_HEADER_NAME, Rejected, _Capped, _clip, short
-from surefit.data.readers.text import _Text, _too_big, _too_big_what
+from surefit.data.readers.common import ICONV_FIX, MAX_HEADER_NAME, CappedProblems, Rejected, clip_raw, short
+from surefit.data.readers.text import DecodedText, oversize_bytes, too_big_what
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
 # --- CSV / TSV ----------------------------------------------------------------------------------------------------
 
 
-def _read_delimited(
-    decoded: _Text, source: str, delimiter: str, problems: list[Problem], rejects: list[Rejected] | None = None
+def read_delimited(
+    decoded: DecodedText, source: str, delimiter: str, problems: list[Problem], rejects: list[Rejected] | None = None
 ) -> list[Row] | None:
     trial: list[Problem] = []
     trial_rejects: list[Rejected] | None = [] if rejects is not None else None
@@ -41,7 +41,7 @@ def _read_delimited(
 
 
 def _parse_delimited(
-    decoded: _Text,
+    decoded: DecodedText,
     source: str,
     delimiter: str,
     quoting: Literal[0, 1, 2, 3],
@@ -61,8 +61,8 @@ def _parse_delimited(
     rows: list[Row] = []
     before = len(problems)
     encoding_rejects = 0
-    wrong_count = _Capped(problems, source, "lines", rejects)
-    too_big = _Capped(problems, source, "lines", rejects)
+    wrong_count = CappedProblems(problems, source, "lines", rejects)
+    too_big = CappedProblems(problems, source, "lines", rejects)
     lines: list[str] = []
     spanning: list[tuple[int, int, int]] = []  # (row position, first line, last line) of records with line breaks
 
@@ -91,7 +91,7 @@ def _parse_delimited(
                             "the header line "
                             + decoded.bad_lines[bad_at][0].replace("not valid UTF-8:", "is not valid UTF-8:", 1),
                             where=f"{source} line {bad_at}",
-                            fix=_ICONV_FIX,
+                            fix=ICONV_FIX,
                         )
                     )
                     return None, len(problems) - before
@@ -104,20 +104,20 @@ def _parse_delimited(
                 if bad_at != first_line:
                     reason += f" (line {bad_at}, inside this record)"
                 if first_line != last_line:
-                    raw_line = _clip(raw(first_line, last_line))
+                    raw_line = clip_raw(raw(first_line, last_line))
                 assert rejects is not None  # bad_lines is only filled in skip mode
                 rejects.append(Rejected(where, reason, raw_line))
                 encoding_rejects += 1
                 continue
-            size = _too_big(record)
+            size = oversize_bytes(record)
             if size is not None:
                 too_big.add(
                     Problem(
-                        _too_big_what(f"the record at line {first_line}", size),
+                        too_big_what(f"the record at line {first_line}", size),
                         where=where,
                         fix="split the text into smaller rows, or remove the record",
                     ),
-                    raw=_clip(raw(first_line, last_line)),
+                    raw=clip_raw(raw(first_line, last_line)),
                 )
                 continue
             if len(record) != len(header):
@@ -129,7 +129,7 @@ def _parse_delimited(
                         where=where,
                         fix=_cell_fix(kind),
                     ),
-                    raw=_clip(raw(first_line, last_line)),
+                    raw=clip_raw(raw(first_line, last_line)),
                 )
                 continue
             if first_line != last_line:
@@ -182,7 +182,7 @@ def _stray_quotes(rows: list[Row], spanning: list[tuple[int, int, int]], n_colum
                 "that really spans lines must be quoted whole",
         )
         if rejects is not None:
-            rejects.append(Rejected(problem.where, problem.what, _clip(raw(first, last))))
+            rejects.append(Rejected(problem.where, problem.what, clip_raw(raw(first, last))))
         else:
             problems.append(problem)
         dropped.add(position)
@@ -204,7 +204,7 @@ def _header(record: list[str], source: str, line: int, kind: str, problems: list
         )
         return None
     # A file without a header would silently lose its first row to column names; sentence-length names give it away.
-    long_names = [name for name in names if len(name) > _MAX_HEADER_NAME]
+    long_names = [name for name in names if len(name) > MAX_HEADER_NAME]
     if long_names:
         problems.append(
             Problem(

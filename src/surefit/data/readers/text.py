@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from surefit.data.readers.common import (
-    _BOMS,
-    _CONTROL_BYTES,
-    _ICONV_FIX,
-    _MAX_CONTROL_SHARE,
-    _SNIFF_BYTES,
-    _UTF8_BOM,
+    BOMS,
+    CONTROL_BYTES,
+    ICONV_FIX,
+    MAX_CONTROL_SHARE,
     MAX_ROW_BYTES,
-    _clip,
-    _with_hint,
+    SNIFF_BYTES,
+    UTF8_BOM,
+    clip_raw,
     have,
+    with_hint,
 )
 from surefit.errors import Problem
 
@@ -25,7 +25,7 @@ from surefit.errors import Problem
 
 
 @dataclass(frozen=True)
-class _Text:
+class DecodedText:
     """A text file's content, decoded.
 
     Attributes:
@@ -57,7 +57,7 @@ def not_a_regular_file(p: Path, source: str) -> Problem | None:
                    fix="save the data to a file and pass that file")
 
 
-def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool) -> _Text | None:
+def read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool) -> DecodedText | None:
     try:
         with p.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -75,9 +75,9 @@ def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_l
         # One problem for the file: a binary file decoded as text would list every "line" of it as broken.
         problems.append(binary)
         return None
-    bom = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
+    bom = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
     try:
-        return _Text(data[bom:].decode("utf-8"), {})
+        return DecodedText(data[bom:].decode("utf-8"), {})
     except UnicodeDecodeError as e:
         # Keep reading with the bad bytes replaced, so the same report also lists the file's other problems; the
         # encoding problem stops the run (error mode), or the rows on the bad lines are rejected (skip mode), so the
@@ -85,14 +85,14 @@ def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_l
         text = data[bom:].decode("utf-8", errors="replace")
         if skip and by_line:
             held = _encoding_problem(data, bom + e.start, bom + e.end, source, hint=False)
-            return _Text(text, _bad_lines(data), held)
+            return DecodedText(text, _bad_lines(data), held)
         problems.append(_encoding_problem(data, bom + e.start, bom + e.end, source, hint=by_line))
-        return _Text(text, {})
+        return DecodedText(text, {})
 
 
 def _binary_problem(data: bytes, source: str, kind: str) -> Problem | None:
-    head = data[:_SNIFF_BYTES]
-    for bom, name, order in _BOMS:
+    head = data[:SNIFF_BYTES]
+    for bom, name, order in BOMS:
         if head.startswith(bom):
             return _utf16_problem(source, name, f"{order}, it starts with a {name} byte order mark")
     nul = head.find(b"\x00")
@@ -108,8 +108,8 @@ def _binary_problem(data: bytes, source: str, kind: str) -> Problem | None:
             fix=f"check that this is the right file; a compressed, spreadsheet or other binary file must be "
             f"exported to {kind} first",
         )
-    control = len(head) - len(head.translate(None, _CONTROL_BYTES))
-    if head and control > _MAX_CONTROL_SHARE * len(head):
+    control = len(head) - len(head.translate(None, CONTROL_BYTES))
+    if head and control > MAX_CONTROL_SHARE * len(head):
         return Problem(
             f"looks like a binary file, not {kind} ({control} of its first {len(head)} bytes are control bytes)",
             where=source,
@@ -138,7 +138,7 @@ def _encoding_problem(data: bytes, start: int, end: int, source: str, *, hint: b
         f"{_cp1252_guess(bad)}; near: '{excerpt}'; "
         f"{bad_lines} line{'s' if bad_lines != 1 else ''} in the file {have(bad_lines)} invalid bytes"
     )
-    return Problem(what, where=f"{source} line {line}", fix=_with_hint(_ICONV_FIX) if hint else _ICONV_FIX)
+    return Problem(what, where=f"{source} line {line}", fix=with_hint(ICONV_FIX) if hint else ICONV_FIX)
 
 
 def _bad_lines(data: bytes) -> dict[int, tuple[str, str]]:
@@ -149,7 +149,7 @@ def _bad_lines(data: bytes) -> dict[int, tuple[str, str]]:
         except UnicodeDecodeError as e:
             what = f"not valid UTF-8: byte {_hex(chunk[e.start : e.end])} at byte {e.start + 1} of the line"
             what += _cp1252_guess(chunk[e.start : e.end])
-            bad[n] = (what, _clip(chunk.decode("utf-8", "backslashreplace")))
+            bad[n] = (what, clip_raw(chunk.decode("utf-8", "backslashreplace")))
     return bad
 
 
@@ -164,7 +164,7 @@ def _cp1252_guess(bad: bytes) -> str:
         return ""
 
 
-def _too_big(parts: list[str]) -> int | None:
+def oversize_bytes(parts: list[str]) -> int | None:
     """The UTF-8 size of a row's text when it is over :data:`MAX_ROW_BYTES`, else None."""
     # A character is at most 4 bytes, so most rows are cleared without encoding them.
     if sum(map(len, parts)) * 4 <= MAX_ROW_BYTES:
@@ -173,7 +173,7 @@ def _too_big(parts: list[str]) -> int | None:
     return size if size > MAX_ROW_BYTES else None
 
 
-def _too_big_what(subject: str, size: int) -> str:
+def too_big_what(subject: str, size: int) -> str:
     shown = f"{size / 2**20:.1f} MiB"
     if round(size / 2**20, 1) * 2**20 <= MAX_ROW_BYTES:
         # Just over the limit rounds to "16.0 MiB", which would read as allowed.

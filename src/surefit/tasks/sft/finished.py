@@ -33,13 +33,13 @@ from surefit.tasks.sft.recipe import (
     FINAL_FILES,
     Encoder,
     Say,
-    _encode_settings,
-    _input_text,
     choose_metric,
+    encode_settings,
     eos_token_ids,
     evaluate_examples,
     generate_texts,
     load_data,
+    prediction_input,
     prediction_records,
     prerendered,
 )
@@ -118,7 +118,7 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
         rows = _read_run_file(run, data, [(input_field, "--input_field"), (target_field, "--target_field")])
         described = str(data)
     loaded = load(run, say)
-    enc = _encode_settings(cfg, input_field, target_field)
+    enc = encode_settings(cfg, input_field, target_field)
     encoder: Encoder = loaded.extra["encoder"]
     if encoder.chat is not None:
         examples, rep = encoder.encode(rows, "evaluation")
@@ -208,7 +208,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
             n: r.fields.get(input_field if n == "input" else n) for n in names})}) for r in rows]
     loaded = load(run, say)
     encoder: Encoder = loaded.extra["encoder"]
-    max_new = _max_new_tokens(run, max_new_tokens, loaded, None, _encode_settings(cfg))
+    max_new = _max_new_tokens(run, max_new_tokens, loaded, None, encode_settings(cfg))
     # Like training, prompt + answer fit in max_seq_length: the input is cut (and counted) so that they do.
     room = max(cfg.max_seq_length - max_new, 1)
     for part in chunks(rows, batch_size):
@@ -224,7 +224,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
                                share_prefixes=getattr(cfg, "eval_share_prefixes", False))
         batch = []
         for row, pred, n_cut, n in zip(part, preds, cut, lengths, strict=True):
-            rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
+            rec = {"where": row.where, "input": prediction_input(row, input_field), "prediction": pred,
                    "stopped": "end of turn" if n < max_new else f"max_new_tokens ({max_new})"}
             if n_cut:
                 rec["input_tokens_cut"] = n_cut

@@ -227,7 +227,7 @@ def _golds(row: Row, target_field: str) -> list[str]:
     return [str(row.fields[target_field])]
 
 
-def _encode_settings(cfg: SFTConfig, input_field: str | None = None, target_field: str | None = None) -> dict:
+def encode_settings(cfg: SFTConfig, input_field: str | None = None, target_field: str | None = None) -> dict:
     return dict(max_seq_length=cfg.max_seq_length, input_field=input_field or cfg.input_field,
                 target_field=target_field or cfg.target_field, truncation_side=cfg.truncation_side)
 
@@ -281,7 +281,7 @@ class Encoder:
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
             assert self.prompt is not None  # flat rows have a prompt format
-            return encode_rows(rows, self.tokenizer, self.prompt, split=split, **_encode_settings(self.cfg))
+            return encode_rows(rows, self.tokenizer, self.prompt, split=split, **encode_settings(self.cfg))
         settings = ChatEncodeSettings(self.cfg.max_seq_length, self.cfg.train_on, self.cfg.truncation)
         examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat, settings, split)
         self.terminators |= terminators
@@ -670,7 +670,7 @@ def prediction_records(examples: list[Example], preds: list[str], golds: list[li
     return [
         {
             "where": ex.row.where,
-            "input": _input_text(ex.row, input_field),
+            "input": prediction_input(ex.row, input_field),
             "gold": gold,
             "prediction": pred,
             "f1": max(token_f1(pred, g) for g in gold),
@@ -680,7 +680,7 @@ def prediction_records(examples: list[Example], preds: list[str], golds: list[li
     ]
 
 
-def _input_text(row: Row, input_field: str) -> Any:
+def prediction_input(row: Row, input_field: str) -> Any:
     """What a prediction answers: a flat row's input, or a conversation's last user (or tool) turn."""
     messages = row.fields.get("messages")
     if isinstance(messages, list):
