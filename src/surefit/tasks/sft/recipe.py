@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,15 +34,13 @@ from surefit.data.encode import (
 )
 from surefit.data.formats import (
     FormatChoice,
-    apply_template,
-    detect_format,
+    ReadSettings,
     field_table,
     last_assistant,
-    parse_role_map,
+    read_formatted,
     template_fields,
-    to_conversations,
 )
-from surefit.data.readers import Rejected, check_text_fields, read_splits
+from surefit.data.readers import Rejected, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.doctor import check
@@ -84,64 +82,15 @@ def final_files(cfg: SFTConfig) -> list[tuple[str, ...]]:
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list[Problem],
-                    rejects: list[Rejected] | None, wanted: str | None = None) -> tuple[list[Row], FormatChoice | None,
-                                                                                     list[str]]:
-    """Rows of one file in the internal form of their format (detected, or ``wanted``), every row checked.
-
-    Rows of no known shape are read as input/target rows, so that the problems name the missing field, what the rows
-    have instead, and the shapes read without flags. Returns ``(rows, format, notes)``.
-    """
-    role_map, role_problems = parse_role_map(cfg.role_map)
-    if wanted is None:  # once per run: the training file's read
-        problems += role_problems
-    choice = detect_format(rows, source, wanted or cfg.format, cfg.input_field, cfg.target_field, role_map,
-                           needs_input=not prerendered(cfg))
-    if isinstance(choice, Problem):
-        # No known shape: the flat fields' own problems say which field is missing and what the rows have instead.
-        choice = detect_format(rows, source, "input_target", cfg.input_field, cfg.target_field)
-        assert not isinstance(choice, Problem)  # a named format is never refused
-        found = len(problems)
-        rows, _, notes = _read_formatted(rows, cfg, source, problems, rejects, "input_target")
-        problems[found:] = [replace(p, fix=p.fix + FORMAT_HINT) if p.where in ("--input_field", "--target_field")
-                            else p for p in problems[found:]]
-        return rows, choice, notes
-    if choice.conversational:
-        rows = to_conversations(rows, choice, source, problems, rejects)
-        if cfg.template and choice.name == "alpaca":
-            rows, notes = apply_template(rows, cfg.template, choice, cfg.input_field, source, problems)
-            return rows, choice, notes
-        if cfg.template:
-            problems.append(Problem(f"--template writes the prompt of input/target and Alpaca rows; the turns of "
-                                    f"{choice.name} rows are written by the chat template", "--template",
-                                    "drop --template (or --chat_format NAME|FILE.jinja to change the chat template)"))
-        return rows, choice, []
-    fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
-    if choice.name == "prompt_completion":
-        fields = [("prompt", "--format"), ("completion", "--format")]
-    if cfg.template and prerendered(cfg):  # the template's fields are the prompt: the input field may be absent
-        fields = fields[1:]
-        names = template_fields(cfg.template)
-        choice.fields = " / ".join([*names, fields[0][0]])
-        choice.mapping = f"--template fills the prompt from {', '.join(names)}; {fields[0][0]} -> trained answer"
-    kept, notes = check_text_fields(rows, fields, problems, source, rejects=rejects)
-    if choice.name == "prompt_completion":
-        kept = [r.with_fields(**{cfg.input_field: r.fields["prompt"], cfg.target_field: r.fields["completion"]})
-                for r in kept]
-    if cfg.template and prerendered(cfg):
-        kept, more = apply_template(kept, cfg.template, choice, cfg.input_field, source, problems)
-        notes += more
-    return kept, choice, notes
+def read_settings(cfg: SFTConfig) -> ReadSettings:
+    """The flags of ``cfg`` that say how its rows are read."""
+    return ReadSettings(cfg.format, cfg.input_field, cfg.target_field, cfg.template, cfg.role_map)
 
 
 def prerendered(cfg: SFTConfig) -> bool:
-    """A --template naming fields other than {input} is filled per row while reading (see
-    :func:`surefit.data.formats.apply_template`); one with only {input} is split around it as it always was."""
-    return bool(cfg.template and template_fields(cfg.template) != ["input"])
-
-
-FORMAT_HINT = ("; or give the rows a shape surefit reads without field flags: 'messages', 'conversations', "
-               "'instruction' + 'output', 'prompt' + 'completion' (see --format)")
+    """A --template naming fields other than {input} fills each row's prompt while reading (see
+    :func:`surefit.data.formats.read_formatted`)."""
+    return read_settings(cfg).prerendered
 
 
 def conversation_key(row: Row, input_field: str) -> str:
@@ -174,12 +123,13 @@ def load_data(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None =
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
     choice: FormatChoice | None = None
     table: list[dict[str, str]] = []
+    how = read_settings(cfg)
     for name, path in (("train", cfg.data), ("validation", cfg.val_data)):
         if loaded.get(name):
             raw = loaded[name]
             before = len(rejects or [])
-            loaded[name], found, notes = _read_formatted(raw, cfg, str(path), problems, rejects,
-                                                        choice.name if choice else None)
+            loaded[name], found, notes = read_formatted(raw, how, str(path), problems, rejects,
+                                                       choice.name if choice else None)
             report["notes"] += notes
             if found is not None and choice is None:
                 choice = found
