@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,7 @@ def code_identity() -> dict[str, Any]:
             versions[name] = version(name)
         except Exception:  # noqa: BLE001 - not installed: not used
             versions[name] = None
-    root = Path(__file__).resolve().parent
+    root = Path(str(files("surefit"))).resolve()  # every module of the package, wherever this one sits
     versions["surefit"] = digest([[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
                                   for f in sorted(root.rglob("*.py"))])
     device: dict[str, Any] = {"cuda": torch.cuda.is_available()}
