@@ -9,7 +9,6 @@ module counts, and an f-string ``"surefit.pkg.{name}"`` counts as every module o
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -130,34 +129,6 @@ def test_the_checks_see_the_imports_they_claim(tmp_path):
                  'def h(x):\n    return importlib.import_module(f"surefit.training.{x}")\n', encoding="utf-8")
     assert {"surefit.doctor.core", "surefit.training.loss", "surefit.training.speedups"} <= _imports(f)
     assert _layer("surefit.tasks.sft") < _layer("surefit.training.loss") < _layer("surefit.errors")
-
-
-def test_the_architecture_page_accounts_for_every_module_the_sft_path_imports():
-    """docs/architecture.md lists the SFT path and what a first read can skip. Every module reachable by imports
-    (lazy ones included) from the CLI and the sft recipe must be in one of the two tables, so that the short path is
-    not short by leaving files out."""
-    page = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
-    tables = page.split("## The SFT path")[1].split("\n## What a first read can skip")
-    listed = {p for t in tables for p in re.findall(r"`([\w/.]+(?:\.py|/))`", t.split("\n## Data")[0])}
-    graph = _graph()
-    reached, todo = set(), ["surefit.cli", "surefit.tasks.sft.recipe"]
-    while todo:
-        m = todo.pop()
-        if m in reached or m not in graph:
-            continue
-        reached.add(m)
-        todo += sorted(graph[m])
-
-    def covered(module: str) -> bool:
-        parts = module.split(".")[1:]
-        path = "/".join(parts) + ".py"
-        if (SRC / "surefit" / Path(*parts) / "__init__.py").is_file():
-            path = "/".join(parts) + "/__init__.py"
-        empty = not (SRC / "surefit" / path).read_text(encoding="utf-8").strip()  # a bare package marker
-        return empty or path in listed or any(d.endswith("/") and path.startswith(d) for d in listed)
-
-    missing = sorted(m for m in reached if m != "surefit" and not covered(m))
-    assert not missing, "modules the SFT path imports that docs/architecture.md does not place:\n" + "\n".join(missing)
 
 
 def _private_uses(path: Path, own: str = "") -> list[str]:
