@@ -27,7 +27,7 @@ demo: setup
 	$(VENV)/bin/surefit train --config examples/sft/demo.yaml
 
 # The report test renders a page in headless Chromium; .ci/install-browser installs it when it is missing.
-test: setup
+test: setup lint
 	bash .ci/install-browser
 	$(PY) -m pytest -q
 
@@ -52,6 +52,7 @@ bench-classify: bench-setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf runs .pytest_cache

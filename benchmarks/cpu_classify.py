@@ -98,7 +98,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdir: Path) -> dict[str, Any]:
     """surefit's classify task through its Python API; training time and loss from its metrics.jsonl."""
     import surefit
-    import surefit.tasks.classify as cls
+    import surefit.tasks.classify.train_classify as cls  # its evaluation calls predict_logits
     import surefit.tasks.common as common
 
     marks: dict[str, Any] = {"fit_start": None, "evals": []}

@@ -13,6 +13,7 @@ column stays checked. A line ``...`` only marks that lines were left out.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -140,16 +141,63 @@ def test_the_comparison_checks_words_and_order_but_not_numbers():
     assert missing_lines(["epoch 1/2  eval_em=0.6441"], out)  # a renamed metric is caught
 
 
-def test_the_sft_path_listed_in_the_architecture_page_is_true():
-    """docs/architecture.md lists the source a newcomer reads for the SFT path: each file exists and each count is
-    within 15% of its real length (issue 30: no line cap on the path; it steered the layout)."""
-    page = (REPO / "docs" / "architecture.md").read_text()
-    section = page.split("## The SFT path")[1].split("\n## ")[0]
-    listed = re.findall(r"^\| `([\w/.]+\.py)` \| (\d+) \|", section, re.M)
-    assert len(listed) >= 15, listed
-    for path, count in listed:
-        real = len((REPO / "src" / "surefit" / path).read_text().splitlines())
-        assert abs(real - int(count)) <= 0.15 * real, f"{path}: listed {count} lines, has {real}"
+def executed_modules(argv: list[str]) -> list[str]:
+    """The surefit source files whose functions run during ``surefit ARGV`` (in this process), in the order each is
+    first entered, as paths under ``src/surefit/``. Imports do not count (module and class bodies, and what they
+    call): a module only imported is not read to follow the run."""
+    import inspect
+
+    from surefit.cli import main
+
+    root = str(REPO / "src" / "surefit") + os.sep
+    seen: dict[str, None] = {}
+    importing = 0  # module and class bodies being run: what they call (decorators, constants) is import work
+
+    def profile(frame, event, arg):
+        nonlocal importing
+        code = frame.f_code
+        body = not code.co_flags & inspect.CO_NEWLOCALS
+        if event == "call" and body:
+            importing += 1
+        elif event == "return" and body:
+            importing -= 1
+        elif event == "call" and not importing and code.co_filename.startswith(root):
+            seen.setdefault(code.co_filename[len(root):].replace(os.sep, "/"), None)
+
+    sys.setprofile(profile)
+    try:
+        code = main(argv)
+    finally:
+        sys.setprofile(None)
+    assert code == 0, f"surefit {' '.join(argv)} exited {code}"
+    return list(seen)
+
+
+def walk_on_page(page: str) -> dict[str, str]:
+    """The modules docs/architecture.md names in its walk of one run (its table's rows, in order), each with what the
+    page says it does."""
+    parts = page.split("## What one `surefit train` runs")
+    section = parts[1].split("\n## ")[0] if len(parts) > 1 else ""
+    return dict(re.findall(r"^\| \d+ \| `([\w/.]+\.py)` \| (.*?) \|$", section, re.M))
+
+
+def test_the_architecture_page_walks_the_modules_a_tiny_run_executes(tmp_path, tiny_lm_dir, monkeypatch):
+    """The walk in docs/architecture.md is what a tiny ``surefit train`` executes, module for module, in order."""
+    from conftest import qa_rows
+
+    monkeypatch.setenv("SUREFIT_STARTUP_CACHE", str(tmp_path / "cache"))  # a cold start, as a first run has
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(16)), encoding="utf-8")
+    ran = executed_modules(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
+                            "--batch_size", "4", "--max_seq_length", "128", "--output_dir", str(tmp_path / "run")])
+    listed = walk_on_page((REPO / "docs" / "architecture.md").read_text())
+    add, remove = [m for m in ran if m not in listed], [m for m in listed if m not in ran]
+    table = "\n".join(f"| {i} | `{m}` | {listed.get(m, 'TODO: what it does in this run')} |" for i, m in enumerate(ran, 1))
+    where = "docs/architecture.md, 'What one `surefit train` runs': "
+    assert not add and not remove, (where + (f"add {', '.join(add)}; " if add else "")
+                                    + (f"remove {', '.join(remove)}; " if remove else "")
+                                    + "the table as the run executes it:\n" + table)
+    assert list(listed) == ran, where + "the right modules, not in the order the run enters them:\n" + table
 
 
 def _readme_first_example() -> list[str]:

@@ -1,13 +1,14 @@
 """The import graph: layers import downward only, and no module imports itself back through others.
 
 Every ``import`` and ``from ... import`` of a surefit module is read with ``ast``, wherever it stands (module level,
-inside a function, under ``if TYPE_CHECKING``): a lazy import is still a dependency a reader has to follow.
+inside a function, under ``if TYPE_CHECKING``): a lazy import is still a dependency a reader has to follow. So is a
+module imported by name (``importlib.import_module``): in a file that uses importlib, every string naming a surefit
+module counts, and an f-string ``"surefit.pkg.{name}"`` counts as every module of that package.
 """
 
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -32,9 +33,34 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+def _is_module(name: str) -> bool:
+    parts = name.split(".")
+    return (SRC / Path(*parts)).with_suffix(".py").is_file() or (SRC / Path(*parts) / "__init__.py").is_file()
+
+
+def _by_name(tree: ast.AST) -> set[str]:
+    """Modules a file may import by name: string constants naming one, f-strings under a package's dotted name."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("surefit."):
+            if _is_module(node.value):
+                found.add(node.value)
+        elif isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            prefix = str(node.values[0].value)
+            package = SRC / Path(*prefix.rstrip(".").split("."))
+            if prefix.startswith("surefit.") and prefix.endswith(".") and package.is_dir():
+                found |= {f"{prefix}{p.stem if p.suffix else p.name}" for p in package.iterdir()
+                          if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    return found
+
+
 def _imports(path: Path) -> set[str]:
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    if any(isinstance(n, ast.Name | ast.alias) and "importlib" in (getattr(n, "id", "") or getattr(n, "name", ""))
+           for n in ast.walk(tree)):
+        found |= _by_name(tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("surefit"):
             found.add(node.module)
             # ``from surefit.training import loss`` imports the module surefit.training.loss
@@ -100,32 +126,46 @@ def test_the_checks_see_the_imports_they_claim(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def g():\n    from surefit.training import loss\n    import surefit.tasks.sft\n", encoding="utf-8")
     assert {"surefit.training", "surefit.training.loss", "surefit.tasks.sft"} <= _imports(f)
+    f.write_text('import importlib\nNAMES = ("surefit.doctor.core",)\n'
+                 'def h(x):\n    return importlib.import_module(f"surefit.training.{x}")\n', encoding="utf-8")
+    assert {"surefit.doctor.core", "surefit.training.loss", "surefit.training.speedups"} <= _imports(f)
     assert _layer("surefit.tasks.sft") < _layer("surefit.training.loss") < _layer("surefit.errors")
 
 
-def test_the_architecture_page_accounts_for_every_module_the_sft_path_imports():
-    """docs/architecture.md lists the SFT path and what a first read can skip. Every module reachable by imports
-    (lazy ones included) from the CLI and the sft recipe must be in one of the two tables, so that the short path is
-    not short by leaving files out."""
-    page = (SRC.parent / "docs" / "architecture.md").read_text(encoding="utf-8")
-    tables = page.split("## The SFT path")[1].split("\n## What a first read can skip")
-    listed = {p for t in tables for p in re.findall(r"`([\w/.]+(?:\.py|/))`", t.split("\n## Data")[0])}
-    graph = _graph()
-    reached, todo = set(), ["surefit.cli", "surefit.tasks.sft.recipe"]
-    while todo:
-        m = todo.pop()
-        if m in reached or m not in graph:
-            continue
-        reached.add(m)
-        todo += sorted(graph[m])
+def _private_uses(path: Path, own: str = "") -> list[str]:
+    """``from surefit.x import _name`` and ``module._name`` (a surefit module bound to a name) in one file."""
+    own = own or _module_name(path)
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules: dict[str, str] = {}  # local name -> the surefit module it is bound to
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("surefit"):
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__") and node.module != own:
+                    found.append(f"{own} line {node.lineno}: from {node.module} import {a.name}")
+                if _is_module(f"{node.module}.{a.name}"):
+                    modules[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("surefit") and a.asname:
+                    modules[a.asname] = a.name
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules:
+            if node.attr.startswith("_") and not node.attr.startswith("__") and modules[node.value.id] != own:
+                found.append(f"{own} line {node.lineno}: {modules[node.value.id]}.{node.attr}")
+    return found
 
-    def covered(module: str) -> bool:
-        parts = module.split(".")[1:]
-        path = "/".join(parts) + ".py"
-        if (SRC / "surefit" / Path(*parts) / "__init__.py").is_file():
-            path = "/".join(parts) + "/__init__.py"
-        empty = not (SRC / "surefit" / path).read_text(encoding="utf-8").strip()  # a bare package marker
-        return empty or path in listed or any(d.endswith("/") and path.startswith(d) for d in listed)
 
-    missing = sorted(m for m in reached if m != "surefit" and not covered(m))
-    assert not missing, "modules the SFT path imports that docs/architecture.md does not place:\n" + "\n".join(missing)
+def test_no_module_uses_another_modules_private_names():
+    """A name shared between modules is public (no leading underscore) or not shared."""
+    found = [u for p in sorted((SRC / "surefit").rglob("*.py")) for u in _private_uses(p)]
+    assert not found, "private names used across modules (make them public or stop sharing them):\n" + "\n".join(found)
+
+
+def test_the_private_name_check_sees_both_spellings(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from surefit.data.readers.common import _hidden\nfrom surefit.training import loss\n"
+                 "x = loss._secret\n", encoding="utf-8")
+    uses = _private_uses(f, own="surefit.example")
+    assert [u.split(": ")[1] for u in uses] == ["from surefit.data.readers.common import _hidden",
+                                                 "surefit.training.loss._secret"]

@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from surefit.cli_finished import add_finished_run_commands, run_finished_run_command
-from surefit.config import field_kind
+from surefit.config import TrainConfig, field_kind
 from surefit.config_files import load_yaml
 from surefit.config_tasks import TASK_CONFIGS
 from surefit.errors import SurefitError
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, classes: list[type]) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, classes: list[type[TrainConfig]]) -> None:
     """One flag per setting across every task's dataclass; help shows each task's default where they differ."""
     seen: dict[str, Any] = {}
     for cls in classes:
@@ -33,11 +33,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, classes: list[type]) -> N
         names = [f"--{name}"]
         if "_" in name:
             names.append(f"--{name.replace('_', '-')}")
-        defaults = {}
+        defaults: dict[str, Any] = {}
         for cls in classes:
             match = next((g for g in fields(cls) if g.name == name), None)
             if match is not None and match.default is not MISSING:
-                defaults[cls.__dataclass_fields__["task"].default] = match.default
+                defaults[str(cls.__dataclass_fields__["task"].default)] = match.default
         help_text = f.metadata.get("help", "")
         shown = {v for v in defaults.values()}
         if len(shown) == 1 and None not in shown:
@@ -139,8 +139,8 @@ def parse_train_config(argv: list[str]) -> Any:
     config_path = ns.config
     if given.get("resume") and not config_path:
         # `surefit train --resume --output_dir OUT` continues the run with the config it was started with.
-        for cls in TASK_CONFIGS.values():
-            out = Path(given.get("output_dir") or cls.__dataclass_fields__["output_dir"].default)
+        for task_cls in TASK_CONFIGS.values():
+            out = Path(given.get("output_dir") or str(task_cls.__dataclass_fields__["output_dir"].default))
             if (out / "config.yaml").is_file():
                 config_path = str(out / "config.yaml")
                 break

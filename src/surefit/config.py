@@ -352,7 +352,7 @@ def eval_annotation(text: str) -> Any:
     if text.startswith("Literal[") and text.endswith("]"):
         inner = text[len("Literal[") : -1]
         values = tuple(yaml.safe_load(f"[{inner}]"))
-        return Literal[values]  # type: ignore[valid-type]
+        return Literal[values]
     if text in _ANNOTATION_NAMES:
         return _ANNOTATION_NAMES[text]
     raise TypeError(f"unsupported config annotation: {text}")
@@ -369,6 +369,7 @@ def convert(value: Any, tp: Any) -> Any:
         if optional:
             return None
         raise ValueError("a value is required")
+    out: bool | int | float | str
     if base is bool:
         if isinstance(value, bool):
             out = value

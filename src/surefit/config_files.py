@@ -5,6 +5,7 @@ may be hostile), and the shipped presets.
 from __future__ import annotations
 
 import difflib
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -146,7 +147,8 @@ def load_yaml_text(text: str) -> Any:
         loader.dispose()
 
 
-PRESET_DIR = Path(__file__).parent / "presets"
+# The package's own folder, wherever this module sits in it.
+PRESET_DIR = Path(str(files("surefit"))) / "presets"
 
 
 def list_presets() -> list[str]:

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from surefit.config import SFTConfig, TrainConfig, opt
-from surefit.config_files import load_json
 from surefit.config_dpo import DPOConfig
+from surefit.config_files import load_json
 from surefit.errors import Problem
 
 
@@ -121,4 +121,4 @@ def _short(text: str) -> str:
     return repr(text) if len(text) <= 200 else f"{text[:60]!r}... ({len(text):,} characters)"
 
 
-TASK_CONFIGS: dict[str, type] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig, "dpo": DPOConfig}
+TASK_CONFIGS: dict[str, type[TrainConfig]] = {"sft": SFTConfig, "classify": ClassifyConfig, "custom": CustomConfig, "dpo": DPOConfig}

@@ -236,9 +236,10 @@ def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, n
     LoraConfig, get_peft_model = peft.LoraConfig, peft.get_peft_model  # noqa: N806
 
     variant = getattr(cfg, "lora_variant", "lora")
+    extra: dict[str, Any] = {"task_type": task_type} if task_type else {}
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=lora_targets(cfg.lora_targets), use_dora=variant == "dora",
-                      use_rslora=variant == "rslora", **({"task_type": task_type} if task_type else {}))
+                      use_rslora=variant == "rslora", **extra)
     try:
         wrapped = get_peft_model(getattr(model, part) if part else model, lora)
     except ValueError as e:
@@ -251,7 +252,8 @@ def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, n
         model = wrapped
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    adapted = sorted({n.split(".")[-1] for n in wrapped.peft_config["default"].target_modules})
+    applied: Any = wrapped.peft_config["default"]  # a LoraConfig; peft types it as its base class
+    adapted = sorted({n.split(".")[-1] for n in applied.target_modules})
     kind = {"lora": "LoRA", "dora": "DoRA", "rslora": "rsLoRA"}[variant]
     scale = f" (scaling alpha/sqrt(r) = {cfg.resolved_lora_alpha / cfg.lora_r ** 0.5:.3g})" if variant == "rslora" else ""
     say(f"{kind} r={cfg.lora_r} alpha={cfg.resolved_lora_alpha}{scale} on {', '.join(adapted)}: {trainable:,} trainable "

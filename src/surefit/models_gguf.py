@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from surefit.errors import ModelError, Problem
 
@@ -80,8 +81,9 @@ def gguf_to_folder(gguf: str | Path, log=print) -> Path:
         ) from e
     # The weights are already dequantised to fp32; until the quantization flag is removed transformers refuses to
     # train or save the model.
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
+    quantizer: Any = getattr(model, "hf_quantizer", None)
+    if quantizer is not None:
+        quantizer.remove_quantization_config(model)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)

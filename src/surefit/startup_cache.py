@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +94,10 @@ def code_identity() -> dict[str, Any]:
             versions[name] = version(name)
         except Exception:  # noqa: BLE001 - not installed: not used
             versions[name] = None
-    root = Path(__file__).resolve().parent
+    root = Path(str(files("surefit"))).resolve()  # every module of the package, wherever this one sits
     versions["surefit"] = digest([[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
                                   for f in sorted(root.rglob("*.py"))])
-    device = {"cuda": torch.cuda.is_available()}
+    device: dict[str, Any] = {"cuda": torch.cuda.is_available()}
     if device["cuda"]:
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
         device.update(name=props.name, total=props.total_memory, count=torch.cuda.device_count())

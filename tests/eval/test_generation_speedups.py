@@ -99,7 +99,7 @@ def test_shared_prefix_generation_equals_the_unoptimised_generation_in_fp32():
 
 
 def test_lean_lora_forward_is_bit_identical_and_restored():
-    from surefit.training.speedups.lora_fast import _fused_forward
+    from surefit.training.speedups.lora_fast import fused_forward
     from surefit.training.speedups.lora_generate import lean_lora
 
     model = _lora_model(bf16=True)
@@ -110,7 +110,7 @@ def test_lean_lora_forward_is_bit_identical_and_restored():
             got = model(input_ids=x).logits
     assert n == 14 and torch.equal(got, want)  # 7 linear layers x 2 blocks
     layers = [m for m in model.modules() if hasattr(m, "lora_A")]
-    assert all(m.forward.__func__ is _fused_forward for m in layers)
+    assert all(m.forward.__func__ is fused_forward for m in layers)
 
 
 def test_merged_generation_leaves_adapter_and_base_weights_unchanged():

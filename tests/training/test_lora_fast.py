@@ -305,7 +305,7 @@ def test_saved_activations_in_bf16_halve_fp32_saves_and_leave_the_forward_alone(
 
 
 def test_saved_activation_packing_keeps_parameters_small_and_16_bit_tensors_as_they_are():
-    from surefit.training.speedups.lora_fast import SavedActivationsIn, _Kept, _Packed
+    from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, _Kept
 
     saved = SavedActivationsIn()
 
@@ -324,7 +324,7 @@ def test_saved_activation_packing_keeps_parameters_small_and_16_bit_tensors_as_t
     plain = torch.randn(64, 128)
     assert saved.pack(plain) is plain  # no autograd history to drop
     p = saved.pack(act)
-    assert isinstance(p, _Packed) and p.tensor.dtype == torch.bfloat16
+    assert isinstance(p, Packed) and p.tensor.dtype == torch.bfloat16
     assert saved.pack(act) is p  # saved by two operations: packed once
     assert torch.equal(saved.unpack(p), act.detach().to(torch.bfloat16).float())
     with torch.no_grad():

@@ -9,12 +9,13 @@ the labels of every file is appended to ``problems`` at once, each naming the fi
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import numbers
 import re
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, cast
 
 from surefit.data.readers.common import MAX_WHERES, have, n_rows, short, wheres
 from surefit.data.readers.fields import field_not_found, is_nan
@@ -36,6 +37,8 @@ TEXT_CANDIDATES: list[tuple[str, str | None]] = [
 LABEL_CANDIDATES: list[str] = ["label", "labels", "class", "category", "target", "sentiment"]
 
 PROBLEM_TYPES = ("auto", "single", "multi", "regression")
+ProblemType = Literal["single", "multi", "regression"]
+LabelKind = Literal["int", "str", "float", "list"]
 # A summary or message listing more classes than this is no longer readable; the rest are counted.
 MAX_CLASSES_SHOWN = 20
 # Example rows shown per kind when one file mixes kinds of labels.
@@ -64,7 +67,7 @@ class Fields:
     text: str
     pair: str | None
     label: str
-    notes: list[str] = field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def detect_fields(
@@ -282,13 +285,14 @@ class LabelSpec:
             multi-label; ``rows``, ``min``, ``max`` and ``mean`` for regression.
     """
 
-    problem_type: Literal["single", "multi", "regression"]
+    problem_type: ProblemType
     field: str
     names: list[str]
-    kind: Literal["int", "str", "float", "list"]
+    kind: LabelKind
     how: str
-    counts: dict[str, int] = field(default_factory=dict)
-    stats: dict[str, float] = field(default_factory=dict)
+    # dataclasses.field: the ``field`` attribute above shadows the bare name in this class body.
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
+    stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def num_labels(self) -> int:
@@ -495,7 +499,7 @@ class _Scan:
     source: str
     field: str
     values: list[tuple[Row, Any]]
-    kind: str | None  # None: no usable labels, or kinds mixed (already reported)
+    kind: LabelKind | None  # None: no usable labels, or kinds mixed (already reported)
 
     def example(self, i: int = 0) -> str:
         """``"line 2: 'pos'"``: where the i-th usable label is and what it is."""
@@ -543,7 +547,7 @@ def _element_name(item: Any) -> str | None:
     if isinstance(item, numbers.Integral):
         return str(int(item))
     if isinstance(item, numbers.Real):
-        return str(int(item)) if math.isfinite(item) and float(item).is_integer() else None
+        return str(int(float(item))) if math.isfinite(item) and float(item).is_integer() else None
     if isinstance(item, str):
         s = item.strip()
         if not s:
@@ -641,7 +645,8 @@ def _scan(source: str, rows: list[Row], field_name: str, problems: list[Problem]
     if not by_kind:
         return _Scan(source, field_name, [], None)
     kind = next(iter(by_kind))
-    return _Scan(source, field_name, by_kind[kind], kind)
+    # entries hold only the four label kinds: the other tags were sorted into ``bad`` and ``null`` above.
+    return _Scan(source, field_name, by_kind[kind], cast(LabelKind, kind))
 
 
 def _looks_multi_hot(names: list[str]) -> bool:
@@ -718,9 +723,10 @@ def _mixed_problem(by_kind: dict[str, list[tuple[Row, Any]]], field_name: str, s
 # --- problem type and validation checks -----------------------------------------------------------------------------
 
 
-def _resolve(train: _Scan, requested: str, problems: list[Problem]) -> tuple[str, str] | None:
+def _resolve(train: _Scan, requested: str, problems: list[Problem]) -> tuple[ProblemType, str] | None:
     """``(problem_type, how)`` from the training labels' kind and ``--problem_type``, or ``None`` after a problem."""
     kind = train.kind
+    assert kind is not None  # the caller stops at unusable labels
     at = f"e.g. {train.example()}"
     if requested == "auto":
         if kind == "list":
@@ -761,7 +767,7 @@ def _resolve(train: _Scan, requested: str, problems: list[Problem]) -> tuple[str
         how += "; each row has exactly one label"
     elif requested == "regression" and kind == "int":
         how += "; integer labels used as numbers"
-    return requested, how + ")"
+    return cast(ProblemType, requested), how + ")"  # requested is one of PROBLEM_TYPES (checked by the caller)
 
 
 def _compatible(train_kind: str, val_kind: str, ptype: str) -> bool:

@@ -92,7 +92,7 @@ def build_prompt_format(tokenizer: Any, template: str | None = None, chat_templa
     else:
         text = (template or DEFAULT_TEMPLATE).replace("{input}", _SENTINEL)
         name = "custom" if template else "default"
-        specials = _leading_special_ids(tokenizer)
+        specials = leading_special_ids(tokenizer)
     prefix, _, suffix = text.partition(_SENTINEL)
     return PromptFormat(
         prefix_ids=specials + _ids(tokenizer, prefix),
@@ -107,7 +107,7 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
 
-def _leading_special_ids(tokenizer: Any) -> list[int]:
+def leading_special_ids(tokenizer: Any) -> list[int]:
     """The special tokens (e.g. BOS) the tokenizer puts in front of a text on its own."""
     with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
     plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from surefit.data.conversation_shapes import (
@@ -29,7 +29,7 @@ from surefit.data.conversation_shapes import (
     messages_from_sharegpt,
     parse_tools,
 )
-from surefit.data.readers import SKIP_HINT, Rejected
+from surefit.data.readers import SKIP_HINT, Rejected, check_text_fields
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -357,3 +357,77 @@ def last_assistant(messages: list[dict]) -> str:
 
 
 Say = Callable[[str], None]
+
+
+# --- one file's rows read in their format ---------------------------------------------------------------------------
+
+FORMAT_HINT = ("; or give the rows a shape surefit reads without field flags: 'messages', 'conversations', "
+               "'instruction' + 'output', 'prompt' + 'completion' (see --format)")
+
+
+@dataclass(frozen=True)
+class ReadSettings:
+    """The flags that say how rows are read: ``--format``, the text fields, ``--template``, ``--role_map``."""
+
+    format: str = "auto"
+    input_field: str = "input"
+    target_field: str = "target"
+    template: str | None = None
+    role_map: str | None = None
+
+    @property
+    def prerendered(self) -> bool:
+        """A template naming fields other than {input} fills each row's prompt while reading; one with only {input}
+        is split around it when encoding."""
+        return bool(self.template and template_fields(self.template) != ["input"])
+
+
+def read_formatted(rows: list[Row], how: ReadSettings, source: str, problems: list[Problem],
+                   rejects: list[Rejected] | None, wanted: str | None = None
+                   ) -> tuple[list[Row], FormatChoice | None, list[str]]:
+    """Rows of one file in the internal form of their format (detected, or ``wanted``), every row checked.
+
+    Rows of no known shape are read as input/target rows, so that the problems name the missing field, what the rows
+    have instead, and the shapes read without flags. Returns ``(rows, format, notes)``.
+    """
+    role_map, role_problems = parse_role_map(how.role_map)
+    if wanted is None:  # once per run: the training file's read
+        problems += role_problems
+    choice = detect_format(rows, source, wanted or how.format, how.input_field, how.target_field, role_map,
+                           needs_input=not how.prerendered)
+    if isinstance(choice, Problem):
+        # No known shape: the flat fields' own problems say which field is missing and what the rows have instead.
+        choice = detect_format(rows, source, "input_target", how.input_field, how.target_field)
+        assert not isinstance(choice, Problem)  # a named format is never refused
+        found = len(problems)
+        rows, _, notes = read_formatted(rows, how, source, problems, rejects, "input_target")
+        problems[found:] = [replace(p, fix=p.fix + FORMAT_HINT) if p.where in ("--input_field", "--target_field")
+                            else p for p in problems[found:]]
+        return rows, choice, notes
+    if choice.conversational:
+        rows = to_conversations(rows, choice, source, problems, rejects)
+        if how.template and choice.name == "alpaca":
+            rows, notes = apply_template(rows, how.template, choice, how.input_field, source, problems)
+            return rows, choice, notes
+        if how.template:
+            problems.append(Problem(f"--template writes the prompt of input/target and Alpaca rows; the turns of "
+                                    f"{choice.name} rows are written by the chat template", "--template",
+                                    "drop --template (or --chat_format NAME|FILE.jinja to change the chat template)"))
+        return rows, choice, []
+    fields = [(how.input_field, "--input_field"), (how.target_field, "--target_field")]
+    if choice.name == "prompt_completion":
+        fields = [("prompt", "--format"), ("completion", "--format")]
+    template = how.template if how.prerendered else None
+    if template:  # the template's fields are the prompt: the input field may be absent or empty
+        fields = fields[1:]
+        names = template_fields(template)
+        choice.fields = " / ".join([*names, fields[0][0]])
+        choice.mapping = f"--template fills the prompt from {', '.join(names)}; {fields[0][0]} -> trained answer"
+    kept, notes = check_text_fields(rows, fields, problems, source, rejects=rejects)
+    if choice.name == "prompt_completion":
+        kept = [r.with_fields(**{how.input_field: r.fields["prompt"], how.target_field: r.fields["completion"]})
+                for r in kept]
+    if template:
+        kept, more = apply_template(kept, template, choice, how.input_field, source, problems)
+        notes += more
+    return kept, choice, notes

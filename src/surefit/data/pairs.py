@@ -30,7 +30,7 @@ from surefit.data.conversation_shapes import (
     messages_from_sharegpt,
     parse_tools,
 )
-from surefit.data.encode import ChatFormat, TemplateProblem, _leading_special_ids, label_conversation
+from surefit.data.encode import ChatFormat, TemplateProblem, label_conversation, leading_special_ids
 from surefit.data.formats import MAX_WHERES, SHAREGPT_ROLES, FormatChoice, check_messages
 from surefit.data.readers import SKIP_HINT, Rejected
 from surefit.data.rows import Row
@@ -413,7 +413,7 @@ def encode_pairs(rows: list[Row], tokenizer: Any, chat: ChatFormat | None, *, ma
 
 def _encode_text(row: Row, tokenizer: Any, max_len: int, truncation: str) -> tuple[PairExample | None, str]:
     f = row.fields
-    lead = _leading_special_ids(tokenizer)
+    lead = leading_special_ids(tokenizer)
     prompt = _ids(tokenizer, f["pair_prompt"])
     eos = tokenizer.eos_token_id
     answers = [_ids(tokenizer, f[k]) + [eos] for k in ("pair_chosen", "pair_rejected")]

@@ -160,6 +160,11 @@ class TensorData:
             shards, disagreeing shapes, dtypes or row counts, shards above the bound).
     """
 
+    _pieces: dict[str, list[_Piece]]
+    _starts: dict[str, np.ndarray]
+    _shard_files: list[str]
+    _shard_bytes: list[int]
+
     def __init__(self, folder: str | os.PathLike, max_memory_gb: float | None = None):
         self._init_state(max_memory_gb)
         self.source = os.fspath(folder)
@@ -192,11 +197,11 @@ class TensorData:
         self._max_memory_gb = max_memory_gb
         self._budget = None if max_memory_gb is None else int(max_memory_gb * GB)
         self._whole = False
-        self._pieces: dict[str, list[_Piece]] = {}
-        self._starts: dict[str, np.ndarray] = {}
-        self._shard_files: list[str] = []
+        self._pieces = {}
+        self._starts = {}
+        self._shard_files = []
         self._shard_starts = np.zeros(1, dtype=np.int64)
-        self._shard_bytes: list[int] = []
+        self._shard_bytes = []
         self._stats: dict[str, dict] = {}
         self._reset_handles()
 
@@ -352,6 +357,7 @@ class TensorData:
         order: list[int] = []
         group: list[int] = []
         group_bytes = 0
+        assert self._budget is not None  # loads_whole_shards says there is one
         capacity = int(self._budget * 0.9)  # room left for the batch being built
         for s in rng.permutation(len(self._shard_files)).tolist():
             if group and group_bytes + self._shard_bytes[s] > capacity:
@@ -394,7 +400,7 @@ class TensorData:
         row_bytes = self._row_bytes[name]
         out = torch.empty(len(idx) * row_bytes, dtype=torch.uint8)
         if row_bytes and len(idx):
-            buf = memoryview(out.numpy())
+            buf = out.numpy().data
             shard = np.searchsorted(starts, idx, side="right") - 1
             # A run is a stretch of consecutive rows in one shard: one read each.
             breaks = np.flatnonzero((np.diff(idx) != 1) | (np.diff(shard) != 0)) + 1
@@ -581,21 +587,21 @@ def _list_shards(p: Path, source: str, problems: list[Problem]) -> tuple[list[Pa
         except OSError as e:
             problems.append(Problem(f"cannot list {source}: {e.strerror}", fix="check the folder's permissions"))
             return [], None
-    visible = [e for e in entries if not e.name.startswith(".")]
+    visible = [entry for entry in entries if not entry.name.startswith(".")]
     if not visible:
         problems.append(Problem(f"{source} is empty", fix=_LAYOUT_FIX))
         return [], None
     shards, unknown, folders = [], [], []
-    for e in visible:
-        ext = e.suffix.lower()
-        if e.is_dir():
-            folders.append(e.name)
+    for entry in visible:
+        ext = entry.suffix.lower()
+        if entry.is_dir():
+            folders.append(entry.name)
         elif ext in _SHARD_EXTS:
-            shards.append(e)
-        elif ext in _IGNORED_EXTS or e.name.upper().startswith("README"):
+            shards.append(entry)
+        elif ext in _IGNORED_EXTS or entry.name.upper().startswith("README"):
             continue  # notes and metadata that travel with exported data
         else:
-            unknown.append(e.name)
+            unknown.append(entry.name)
     if unknown:
         problems.append(Problem(
             f"unsupported file{'s' if len(unknown) > 1 else ''} {_listing(unknown)}: tensor data folders hold "
@@ -605,13 +611,13 @@ def _list_shards(p: Path, source: str, problems: list[Problem]) -> tuple[list[Pa
                 "*.txt notes are ignored)"))
     if not shards:
         if not unknown:
-            found = _listing([f + "/" for f in folders] or [e.name for e in visible])
+            found = _listing([f + "/" for f in folders] or [entry.name for entry in visible])
             fix = (f"point at one of its subfolders, e.g. {p / folders[0]}" if folders else _LAYOUT_FIX)
             problems.append(Problem(f"{source} holds no tensor shards ({_FORMATS}); found {found}", fix=fix))
         return [], None
     kinds: dict[str, list[str]] = {}
-    for e in shards:
-        kinds.setdefault(_SHARD_EXTS[e.suffix.lower()], []).append(e.name)
+    for entry in shards:
+        kinds.setdefault(_SHARD_EXTS[entry.suffix.lower()], []).append(entry.name)
     if len(kinds) > 1:
         counts = ", ".join(f"{len(v)} .{k} ({_listing(v)})" for k, v in kinds.items())
         problems.append(Problem(f"{source} mixes shard formats: {counts}", where=source,

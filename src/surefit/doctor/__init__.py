@@ -7,25 +7,21 @@
 
 from __future__ import annotations
 
-import importlib
-import re
 from typing import Any
 
+# Importing the check modules registers their checks (core.register).
+from surefit.doctor import (  # noqa: F401
+    checks_chat,
+    checks_data,
+    checks_dpo,
+    checks_labels,
+    checks_model,
+    checks_run,
+)
 from surefit.doctor.core import CODES, Finding, Report, Setup, normalise_args, run_checks
+from surefit.doctor.patterns import codes_in
 
 __all__ = ["check", "check_trainer", "explain", "Finding", "Report", "CODES"]
-
-_CHECK_MODULES = ("surefit.doctor.checks_data", "surefit.doctor.checks_labels", "surefit.doctor.checks_model",
-                  "surefit.doctor.checks_run", "surefit.doctor.checks_chat", "surefit.doctor.checks_dpo")
-
-
-def _load_checks() -> None:
-    for name in _CHECK_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
 
 
 def check(model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
@@ -43,7 +39,6 @@ def check(model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dat
         peft_config: a peft config (e.g. ``LoraConfig``) about to be applied.
         task: ``"sft"``, ``"classify"``, ``"custom"``, or ``None`` (inferred from the model).
     """
-    _load_checks()
     return run_checks(Setup(model, tokenizer, train_dataset, eval_dataset, data_collator, args, peft_config, task))
 
 
@@ -56,7 +51,6 @@ def check_trainer(trainer: Any) -> Report:
     forward parameters plus ``label``, ``label_ids`` and ``label_names``. TRL prepares (tokenises) its datasets
     when the trainer is built, so ``trainer.train_dataset`` already holds what its collator receives.
     """
-    _load_checks()
     tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
     args = normalise_args(trainer.args)
     if getattr(trainer, "label_names", None) is not None:
@@ -74,35 +68,6 @@ def check_trainer(trainer: Any) -> Report:
                             args, None, None, signature_columns=columns))
 
 
-# A raw error's text -> the codes whose findings can explain it, most specific first.
-_PATTERNS: list[tuple[str, tuple[str, ...]]] = [
-    (r"expected sequence of length \d+ at dim \d+ \(got \d+\)", ("labels-not-padded", "ragged-batch")),
-    (r"each element in list of batch should be of equal size", ("ragged-batch", "labels-not-padded")),
-    (r"Target size \(.*\) must be the same as input size", ("label-shape", "label-dtype", "label-one-hot")),
-    (r"device-side assert|CUDA error: an illegal|srcIndex < srcSelectDimSize|t >= 0 && t < n_classes",
-     ("label-out-of-range", "token-id-out-of-range", "token-type-out-of-range", "sequence-too-long")),
-    (r"Expected input batch_size \(\d+\) to match target batch_size", ("label-shape", "label-one-hot")),
-    (r"stack expects each tensor to be equal size", ("ragged-batch", "labels-not-padded")),
-    (r"Unable to create tensor.*padding", ("labels-not-padded", "ragged-batch", "label-not-numeric")),
-    (r"mat1 and mat2 shapes cannot be multiplied", ("input-dim-mismatch",)),
-    (r"got an unexpected keyword argument '(\w+)'", ("unexpected-columns",)),
-    (r"only integer tensors of a single element can be converted to an index", ("label-not-numeric",
-                                                                                 "label-one-hot")),
-    (r"too many dimensions 'str'|new\(\): invalid data type 'str'", ("label-not-numeric",)),
-    (r"Target -?\d+ is out of bounds|out of bounds", ("label-out-of-range",)),
-    (r"index out of range in self", ("token-id-out-of-range", "token-type-out-of-range", "sequence-too-long")),
-    (r"expected scalar type Long but found Float|expected .*Long.*Float|result type Float can't be cast|"
-     r"Found dtype Long but expected Float|class probabilities, got Long", ("label-dtype", "label-one-hot")),
-    (r"0D or 1D target tensor expected, multi-target not supported", ("label-one-hot",)),
-    (r"Cannot handle batch sizes > 1 if no padding token is defined", ("classifier-no-pad-id",)),
-    (r"Asking to pad but the tokenizer does not have a padding token", ("no-pad-token",)),
-    (r"out of memory", ("memory-over-budget",)),
-    (r"(Can't|cannot) pickle|pickl", ("unpicklable-worker-data",)),
-    (r"Attempting to unscale FP16 gradients", ("fp16-master-weights",)),
-    (r"Target modules .* not found", ("lora-targets-missing",)),
-    (r"does not require grad|element 0 of tensors does not require grad", ("no-labels",)),
-    (r"must have the same dtype", ("input-dim-mismatch",)),
-]
 
 
 _DRY_RUN_FAILURES = ("forward-failed", "collate-failed", "dataset-item-failed")
@@ -124,11 +89,8 @@ def explain(exc: BaseException, model: Any = None, tokenizer: Any = None, train_
     """
     text = f"{type(exc).__name__}: {exc}"
     first = text.splitlines()[0]
-    candidates: tuple[str, ...] = ()
-    for pattern, codes in _PATTERNS:
-        if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
-            candidates = codes
-            break
+    found = codes_in(text)
+    candidates = found[0] if found else ()
     usual = "; or ".join(f"[{c}] {CODES[c]}" for c in candidates)
     if model is None:
         if candidates:

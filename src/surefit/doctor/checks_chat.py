@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from surefit.doctor.checks_data import IGNORE_INDEX, _rows_text, _tokenizer, _train_values
+from surefit.doctor.checks_data import IGNORE_INDEX, rows_text, setup_tokenizer, train_values
 from surefit.doctor.core import Finding, Setup, register
 
 _MASKS = ("assistant_masks", "completion_mask")
@@ -25,13 +25,13 @@ def check_mask_degenerate(setup: Setup) -> list[Finding]:
     ``{% generation %}`` block the mask can see, or the data has no prompt) or all zeros (nothing is trained)."""
     out = []
     for key in _MASKS:
-        values, scope = _train_values(setup, key)
+        values, scope = train_values(setup, key)
         ones = [i for i, m in values if isinstance(m, list) and m and all(v == 1 for v in m)]
         zeros = [i for i, m in values if isinstance(m, list) and m and not any(m)]
         if ones:
             out.append(Finding(
                 "assistant-mask-degenerate", "error",
-                f"'{key}' is 1 at every token of {_rows_text(ones)} of {scope} (first: row {ones[0]}, token 0): the "
+                f"'{key}' is 1 at every token of {rows_text(ones)} of {scope} (first: row {ones[0]}, token 0): the "
                 "prompt, system and user text are trained as if the model wrote them",
                 "with assistant_only_loss, use a chat template whose assistant turns sit in {% generation %} blocks; "
                 "with completion_only_loss, give rows a prompt and a completion (or let surefit train the rows: it "
@@ -39,7 +39,7 @@ def check_mask_degenerate(setup: Setup) -> list[Finding]:
         if zeros:
             out.append(Finding(
                 "assistant-mask-degenerate", "error",
-                f"'{key}' is 0 at every token of {_rows_text(zeros)} of {scope} (first: row {zeros[0]}): these rows "
+                f"'{key}' is 0 at every token of {rows_text(zeros)} of {scope} (first: row {zeros[0]}): these rows "
                 "train nothing (the template's {% generation %} block is empty, or the completion was cut away)",
                 "check the template's {% generation %} block and --max_length; rows with nothing to train should be "
                 "removed, not silently kept", f"train_dataset '{key}'"))
@@ -76,16 +76,16 @@ def _scaffold_ids(tok: Any) -> tuple[list[int], str] | None:
 def check_scaffold_masked(setup: Setup) -> list[Finding]:
     """The template's scaffolding before an answer (a think block, a channel header) is masked while the answer
     after it is trained: at inference the model must write it, so it never learns to."""
-    tok = _tokenizer(setup)
+    tok = setup_tokenizer(setup)
     found = _scaffold_ids(tok) if tok is not None else None
     if found is None:
         return []
     sc, text = found
     n = len(sc)
-    labels = dict(_train_values(setup, "labels")[0])
-    masks = {k: dict(_train_values(setup, k)[0]) for k in _MASKS}
+    labels = dict(train_values(setup, "labels")[0])
+    masks = {k: dict(train_values(setup, k)[0]) for k in _MASKS}
     hits: list[tuple[int, int]] = []
-    for i, ids in _train_values(setup, "input_ids")[0]:
+    for i, ids in train_values(setup, "input_ids")[0]:
         if not isinstance(ids, list):
             continue
         lab = labels.get(i)
@@ -105,7 +105,7 @@ def check_scaffold_masked(setup: Setup) -> list[Finding]:
     first = tok.convert_ids_to_tokens(sc[0])
     return [Finding(
         "scaffold-masked", "error",
-        f"the chat template writes {text!r} between the generation prompt and the answer, and in {_rows_text(rows)} "
+        f"the chat template writes {text!r} between the generation prompt and the answer, and in {rows_text(rows)} "
         f"it is masked while the answer after it is trained (first: row {i}, token {j}, {first!r}): at inference the "
         "model must write it itself, so it never learns the format its template expects",
         "train the scaffolding with the answer: a {% generation %} block that starts at the assistant header's end, "
@@ -136,7 +136,7 @@ def check_template_differs(setup: Setup) -> list[Finding]:
     template): what the model is trained on is not what its own template will prompt at inference."""
     from surefit.data.chat_render import common_prefix
 
-    tok = _tokenizer(setup)
+    tok = setup_tokenizer(setup)
     used = getattr(tok, "chat_template", None) if tok is not None else None
     own = _model_template(setup.base_model if setup.model is not None else None) if used else None
     if not isinstance(used, str) or own is None or own[0] == used:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from surefit.doctor.core import REGISTRY, Finding, Setup, describe, register
+from surefit.doctor.patterns import codes_in
 
 IGNORE_INDEX = -100
 SCAN_ROWS = 20_000  # rows read per split and column by the whole-dataset scans
@@ -68,14 +69,14 @@ def _first_line(err: BaseException, limit: int = 300) -> str:
     return f"{type(err).__name__}: {line}"
 
 
-def _rows_text(rows: list[int], limit: int = 5, noun: str = "row") -> str:
+def rows_text(rows: list[int], limit: int = 5, noun: str = "row") -> str:
     """``"row 3"``, ``"rows 2, 4"``, ``"rows 0, 1, 2, 3, 4 and 7 more"``."""
     shown = ", ".join(str(r) for r in rows[:limit])
     more = f" and {len(rows) - limit} more" if len(rows) > limit else ""
     return f"{noun}{'s' if len(rows) != 1 else ''} {shown}{more}"
 
 
-def _tokenizer(setup: Setup) -> Any:
+def setup_tokenizer(setup: Setup) -> Any:
     """The setup's tokenizer, or the one the collator carries (``explain()`` is often called without one)."""
     if setup.tokenizer is not None:
         return setup.tokenizer
@@ -83,9 +84,9 @@ def _tokenizer(setup: Setup) -> Any:
     return getattr(c, "tokenizer", None) or getattr(c, "processing_class", None)
 
 
-def _special_ids(setup: Setup) -> tuple[int | None, int | None]:
+def special_ids(setup: Setup) -> tuple[int | None, int | None]:
     """``(eos_token_id, pad_token_id)`` from the tokenizer, else the model config (first id when a list)."""
-    tok, cfg = _tokenizer(setup), setup.config
+    tok, cfg = setup_tokenizer(setup), setup.config
     out = []
     for name in ("eos_token_id", "pad_token_id"):
         value = getattr(tok, name, None) if tok is not None else None
@@ -104,7 +105,7 @@ def _generation_eos(setup: Setup) -> set[int]:
     return {i for i in ids if isinstance(i, int)}
 
 
-def _collator_name(setup: Setup) -> str:
+def collator_name(setup: Setup) -> str:
     c = setup.data_collator
     if c is None:
         return "torch's default collate (data_collator=None)"
@@ -114,18 +115,18 @@ def _collator_name(setup: Setup) -> str:
     return type(c).__name__
 
 
-def _collator_where(setup: Setup) -> str:
+def collator_where(setup: Setup) -> str:
     if setup.data_collator is None:
         return "data_collator=None (torch's default collate)"
-    return f"data_collator ({_collator_name(setup)})"
+    return f"data_collator ({collator_name(setup)})"
 
 
-def _is_lm_collator(setup: Setup) -> bool:
+def is_lm_collator(setup: Setup) -> bool:
     c = setup.data_collator
     return c is not None and any(k.__name__ == "DataCollatorForLanguageModeling" for k in type(c).__mro__)
 
 
-def _kind(setup: Setup) -> str:
+def model_kind(setup: Setup) -> str:
     """``"seq-cls"``, ``"token-cls"``, ``"causal"``, ``"seq2seq"`` or ``"other"``."""
     name = type(setup.base_model).__name__
     if name.endswith("ForTokenClassification"):
@@ -218,7 +219,7 @@ def _column(setup: Setup, ds: Any, key: str) -> tuple[list[Any], bool] | None:
     return _cached(setup, f"column:{id(ds)}:{key}", compute)
 
 
-def _train_values(setup: Setup, key: str) -> tuple[list[tuple[int, Any]], str]:
+def train_values(setup: Setup, key: str) -> tuple[list[tuple[int, Any]], str]:
     """``[(row, value)]`` of ``key`` over the training set (whole column if cheap, else the samples) and the scope."""
     col = _column(setup, setup.train_dataset, key) if setup.train_dataset is not None else None
     if col is not None:
@@ -290,7 +291,7 @@ def _find_labels_not_padded(setup: Setup) -> list[Finding]:
     if not items or not all(isinstance(it, Mapping) for it in items):
         return []
     key = next((k for k in ("labels", "label") if k in items[0] and _is_seq(items[0][k])), None)
-    kind = _kind(setup)
+    kind = model_kind(setup)
     if key is None or kind == "seq-cls":
         return []  # sequence classifiers take one label (or one fixed-size vector) per row
     labels = [_py(it.get(key, [])) for it in items]
@@ -328,12 +329,12 @@ def _find_labels_not_padded(setup: Setup) -> list[Finding]:
         return []  # collation fails without the labels too: ragged-batch or collate-failed says why
     if not mismatch and _collate(setup, [probe[0], probe[0]])[1] is not None:
         return []  # the labels fail even at one length (e.g. strings): not a padding problem
-    name, where = _collator_name(setup), f"{_collator_where(setup)}, key '{key}'"
+    name, where = collator_name(setup), f"{collator_where(setup)}, key '{key}'"
     fix = _PAD_FIX
     if kind == "token-cls":
         fix = "use DataCollatorForTokenClassification(tokenizer) or surefit's PadCollator, which pad labels with -100"
     lm = (" DataCollatorForLanguageModeling would also overwrite the labels with a copy of input_ids, discarding a "
-          "prompt mask (-100 over the prompt)." if _is_lm_collator(setup) else "")
+          "prompt mask (-100 over the prompt)." if is_lm_collator(setup) else "")
     outcome = (f"collation fails: {_first_line(err)}" if err is not None else
                f"the batch's `{key}` comes out as {describe(_batch_value(batch, key))}, not a tensor lined up with "
                "input_ids")
@@ -405,12 +406,12 @@ def _labels_replaced(setup: Setup, items: list[Mapping], batch: Any, err: Except
             example = r
     if not trained:
         return []
-    name = _collator_name(setup)
+    name = collator_name(setup)
     return [Finding("labels-not-padded", "error",
                     f"{name} replaces the items' pre-built `{key}` with its own (a copy of input_ids): {trained} "
                     f"positions the data masks with -100 (e.g. the prompt of batch row {example}) are trained, so the "
                     "prompt mask is discarded and the model learns to reproduce prompts",
-                    _PAD_FIX + " (they keep the labels you built)", f"{_collator_where(setup)}, key '{key}'")]
+                    _PAD_FIX + " (they keep the labels you built)", f"{collator_where(setup)}, key '{key}'")]
 
 
 @register("labels-not-padded", "ragged-batch")
@@ -449,7 +450,7 @@ def _find_ragged_batch(setup: Setup) -> list[Finding]:
     if setup.data_collator is not None and (err is None or not _RAGGED_TEXT.search(str(err))
                                             or _collate(setup, [items[0], items[0]])[1] is not None):
         return []  # the collator pads, or fails for another reason (even on items of one length)
-    name = _collator_name(setup)
+    name = collator_name(setup)
     parts = "; ".join(f"'{k}' has shapes {', '.join(str(list(s)) for s in sorted(set(v))[:4])}"
                       for k, v in ragged.items())
     crash = f": {_first_line(err)}" if err is not None else " (later batches will crash)"
@@ -459,14 +460,14 @@ def _find_ragged_batch(setup: Setup) -> list[Finding]:
            "; or pad every item to one length when tokenizing (padding='max_length', max_length=N)")
     return [Finding("ragged-batch", "error",
                     f"{name} stacks items as they are, but in {scope} they differ in length ({parts}), so they "
-                    f"cannot be stacked into one tensor{crash}", fix, f"{_collator_where(setup)}, keys "
+                    f"cannot be stacked into one tensor{crash}", fix, f"{collator_where(setup)}, keys "
                     + ", ".join(repr(k) for k in ragged))]
 
 
 # ------------------------------------------------------------------------------------------------------------ EOS
 
 
-def _turn_terminator(tok: Any) -> tuple[int, str] | None:
+def turn_terminator(tok: Any) -> tuple[int, str] | None:
     """The token the chat template puts right after an assistant message's text (``<|im_end|>``, ``<|eot_id|>``,
     ``<end_of_turn>``...), when it is a special token; ``None`` without a template."""
     if tok is None or not getattr(tok, "chat_template", None) or not hasattr(tok, "apply_chat_template"):
@@ -496,7 +497,7 @@ def check_eos_masked(setup: Setup) -> list[Finding]:
     """Real EOS tokens whose label is -100 right after trained tokens: the model never learns to stop."""
     import torch
 
-    eos, pad = _special_ids(setup)
+    eos, pad = special_ids(setup)
     batch, err = setup.batch()
     if eos is None or err is not None or not isinstance(batch, Mapping) or _preshifted(setup):
         return []  # pre-shifted labels move the EOS label one place left: labels-preshifted explains it
@@ -524,9 +525,9 @@ def check_eos_masked(setup: Setup) -> list[Finding]:
     if not hits:
         return []
     r, j, own_label = hits[0]
-    name = _collator_name(setup)
+    name = collator_name(setup)
     rows = sorted({h[0] for h in hits})
-    what = (f"{len(hits)} real EOS token{'s' if len(hits) != 1 else ''} (id {eos}) in batch {_rows_text(rows)} "
+    what = (f"{len(hits)} real EOS token{'s' if len(hits) != 1 else ''} (id {eos}) in batch {rows_text(rows)} "
             f"have label -100 right after trained tokens: the model never learns to stop")
     if own_label == IGNORE_INDEX:
         cause = ("; the items' own labels already hold -100 there (labels built by masking every token equal to the "
@@ -548,20 +549,20 @@ def check_eos_masked(setup: Setup) -> list[Finding]:
 @register("eos-missing")
 def check_eos_missing(setup: Setup) -> list[Finding]:
     """Causal-LM training sequences that do not end with EOS."""
-    eos, pad = _special_ids(setup)
+    eos, pad = special_ids(setup)
     if not setup.is_causal_lm or eos is None or setup.train_dataset is None:
         return []
-    values, scope = _train_values(setup, "input_ids")
-    masks = dict(_train_values(setup, "attention_mask")[0])
+    values, scope = train_values(setup, "input_ids")
+    masks = dict(train_values(setup, "attention_mask")[0])
     # chat rows end with the template's turn terminator (and maybe a newline after it): that is their end
-    term = _turn_terminator(_tokenizer(setup))
+    term = turn_terminator(setup_tokenizer(setup))
     ends_turn = set() if term is None else {term[0]}
     # A chat template ends a turn with its own token (Gemma's <end_of_turn>); the generation config lists it.
     stops = {eos} | _generation_eos(setup)
     missing: list[int] = []
     packed = total = 0
     ends: list[int] = []
-    labels = dict(_train_values(setup, "labels")[0])
+    labels = dict(train_values(setup, "labels")[0])
     for i, ids in values:
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids[:1]):
             continue
@@ -586,13 +587,13 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
             packed += eos in ids
     if not total or len(missing) * 2 <= total or packed * 2 >= len(missing):
         return []  # most rows end with EOS, or EOS separates packed documents inside the rows
-    tok = _tokenizer(setup)
+    tok = setup_tokenizer(setup)
     label = f" ({tok.eos_token!r})" if getattr(tok, "eos_token", None) else ""
     sft = setup.task == "sft" or any(isinstance(v, list) and IGNORE_INDEX in v
-                                     for _, v in _train_values(setup, "labels")[0][:PRESHIFT_ROWS])
+                                     for _, v in train_values(setup, "labels")[0][:PRESHIFT_ROWS])
     return [Finding("eos-missing", "error" if sft else "warning",
                     f"{len(missing)} of {total} training sequences ({scope}) do not end with EOS (id {eos}{label}), "
-                    f"e.g. {_rows_text(missing)} (row {missing[0]} ends with token {ends[0]}): the model never sees "
+                    f"e.g. {rows_text(missing)} (row {missing[0]} ends with token {ends[0]}): the model never sees "
                     "where a sequence stops, so generation runs on to the length limit",
                     "append tokenizer.eos_token_id to input_ids when tokenizing (and keep it in labels, not -100), "
                     "e.g. ids = tokenizer(text)['input_ids'] + [tokenizer.eos_token_id]",
@@ -605,7 +606,7 @@ def check_eos_missing(setup: Setup) -> list[Finding]:
 def _token_label_rows(setup: Setup, ds: Any, split: str) -> tuple[list[tuple[int, list]], str] | None:
     """Per-token label lists of one split (``None`` when it has none or cannot be scanned)."""
     if split == "train_dataset":
-        values, scope = _train_values(setup, "labels")
+        values, scope = train_values(setup, "labels")
     else:
         col = _column(setup, ds, "labels")
         if col is None:
@@ -621,7 +622,7 @@ def check_no_supervised(setup: Setup) -> list[Finding]:
     """Rows (or a whole collated batch) whose labels are all -100: nothing to learn, NaN loss."""
     import torch
 
-    if _kind(setup) == "seq-cls":
+    if model_kind(setup) == "seq-cls":
         return []
     findings: list[Finding] = []
     train_rows_flagged = False
@@ -638,7 +639,7 @@ def check_no_supervised(setup: Setup) -> list[Finding]:
             "no-supervised-tokens", "error",
             f"{len(empty)} of {len(rows)} rows of {split} ({scope}) {'has' if len(empty) == 1 else 'have'} no "
             "supervised token (every label is -100), "
-            f"e.g. {_rows_text(empty)}: they teach nothing, and a batch made only of them has loss 0/0 = NaN",
+            f"e.g. {rows_text(empty)}: they teach nothing, and a batch made only of them has loss 0/0 = NaN",
             "the target was probably truncated away or masked with the prompt: truncate the prompt, not the answer "
             "(or raise max_length), check the prompt mask, and drop rows whose labels are all -100",
             f"{split} column 'labels', row {empty[0]}"))
@@ -647,7 +648,7 @@ def check_no_supervised(setup: Setup) -> list[Finding]:
         lab = batch.get("labels") if err is None and isinstance(batch, Mapping) else None
         if isinstance(lab, torch.Tensor) and lab.dim() >= 2 and not lab.is_floating_point() and lab.numel() \
                 and bool((lab == IGNORE_INDEX).all()):
-            name = _collator_name(setup)
+            name = collator_name(setup)
             findings.append(Finding(
                 "no-supervised-tokens", "error",
                 f"the collated batch ({describe(lab)}) from {name} has no supervised token: every label is -100, "
@@ -670,10 +671,10 @@ def _preshifted(setup: Setup) -> list[Finding]:
 def _find_preshifted(setup: Setup) -> list[Finding]:
     if not setup.is_causal_lm or setup.train_dataset is None:
         return []
-    labels = dict(_train_values(setup, "labels")[0][:PRESHIFT_ROWS])
+    labels = dict(train_values(setup, "labels")[0][:PRESHIFT_ROWS])
     if not labels:
         return []
-    ids_by_row = dict(_train_values(setup, "input_ids")[0][:PRESHIFT_ROWS])
+    ids_by_row = dict(train_values(setup, "input_ids")[0][:PRESHIFT_ROWS])
     n = shifted = same = 0
     example = None
     for i, lab in labels.items():
@@ -725,7 +726,7 @@ def _label_scans(setup: Setup) -> list[tuple[str, str, list[tuple[int, Any]], st
         for split, ds in _splits(setup):
             for key in LABEL_KEYS:
                 if split == "train_dataset":
-                    values, scope = _train_values(setup, key)
+                    values, scope = train_values(setup, key)
                     if not values:
                         continue
                 else:
@@ -769,7 +770,7 @@ def check_label_not_numeric(setup: Setup) -> list[Finding]:
         findings.append(Finding(
             "label-not-numeric", "error",
             f"column '{key}' of {split} holds strings ({shown}) in {len(bad)} of {len(values)} rows ({scope}), e.g. "
-            f"{_rows_text([i for i, _ in bad])}: a tensor cannot hold them (collation fails with `too many "
+            f"{rows_text([i for i, _ in bad])}: a tensor cannot hold them (collation fails with `too many "
             "dimensions 'str'` or `Unable to create tensor`)",
             f"map them to class ids with label2id = {{{table}}}: ds = ds.map(lambda r: {{'{key}': {mapping}}}){encode},"
             f" and build the model with num_labels={'len(label2id)' if per_token else len(label2id)}, id2label and "
@@ -781,7 +782,7 @@ def check_label_not_numeric(setup: Setup) -> list[Finding]:
 @register("label-out-of-range")
 def check_label_range(setup: Setup) -> list[Finding]:
     """Class ids outside ``[0, num_labels)`` (including -1 and -100) for a sequence or token classifier."""
-    kind = _kind(setup)
+    kind = model_kind(setup)
     if kind not in ("seq-cls", "token-cls"):
         return []
     n, problem, _ = _class_info(setup)
@@ -802,7 +803,7 @@ def check_label_range(setup: Setup) -> list[Finding]:
         if not bad:
             continue
         rows = sorted({i for r in bad.values() for i in r})
-        listing = "; ".join(f"{v} in {_rows_text(r, 3)}" for v, r in sorted(bad.items())[:5])
+        listing = "; ".join(f"{v} in {rows_text(r, 3)}" for v, r in sorted(bad.items())[:5])
         notes = []
         if set(bad) - {IGNORE_INDEX}:
             notes.append("cross-entropy fails with `Target N is out of bounds` (on a GPU: a device-side assert)")
@@ -826,7 +827,7 @@ def check_label_range(setup: Setup) -> list[Finding]:
     return findings
 
 
-def _label_values(setup: Setup) -> tuple[str, str, list[tuple[int, Any]], str] | None:
+def label_values(setup: Setup) -> tuple[str, str, list[tuple[int, Any]], str] | None:
     scans = [s for s in _label_scans(setup) if s[0] == "train_dataset"]
     return scans[0] if scans else None
 
@@ -840,7 +841,7 @@ def _batch_label_dtype(setup: Setup) -> str | None:
         lab = next((batch[k] for k in LABEL_KEYS if k in batch), None)
         if isinstance(lab, torch.Tensor):
             return "float" if lab.is_floating_point() else "int"
-    scan = _label_values(setup)
+    scan = label_values(setup)
     if scan is None:
         return None
     flat = []
@@ -854,10 +855,10 @@ def _batch_label_dtype(setup: Setup) -> str | None:
 @register("label-dtype")
 def check_label_dtype(setup: Setup) -> list[Finding]:
     """Label dtype that does not fit the classifier's loss (float for cross-entropy, integer for BCE / regression)."""
-    if _kind(setup) != "seq-cls":
+    if model_kind(setup) != "seq-cls":
         return []
     n, problem, has_config = _class_info(setup)
-    scan = _label_values(setup)
+    scan = label_values(setup)
     dtype = _batch_label_dtype(setup)
     if not has_config or n is None or scan is None or dtype is None:
         return []
@@ -913,10 +914,10 @@ def check_label_dtype(setup: Setup) -> list[Finding]:
 @register("label-one-hot")
 def check_label_one_hot(setup: Setup) -> list[Finding]:
     """One-hot (or multi-hot) label vectors for a single-label cross-entropy."""
-    if _kind(setup) != "seq-cls":
+    if model_kind(setup) != "seq-cls":
         return []
     n, problem, has_config = _class_info(setup)
-    scan = _label_values(setup)
+    scan = label_values(setup)
     if not has_config or n is None or n < 2 or scan is None:
         return []
     split, key, values, _ = scan
@@ -959,9 +960,9 @@ def check_no_labels(setup: Setup) -> list[Finding]:
     if not label_params and setup.task not in ("sft", "classify"):
         return []
     model = type(setup.base_model).__name__
-    name = _collator_name(setup)
+    name = collator_name(setup)
     keys = ", ".join(repr(k) for k in batch)
-    if _kind(setup) == "causal":
+    if model_kind(setup) == "causal":
         fix = ("for causal-LM training build labels when tokenizing (labels = input_ids, -100 over the prompt) and "
                f"{_PAD_FIX}; or use DataCollatorForLanguageModeling(tokenizer, mlm=False), "
                "which copies input_ids into labels")
@@ -1014,7 +1015,7 @@ def check_collate_failed(setup: Setup) -> list[Finding]:
     finally:
         setup._cache.pop(_PREFIX + "in-collate-failed", None)
     items = setup.batch_items()
-    name = _collator_name(setup)
+    name = collator_name(setup)
     rows = [i for i, _ in setup.samples()[0]]
     shown = []
     for r, it in zip(rows, items[:3], strict=False):
@@ -1026,22 +1027,19 @@ def check_collate_failed(setup: Setup) -> list[Finding]:
                     f"{'; '.join(shown)})",
                     "make the collator accept these items: every key it turns into a tensor needs numbers of one "
                     "shape per batch (pad sequences, map strings to ids, drop keys it does not know); call the "
-                    "collator on train_dataset[:2] by hand for the full traceback", _collator_where(setup))]
+                    "collator on train_dataset[:2] by hand for the full traceback", collator_where(setup))]
 
 
 def _explained_by_others(setup: Setup, err: BaseException) -> bool:
     """Whether a more specific check (this module's or another's) reports the cause of the collate failure."""
-    from surefit.doctor import _PATTERNS
-
     text = f"{type(err).__name__}: {err}"
     candidates = {"labels-not-padded", "ragged-batch", "label-not-numeric", "label-one-hot", "no-pad-token",
                   "token-labels-misaligned", "label-shape"}
-    for pattern, codes in _PATTERNS:
-        if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
-            candidates |= set(codes)
+    for codes in codes_in(text):
+        candidates |= set(codes)
     candidates -= {"collate-failed", "dataset-item-failed", "forward-failed"}
-    for codes, fn in list(REGISTRY):
-        own = set(codes.split(","))
+    for registered, fn in list(REGISTRY):
+        own = set(registered.split(","))
         if own & {"collate-failed", "forward-failed"} or not own & candidates:
             continue
         if any(f.code in candidates and f.severity == "error" for f in _explained(setup, fn)):

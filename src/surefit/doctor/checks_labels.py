@@ -16,17 +16,17 @@ from typing import Any
 
 from surefit.doctor.checks_data import (
     IGNORE_INDEX,
-    _collator_name,
-    _collator_where,
-    _is_lm_collator,
-    _kind,
-    _rows_text,
-    _special_ids,
-    _tokenizer,
-    _train_values,
-    _turn_terminator,
+    collator_name,
+    collator_where,
+    is_lm_collator,
+    model_kind,
+    rows_text,
+    setup_tokenizer,
+    special_ids,
+    train_values,
+    turn_terminator,
 )
-from surefit.doctor.core import Finding, Setup, describe, register
+from surefit.doctor.core import Finding, Setup, Severity, describe, register
 
 # ------------------------------------------------------------------------------------------------------------ helpers
 
@@ -54,7 +54,7 @@ def _batch_rows(setup: Setup) -> list[int]:
 def _has_class_config(setup: Setup) -> bool:
     """A transformers config says num_labels / problem_type: the config-based label checks decide then."""
     cfg = setup.config
-    return cfg is not None and hasattr(cfg, "num_labels") and _kind(setup) in ("seq-cls", "token-cls") and \
+    return cfg is not None and hasattr(cfg, "num_labels") and model_kind(setup) in ("seq-cls", "token-cls") and \
         type(setup.base_model).__name__.endswith(("ForSequenceClassification", "ForTokenClassification"))
 
 
@@ -87,7 +87,7 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
     rows = _batch_rows(setup)
     model = _model_name(setup)
-    where = f"{_collator_where(setup)}, batch key '{key}'"
+    where = f"{collator_where(setup)}, batch key '{key}'"
     shape_l, shape_y = list(logits.shape), list(y.shape)
     per_seq = logits.dim() == 2
     per_token = logits.dim() == 3
@@ -100,10 +100,10 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
         c = setup.data_collator
         masked = int((y != IGNORE_INDEX).sum())
         if c is not None and getattr(c, "mlm", False) is True:
-            source = (f": {_collator_name(setup)} with mlm=True builds masked-LM labels (one per token, -100 except "
+            source = (f": {collator_name(setup)} with mlm=True builds masked-LM labels (one per token, -100 except "
                       f"at the {masked} masked positions)")
         elif c is not None and any(k.__name__ == "DataCollatorForLanguageModeling" for k in type(c).__mro__):
-            source = f": {_collator_name(setup)} builds language-model labels, a copy of input_ids"
+            source = f": {collator_name(setup)} builds language-model labels, a copy of input_ids"
         else:
             source = ""
         what = "per token" if per_tok else f"{y.shape[1]} values per row"
@@ -117,7 +117,7 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
             f"{logits.shape[-1]}) and pad with DataCollatorWithPadding(tokenizer); a language-model collator is for "
             "(masked-)LM training (AutoModelForMaskedLM / ForCausalLM), not for a sequence classifier", where)]
     # one label per row for one prediction per token
-    if per_token and y.dim() == 1 and _kind(setup) == "token-cls":
+    if per_token and y.dim() == 1 and model_kind(setup) == "token-cls":
         return [Finding(
             "label-shape", "error",
             f"{model} predicts per token (logits {shape_l}) but `{key}` holds one value per row ({describe(y)}, "
@@ -189,17 +189,17 @@ def check_labels_vs_logits(setup: Setup) -> list[Finding]:
 
 def _label_shape_in_data(setup: Setup) -> list[Finding]:
     """The label column itself holds the other head's shape (found before any collator has to cope with it)."""
-    from surefit.doctor.checks_data import _label_values
+    from surefit.doctor.checks_data import label_values
 
-    kind = _kind(setup)
-    scan = _label_values(setup) if kind in ("seq-cls", "token-cls") else None
+    kind = model_kind(setup)
+    scan = label_values(setup) if kind in ("seq-cls", "token-cls") else None
     if not scan or not scan[2]:
         return []
     split, key, values, scope = scan
     where = f"{split} column '{key}', row {values[0][0]}"
     model = _model_name(setup)
     if kind == "seq-cls":
-        ids = dict(_train_values(setup, "input_ids")[0])
+        ids = dict(train_values(setup, "input_ids")[0])
         n = getattr(setup.config, "num_labels", None)
         per_token = [(i, v) for i, v in values if isinstance(v, list) and isinstance(ids.get(i), list)
                      and len(v) == len(ids[i]) and len(v) != n]
@@ -303,7 +303,7 @@ def _tuple_range(setup: Setup, key: str, n: int, model: str, logits: Any, where:
     if not bad:
         return []
     rows = sorted({i for r in bad.values() for i in r})
-    listing = "; ".join(f"{v} in {_rows_text(r, 3, noun='item')}" for v, r in sorted(bad.items())[:5])
+    listing = "; ".join(f"{v} in {rows_text(r, 3, noun='item')}" for v, r in sorted(bad.items())[:5])
     high = max(bad)
     fix = (f"if there are {high + 1} classes, build the head with {high + 1} outputs; if the ids start at 1, "
            "subtract 1; " if high >= n else "") + "drop or relabel rows marked -1 (unlabelled)"
@@ -340,7 +340,7 @@ def _padding(ids: list, mask: list | None, pad: int | None, eos: int | None) -> 
 
 def _pad_fix(setup: Setup, in_data: bool, pad_is_eos: bool) -> str:
     """The fix that works with the user's collator."""
-    name = _collator_name(setup)
+    name = collator_name(setup)
     label_pad = getattr(setup.data_collator, "label_pad_token_id", None)
     keep_eos = (" To keep the stop signal, make EOS a real token first: tokenize text + tokenizer.eos_token "
                 "(attention_mask 1 there), so it keeps its label" if pad_is_eos else "")
@@ -355,7 +355,7 @@ def _pad_fix(setup: Setup, in_data: bool, pad_is_eos: bool) -> str:
     if "Seq2Seq" in name or name in ("PadCollator", "DataCollatorWithPadding"):
         alt = (f"; better, tokenize without padding='max_length' (padding=False) and let {name} pad: it pads "
                "labels with -100")
-    elif _is_lm_collator(setup):
+    elif is_lm_collator(setup):
         alt = "; or drop the labels column: DataCollatorForLanguageModeling(mlm=False) builds them with padding masked"
     else:
         alt = ""
@@ -370,10 +370,10 @@ def _pad_by_position(setup: Setup) -> list[Finding] | None:
     """
     import torch
 
-    eos, pad = _special_ids(setup)
-    values, scope = _train_values(setup, "labels")
-    ids_by_row = dict(_train_values(setup, "input_ids")[0])
-    masks = dict(_train_values(setup, "attention_mask")[0])
+    eos, pad = special_ids(setup)
+    values, scope = train_values(setup, "labels")
+    ids_by_row = dict(train_values(setup, "input_ids")[0])
+    masks = dict(train_values(setup, "attention_mask")[0])
     hits: list[tuple[int, list[int]]] = []
     total = aligned = 0
     for i, lab in values:
@@ -423,14 +423,14 @@ def _pad_by_position(setup: Setup) -> list[Finding] | None:
         count = sum(len(p) for _, p in batch_hits)
         bad_rows = sorted(rows[b] if b < len(rows) else b for b, _ in batch_hits)
         label_pad = getattr(setup.data_collator, "label_pad_token_id", None)
-        cause = (f"{_collator_name(setup)} pads labels with label_pad_token_id={label_pad}" if label_pad not in
-                 (None, IGNORE_INDEX) else f"{_collator_name(setup)} leaves them trained")
+        cause = (f"{collator_name(setup)} pads labels with label_pad_token_id={label_pad}" if label_pad not in
+                 (None, IGNORE_INDEX) else f"{collator_name(setup)} leaves them trained")
         return [Finding(
             "labels-pad-trained", "error",
             f"the batch's `{key}` trains {count} padded positions (attention_mask 0, or after the row's end) of "
-            f"{found[1].numel()}: {len(ps)} in batch row {r} ({_rows_text(bad_rows)} in all): {cause}, so padding "
+            f"{found[1].numel()}: {len(ps)} in batch row {r} ({rows_text(bad_rows)} in all): {cause}, so padding "
             "is trained", _pad_fix(setup, False, pad is not None and pad == eos),
-            f"{_collator_where(setup)}, key '{key}'")]
+            f"{collator_where(setup)}, key '{key}'")]
     return [] if aligned or found is not None and isinstance(bids, torch.Tensor) and found[1].shape == bids.shape \
         else None
 
@@ -440,24 +440,24 @@ def check_pad_trained(setup: Setup) -> list[Finding]:
     """Labels trained at padded positions, whatever the pad id; for seq2seq targets, labels equal to the pad id."""
     import torch
 
-    if _kind(setup) not in ("causal", "seq2seq"):
+    if model_kind(setup) not in ("causal", "seq2seq"):
         return []
-    if _kind(setup) == "causal":
+    if model_kind(setup) == "causal":
         by_position = _pad_by_position(setup)
         if by_position is not None:
             return by_position
-    eos, pad = _special_ids(setup)
+    eos, pad = special_ids(setup)
     if pad is None or pad == eos:
         return []
-    tok = _tokenizer(setup)
+    tok = setup_tokenizer(setup)
     name = f" ({tok.pad_token!r})" if getattr(tok, "pad_token", None) else ""
-    seq2seq = _kind(setup) == "seq2seq"
+    seq2seq = model_kind(setup) == "seq2seq"
     fix_data = ("replace the pad ids in labels with -100 when tokenizing, e.g. labels = [[(t if t != "
                 "tokenizer.pad_token_id else -100) for t in row] for row in labels]; better, tokenize the targets "
                 "without padding and let " + ("DataCollatorForSeq2Seq(tokenizer, model=model)" if seq2seq else
                                                "DataCollatorForSeq2Seq(tokenizer)") +
                 " pad labels with -100 (its default label_pad_token_id)")
-    values, scope = _train_values(setup, "labels")
+    values, scope = train_values(setup, "labels")
     hits = [(i, [p for p, t in enumerate(v) if t == pad]) for i, v in values if isinstance(v, list)]
     hits = [(i, ps) for i, ps in hits if ps]
     found = _batch_labels(setup)
@@ -486,14 +486,14 @@ def check_pad_trained(setup: Setup) -> list[Finding]:
     r = int(torch.nonzero(mask)[0, 0])
     bad_rows = sorted({rows[int(b)] if int(b) < len(rows) else int(b) for b in torch.nonzero(mask)[:, 0]})
     label_pad = getattr(setup.data_collator, "label_pad_token_id", None)
-    cause = (f"{_collator_name(setup)} pads labels with label_pad_token_id={label_pad}, the pad id"
+    cause = (f"{collator_name(setup)} pads labels with label_pad_token_id={label_pad}, the pad id"
              if label_pad == pad else f"the collated labels hold it at {int(mask.sum())} positions")
     return [Finding(
         "labels-pad-trained", "error",
         f"the batch's `{key}` holds the pad id {pad}{name} (not EOS) at {int(mask[r].sum())} positions of batch row "
-        f"{r} ({_rows_text(bad_rows)} in all): {cause}, so padding is trained",
-        f"pad labels with -100: {_collator_name(setup)}(..., label_pad_token_id=-100) (DataCollatorForSeq2Seq's "
-        "default), or set the pad positions of labels to -100", f"{_collator_where(setup)}, key '{key}'")]
+        f"{r} ({rows_text(bad_rows)} in all): {cause}, so padding is trained",
+        f"pad labels with -100: {collator_name(setup)}(..., label_pad_token_id=-100) (DataCollatorForSeq2Seq's "
+        "default), or set the pad positions of labels to -100", f"{collator_where(setup)}, key '{key}'")]
 
 
 # --------------------------------------------------------------------------------------- token-labels-misaligned
@@ -502,20 +502,20 @@ def check_pad_trained(setup: Setup) -> list[Finding]:
 @register("token-labels-misaligned")
 def check_token_labels_aligned(setup: Setup) -> list[Finding]:
     """Per-token labels of a token classifier whose length differs from the row's input_ids."""
-    if _kind(setup) != "token-cls":
+    if model_kind(setup) != "token-cls":
         return []
-    labels = dict(_train_values(setup, "labels")[0])
+    labels = dict(train_values(setup, "labels")[0])
     key = "labels"
     if not labels:
-        labels, key = dict(_train_values(setup, "label")[0]), "label"
-    ids, scope = _train_values(setup, "input_ids")
+        labels, key = dict(train_values(setup, "label")[0]), "label"
+    ids, scope = train_values(setup, "input_ids")
     bad = [(i, len(labels[i]), len(v)) for i, v in ids
            if isinstance(v, list) and isinstance(labels.get(i), list) and len(labels[i]) != len(v)]
     if not bad:
         return []
     i, n_lab, n_ids = bad[0]
     shorter = sum(1 for _, a, b in bad if a < b)
-    collator = _collator_name(setup)
+    collator = collator_name(setup)
     silent = ("DataCollatorForTokenClassification pads the shorter labels with -100 to the batch's length, so "
               "training runs and each tag lands on the wrong token" if "TokenClassification" in collator else
               f"{collator} cannot line them up")
@@ -537,7 +537,7 @@ _PEFT_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "
                "QUESTION_ANS": ("qa_outputs",)}
 
 
-def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
+def _new_modules(base: Any) -> list[tuple[str, Any, Severity]]:
     """``(name, module, severity)`` of the modules the loader initialised fresh.
 
     The checkpoint's ``config.architectures`` names the class it was saved from; modules outside the backbone
@@ -558,7 +558,7 @@ def _new_modules(base: Any) -> list[tuple[str, Any, str]]:
         return []
     n = getattr(cfg, "num_labels", None)
     shared = {p.data_ptr() for p in backbone.parameters()}
-    out: list[tuple[str, Any, str]] = []
+    out: list[tuple[str, Any, Severity]] = []
     for name, module in base.named_children():
         params = list(module.parameters())
         if module is backbone or not params or all(p.data_ptr() in shared for p in params):
@@ -624,17 +624,17 @@ def check_turn_end_masked(setup: Setup) -> list[Finding]:
     to end its turn (generation runs on into a new turn)."""
     import torch
 
-    tok = _tokenizer(setup)
-    term = _turn_terminator(tok)
-    eos, _ = _special_ids(setup)
+    tok = setup_tokenizer(setup)
+    term = turn_terminator(tok)
+    eos, _ = special_ids(setup)
     if term is None or term[0] == eos:
         return []  # the terminator is EOS: eos-masked checks it
     tid, text = term
     hits: list[tuple[int, int]] = []
-    labels = dict(_train_values(setup, "labels")[0])
+    labels = dict(train_values(setup, "labels")[0])
     scope = "train_dataset"
     if labels:
-        for i, ids in _train_values(setup, "input_ids")[0]:
+        for i, ids in train_values(setup, "input_ids")[0]:
             lab = labels.get(i)
             if not isinstance(ids, list) or not isinstance(lab, list) or len(lab) != len(ids):
                 continue
@@ -648,7 +648,7 @@ def check_turn_end_masked(setup: Setup) -> list[Finding]:
         if not isinstance(ids, torch.Tensor) or not isinstance(lab, torch.Tensor) or ids.shape != lab.shape:
             return []
         rows = _batch_rows(setup)
-        scope = "the dry-run batch (labels built by " + _collator_name(setup) + ")"
+        scope = "the dry-run batch (labels built by " + collator_name(setup) + ")"
         for r in range(ids.shape[0]):
             a, b = ids[r].tolist(), lab[r].tolist()
             hits += [(rows[r] if r < len(rows) else r, j) for j in range(1, len(a))
@@ -660,7 +660,7 @@ def check_turn_end_masked(setup: Setup) -> list[Finding]:
     return [Finding(
         "turn-end-masked", "error",
         f"the chat template ends each assistant turn with {text!r} (id {tid}), and in {len(hits)} places in "
-        f"{_rows_text(rows_hit)} of {scope} it has label -100 right after a trained answer (first: row {i}, position "
+        f"{rows_text(rows_hit)} of {scope} it has label -100 right after a trained answer (first: row {i}, position "
         f"{j}): the model never learns to end its turn, so at inference it runs on into a new turn",
         f"train the terminator as part of each answer: the supervised span must cover the assistant text plus "
         f"{text!r} (surefit's sft encoding does; with TRL use assistant_only_loss with a template whose "

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 from surefit.doctor.core import REGISTRY, Finding, Setup, describe, register
+from surefit.doctor.patterns import codes_in
 
 SCAN_ROWS = 50_000  # rows read per split and column by the scans
 HUGE_MAX_LENGTH = 1_000_000  # a tokenizer.model_max_length at or above this means "unset"
@@ -719,19 +720,16 @@ def check_forward(setup: Setup) -> list[Finding]:
     _, err = setup.forward()
     if err is None:
         return []
-    from surefit.doctor import _PATTERNS
-
     text = f"{type(err).__name__}: {err}"
     if "Cannot handle batch sizes > 1" in text and (_batch_size(setup) or 2) <= 1:
         return []  # the dry run batches two items; training with batches of one never hits this
     # the checks of this module that find inputs the forward cannot take: their errors explain any failure
     candidates = {"input-dim-mismatch", "token-id-out-of-range", "token-type-out-of-range", "sequence-too-long",
                   "classifier-no-pad-id", "label-shape", "label-dtype", "label-one-hot"}
-    for pattern, codes in _PATTERNS:
-        if re.search(pattern, text, flags=re.IGNORECASE | re.DOTALL):
-            candidates |= set(codes)
-    for codes, fn in list(REGISTRY):
-        own = set(codes.split(","))
+    for codes in codes_in(text):
+        candidates |= set(codes)
+    for registered, fn in list(REGISTRY):
+        own = set(registered.split(","))
         if "forward-failed" in own or not own & candidates:
             continue
         try:

@@ -233,10 +233,11 @@ def check_leakage(setup: Setup) -> list[Finding]:
         cols = tuple(c for c in _columns(ev) if c in train_cols)
         if cols not in train_keys:
             keys = _text_keys(train, cols, setup.tokenizer)
-            train_keys[cols] = None if keys is None else {}
+            first_of: dict[str, int] = {}
             for i, k in enumerate(keys or []):
                 if k:
-                    train_keys[cols].setdefault(k, i)
+                    first_of.setdefault(k, i)
+            train_keys[cols] = None if keys is None else first_of
         index = train_keys[cols]
         eval_keys = _text_keys(ev, cols, setup.tokenizer) if index is not None else None
         if not index or not eval_keys:

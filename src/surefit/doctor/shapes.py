@@ -178,7 +178,8 @@ def diagnose(tr: Trace, batch: dict[str, torch.Tensor], model_args: dict[str, An
         lines.append(f"likely cause: integer features ({dtype}) reach a floating-point layer; store the features "
                      "as float32 (or convert them in the dataset), not in the model")
     elif isinstance(layer, (nn.Linear, nn.RNNBase, nn.MultiheadAttention)):
-        expected = getattr(layer, "in_features", None) or getattr(layer, "input_size", None) or layer.embed_dim
+        expected = (layer.in_features if isinstance(layer, nn.Linear) else layer.input_size
+                    if isinstance(layer, nn.RNNBase) else layer.embed_dim)
         for cause in likely_causes(expected, shape, per_example, model_args):
             lines.append(f"likely cause: {cause}")
     lines.append(f"(the raw error was: {type(tr.error).__name__}: {str(tr.error).splitlines()[0]})")

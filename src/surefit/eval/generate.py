@@ -21,7 +21,7 @@ round differently in 16 bits and are off unless asked for:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -244,6 +244,7 @@ def _forward_kwargs(model: Any) -> tuple[dict[str, int], str]:
     name of the KV cache argument and output (``cache`` in transformers 5.x, ``past_key_values`` before)."""
     import inspect
 
+    params: Mapping[str, object]
     try:
         params = inspect.signature(type(inner_model(model)).forward).parameters
     except (TypeError, ValueError):

@@ -38,8 +38,10 @@ class Reserved(DynamicLayer):
         self.device, self.is_initialized = keys.device, True
         self._views()
 
-    def _views(self) -> None:
-        self.keys, self.values = self._k[..., : self._n, :], self._v[..., : self._n, :]
+    def _views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self._k[..., : self._n, :], self._v[..., : self._n, :]
+        self.keys, self.values = keys, values
+        return keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,8 +52,7 @@ class Reserved(DynamicLayer):
         self._k[..., self._n : self._n + m, :] = key_states
         self._v[..., self._n : self._n + m, :] = value_states
         self._n += m
-        self._views()
-        return self.keys, self.values
+        return self._views()
 
     def get_seq_length(self) -> int:
         return self._n
@@ -69,13 +70,14 @@ def reserve(cache: Any, room: int) -> int:
     other layer kinds (sliding windows, linear attention, quantized) stay as they are. Returns how many changed."""
     n = 0
     for i, layer in enumerate(getattr(cache, "layers", [])):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.dim() == 4:
-            kind = layer.keys.device.type
+        keys, values = layer.keys, layer.values
+        if type(layer) is DynamicLayer and layer.is_initialized and keys is not None and values is not None \
+                and keys.dim() == 4:
+            kind = keys.device.type
             dtype = None
-            if layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32 \
-                    and torch.is_autocast_enabled(kind):
+            if keys.dtype == torch.float32 and values.dtype == torch.float32 and torch.is_autocast_enabled(kind):
                 dtype = torch.get_autocast_dtype(kind)
-            cache.layers[i] = Reserved(layer.keys, layer.values, room, dtype)
+            cache.layers[i] = Reserved(keys, values, room, dtype)
             n += 1
     return n
 

@@ -173,7 +173,7 @@ def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code
     return Run(folder, cfg, final, report, untrusted.last_epoch(folder / METRICS), plan, say)
 
 
-def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
+def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], object]) -> Path:
     """Write an export of ``run`` to ``dest`` atomically: ``write(tmp)`` fills a temporary folder beside ``dest``,
     which then replaces it. ``dest`` may not be a file, the run itself, a folder holding it or anything inside it,
     and a non-empty ``dest`` is refused unless ``overwrite``."""

@@ -280,6 +280,7 @@ def prepare(cfg: CustomConfig, say: Say = print, problems: list[Problem] | None 
     """Everything the loop needs: the shards, the factory's model, how to call it, a real forward under hooks
     before step 1 (a shape mismatch stops here, naming the input and the layer), the split and the loss."""
     early = list(problems or [])
+    assert cfg.model is not None and cfg.data is not None  # required: the config's checks say so first
     factory = None
     try:
         factory = load_factory(cfg.model, flag="--model")

@@ -57,6 +57,7 @@ class CheckpointError(SurefitError):
 def capture_rng() -> dict[str, Any]:
     """Every generator whose state decides what happens next (dropout masks, shuffles)."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # legacy=True, the default: the Mersenne Twister tuple
     state: dict[str, Any] = {
         "python": random.getstate(),
         # weights_only loading refuses numpy arrays; a tensor of the keys round-trips exactly.

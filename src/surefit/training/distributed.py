@@ -173,7 +173,9 @@ def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
     with any number of processes, sharded or not. Every process must call it (a collective); the others get ``{}``."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    osd = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    osd: dict[str, Any] = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if not is_main_process():
         return {}
     index: dict[str, int] = {}
@@ -196,11 +198,12 @@ def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any])
         set_optimizer_state_dict,
     )
 
-    names = [name for group in get_optimizer_state_dict(model, optimizer)["param_groups"] for name in group["params"]]
+    current: dict[str, Any] = get_optimizer_state_dict(model, optimizer)
+    names = [name for group in current["param_groups"] for name in group["params"]]
     groups = []
     for group in state["param_groups"]:
         groups.append({**group, "params": [names[i] for i in group["params"]]})
-    osd = {"state": {names[int(i)]: value for i, value in state["state"].items()}, "param_groups": groups}
+    osd: dict[str, Any] = {"state": {names[int(i)]: value for i, value in state["state"].items()}, "param_groups": groups}
     set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
 
 

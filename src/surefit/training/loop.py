@@ -136,7 +136,7 @@ class Checkpointing:
     export: Callable[[Any, Path], None] | None = None
     resume_from: Path | None = None
     resume_command: str = ""
-    before_commit: Callable[[Path], None] | None = None
+    before_commit: Callable[[Path], object] | None = None
 
 
 @dataclass
@@ -240,7 +240,8 @@ def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: flo
     fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.dtype in (torch.float32, torch.float16,
                                                                                   torch.bfloat16, torch.float64)
                                  for p in params)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **({"fused": True} if fused else {}))
+    extra: dict[str, Any] = {"fused": True} if fused else {}
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, **extra)
 
 
 @dataclass
@@ -328,6 +329,7 @@ class _Fit:
         # A sharded model skips accelerate's prepare, which would wrap it in DDP (or accelerate's own FSDP).
         if not self.sharded and world_size() > 1 and features:
             tell_ddp_about_unused(model, lambda: collate([features[0]]), loss_fn, accelerator, say)
+        self.optimizer: torch.optim.Optimizer
         self.model, self.optimizer = (model, optimizer) if self.sharded else accelerator.prepare(model, optimizer)
         self.world, self.main = accelerator.num_processes, accelerator.is_main_process
         if self.world != world_size():
@@ -372,7 +374,7 @@ class _Fit:
         p = self.progress
         rng = capture_rng()
         try:
-            record = {"type": "eval", "epoch": p.epoch, "step": p.global_step,
+            record: dict[str, Any] = {"type": "eval", "epoch": p.epoch, "step": p.global_step,
                       "epoch_progress": round((p.epoch - 1) + p.step_in_epoch / max(self.steps_per_epoch, 1), 4)}
             record.update(self.evaluate(record["epoch_progress"], step=p.global_step))
         finally:
@@ -446,8 +448,8 @@ class _Fit:
         elif not scaled:
             grads = [p.grad for p in self.params if p.grad is not None]
             grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        counts = dict(items=sum(self.counts[i] for i in step_indices), tokens=sum(self.lengths[i] for i in step_indices),
-                      examples=len(step_indices))
+        items, tokens = sum(self.counts[i] for i in step_indices), sum(self.lengths[i] for i in step_indices)
+        examples = len(step_indices)
         if not math.isfinite(loss_sum) or (not scaled and grad_norm is not None and not math.isfinite(grad_norm)):
             # Every process sees the same summed loss and all-reduced gradients, so all of them take this branch.
             self.optimizer.zero_grad(set_to_none=True)
@@ -456,13 +458,13 @@ class _Fit:
                 raise NonFiniteLoss(problem)
             self.scheduler.step()  # the schedule follows the steps taken through the data, applied or not
             self.say(f"--on_nonfinite skip_step: skipped step {self.progress.global_step + 1}: {problem.what}")
-            return StepResult(loss_sum=loss_sum, **counts, seconds=time.perf_counter() - t0, grad_norm=grad_norm,
-                              stop=stops > 0, skipped=True)
+            return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
+                              seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0, skipped=True)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(loss_sum=loss_sum, **counts, seconds=time.perf_counter() - t0, grad_norm=grad_norm,
-                          stop=stops > 0)
+        return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
+                          seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)
 
     def nonfinite_problem(self, step_indices: list[int], loss_sum: float, grad_norm: float | None,
                           weights_only: bool = False) -> Problem:

@@ -44,11 +44,12 @@ def count_supervised_tokens(labels: torch.Tensor) -> int:
 
 def base_forward_params(model: Any) -> frozenset[str]:
     """The argument names of the forward of the transformers model inside any DDP / peft wrappers."""
-    return _params_of(type(inner_model(model)))
+    cls: Any = type(inner_model(model))
+    return _params_of(cls)
 
 
 @lru_cache(maxsize=64)
-def _params_of(cls: type) -> frozenset[str]:
+def _params_of(cls: Any) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 

@@ -214,14 +214,14 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any 
 
     ``packer``: a :class:`~surefit.training.speedups.lora_fast.SavedActivationsIn` the run will train under; what it stores
     is counted."""
-    from surefit.training.speedups.lora_fast import SavedActivationsIn, _Packed, keep_saved
+    from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, keep_saved
 
     seen: dict[tuple[int, int], int] = {}
 
     def pack(t: torch.Tensor) -> Any:
         if packer is not None:
             packed = packer.pack(t)
-            if type(packed) is _Packed:
+            if type(packed) is Packed:
                 storage = packed.tensor.untyped_storage()
                 seen[(storage.data_ptr(), storage.nbytes())] = storage.nbytes()
                 return packed
@@ -375,13 +375,14 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
     memo = {} if memo is None else memo
     known = memo.get("saved_activations")
     measured_act = (int(known[0]), int(known[1])) if known else None
-    if measured_act is None and work.forward is not None and order:
+    forward = work.forward
+    if measured_act is None and forward is not None and order:
         packer = None
         if pack_saved:
             from surefit.training.speedups.lora_fast import SavedActivationsIn
 
             packer = SavedActivationsIn(torch.bfloat16)
-        measured_act = (measure_saved_bytes(model, lambda: work.forward([order[0]]), packer),
+        measured_act = (measure_saved_bytes(model, lambda: forward([order[0]]), packer),
                         work.lengths[order[0]])
         memo["saved_activations"] = list(measured_act)
     fp = footprint(model, mixed=mixed, measured_act=measured_act)
@@ -498,9 +499,10 @@ def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) 
     def run(micro: int, ckpt: bool) -> int:
         rung = f"{micro},{int(ckpt)}"
         if rung in seen:
-            if seen[rung] is None:
+            known_peak = seen[rung]
+            if known_peak is None:
                 raise torch.OutOfMemoryError(f"micro-batch {micro} measured out of memory before (start-up cache)")
-            return int(seen[rung])
+            return int(known_peak)
         try:
             peak = probe(micro, ckpt)
         except Exception as e:
@@ -529,7 +531,8 @@ def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixe
 
 
 def _gpu_probe(work: Workload, order: list[int], pack_saved: bool = False) -> Callable[[int, bool], int] | None:
-    if work.train_step is None:
+    train_step = work.train_step
+    if train_step is None:
         return None
     from contextlib import nullcontext
 
@@ -539,7 +542,7 @@ def _gpu_probe(work: Workload, order: list[int], pack_saved: bool = False) -> Ca
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with SavedActivationsIn(torch.bfloat16) if pack_saved else nullcontext():  # as the run will save them
-            work.train_step(order[:micro])
+            train_step(order[:micro])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
 

@@ -164,7 +164,7 @@ def store_frozen_in(model: Any, dtype: torch.dtype) -> int:
         # (an embedding loaded in ``dtype`` already, models.load_causal_lm, gets the same fp32 lookups)
         if isinstance(m, torch.nn.Embedding) and (id(w) in converted or w.dtype == dtype) \
                 and not hasattr(m, "_surefit_lookup_in"):
-            m._surefit_lookup_in = torch.float32
+            m._surefit_lookup_in = torch.float32  # type: ignore[assignment]  # a new attribute on the module
             m.register_forward_hook(_lookup_in_fp32)
     if saved:
         _own_copies(model, dtype)

@@ -61,13 +61,13 @@ class Selection:
         value = self.value(record)
         best = self.best
         if best is None or (value < best["value"] if self.goal.mode == "min" else value > best["value"]):
-            self.best = {"metric": self.goal.metric, "value": value, "step": record.get("step", 0),
+            best = self.best = {"metric": self.goal.metric, "value": value, "step": record.get("step", 0),
                          "epoch": record.get("epoch"), "checkpoint": checkpoint}
             self.bad = 0
         else:
             self.bad += 1
-        record.update(best_metric=self.goal.metric, best_value=self.best["value"], best_step=self.best["step"],
-                      best_checkpoint=self.best["checkpoint"])
+        record.update(best_metric=self.goal.metric, best_value=best["value"], best_step=best["step"],
+                      best_checkpoint=best["checkpoint"])
 
     @property
     def should_stop(self) -> bool:

@@ -62,7 +62,10 @@ def _hparams(config: TrainConfig) -> dict[str, Any]:
     """The resolved config as the flat scalar mapping trackers store (TensorBoard hparams, W&B config)."""
     if config is None:
         return {}
-    values = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        values = dataclasses.asdict(config)
+    else:
+        values = dict(config)
     return {k: v if v is None or isinstance(v, bool | int | float | str) else str(v) for k, v in values.items()}
 
 
@@ -131,7 +134,7 @@ class MetricsLog:
     """
 
     def __init__(self, path: str | Path, trackers: Trackers | None = None,
-                 after_epoch: Callable[[], None] | None = None):
+                 after_epoch: Callable[[], object] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._fh = self.path.open("a", encoding="utf-8")

@@ -26,28 +26,28 @@ MAX_ROW_BYTES = 16 * 2**20
 # Rejected rows keep this much of their text: enough to find and fix the row, small enough for a report file.
 MAX_RAW_CHARS = 2000
 
-_JSONL_EXTS = {".jsonl", ".ndjson"}
-_DATA_EXTS = _JSONL_EXTS | {".json", ".csv", ".tsv", ".parquet"}
-_KIND = {".jsonl": "JSONL", ".ndjson": "JSONL", ".json": "JSON", ".csv": "CSV", ".tsv": "TSV"}
+JSONL_EXTS = {".jsonl", ".ndjson"}
+DATA_EXTS = JSONL_EXTS | {".json", ".csv", ".tsv", ".parquet"}
+KIND_OF_EXT = {".jsonl": "JSONL", ".ndjson": "JSONL", ".json": "JSON", ".csv": "CSV", ".tsv": "TSV"}
 SKIP_HINT = "or pass --on_bad_rows skip to drop such rows (they are written to rejected_rows.jsonl)"
 # Binary sniffing looks at the start of the file only, as git and file(1) do: a text file does not turn binary later.
-_SNIFF_BYTES = 8192
-_MAX_CONTROL_SHARE = 0.3
+SNIFF_BYTES = 8192
+MAX_CONTROL_SHARE = 0.3
 # Control bytes never found in text files (tab, line feed, carriage return, form feed, vertical tab, backspace and
 # escape do occur in real text).
-_CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\b\x1b") + b"\x7f"
-_BOMS = (
+CONTROL_BYTES = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\b\x1b") + b"\x7f"
+BOMS = (
     (b"\xff\xfe\x00\x00", "UTF-32", "little-endian"),
     (b"\x00\x00\xfe\xff", "UTF-32", "big-endian"),
     (b"\xff\xfe", "UTF-16", "little-endian"),
     (b"\xfe\xff", "UTF-16", "big-endian"),
 )
-_UTF8_BOM = b"\xef\xbb\xbf"
-_ICONV_FIX = "re-save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 IN > OUT)"
-_JSONL_FIX = 'make every line one JSON object, e.g. {"input": "...", "target": "..."} (write each line with json.dumps)'
+UTF8_BOM = b"\xef\xbb\xbf"
+ICONV_FIX = "re-save the file as UTF-8 (for example: iconv -f latin1 -t utf-8 IN > OUT)"
+JSONL_FIX = 'make every line one JSON object, e.g. {"input": "...", "target": "..."} (write each line with json.dumps)'
 # Column names longer than this are sentences: the file has no header line.
-_MAX_HEADER_NAME = 64
-_SQUAD_SHAPE = "data[].paragraphs[].{context, qas[].{id, question, answers[].text}}"
+MAX_HEADER_NAME = 64
+SQUAD_SHAPE = "data[].paragraphs[].{context, qas[].{id, question, answers[].text}}"
 
 
 @dataclass(frozen=True)
@@ -70,22 +70,22 @@ class Rejected:
         return {"where": self.where, "reason": self.reason, "raw": self.raw}
 
 
-def _clip(raw: str | None) -> str | None:
+def clip_raw(raw: str | None) -> str | None:
     return raw if raw is None or len(raw) <= MAX_RAW_CHARS else raw[:MAX_RAW_CHARS]
 
 
-def _raw_json(value: Any) -> str | None:
+def raw_json(value: Any) -> str | None:
     try:
-        return _clip(json.dumps(value, ensure_ascii=False, default=str))
+        return clip_raw(json.dumps(value, ensure_ascii=False, default=str))
     except (ValueError, RecursionError):  # nested near the recursion limit: the reason and location still say enough
         return None
 
 
-def _with_hint(fix: str) -> str:
+def with_hint(fix: str) -> str:
     return f"{fix}; {SKIP_HINT}" if fix else SKIP_HINT
 
 
-class _Capped:
+class CappedProblems:
     """Collects row-level problems of one kind for one file.
 
     In ``error`` mode (``rejects`` is None) it keeps the first few problems and counts the rest, and tells the user
@@ -104,9 +104,9 @@ class _Capped:
     def add(self, problem: Problem, raw: str | None = None) -> None:
         self.count += 1
         if self.rejects is not None:
-            self.rejects.append(Rejected(problem.where, problem.what, _clip(raw)))
+            self.rejects.append(Rejected(problem.where, problem.what, clip_raw(raw)))
             return
-        problem = Problem(problem.what, where=problem.where, fix=_with_hint(problem.fix))
+        problem = Problem(problem.what, where=problem.where, fix=with_hint(problem.fix))
         self.fix = problem.fix
         if self.count <= MAX_PROBLEMS_PER_KIND:
             self.problems.append(problem)
@@ -126,7 +126,7 @@ def all_rejected_problem(source: str, n: int, first: Rejected) -> Problem:
     )
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     if isinstance(value, bool):
         return "boolean"
     if value is None:

@@ -5,16 +5,24 @@ from __future__ import annotations
 import csv
 from typing import Any
 
-from surefit.data.readers.common import _ICONV_FIX, _MAX_HEADER_NAME, MAX_ROW_BYTES, Rejected, _Capped, _clip, short
-from surefit.data.readers.text import _Text, _too_big_what
+from surefit.data.readers.common import (
+    ICONV_FIX,
+    MAX_HEADER_NAME,
+    MAX_ROW_BYTES,
+    CappedProblems,
+    Rejected,
+    clip_raw,
+    short,
+)
+from surefit.data.readers.text import TextFile, too_big_what
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
 # --- CSV / TSV ----------------------------------------------------------------------------------------------------
 
 
-def _read_delimited(
-    decoded: _Text, source: str, delimiter: str, problems: list[Problem], rejects: list[Rejected] | None = None,
+def read_delimited(
+    decoded: TextFile, source: str, delimiter: str, problems: list[Problem], rejects: list[Rejected] | None = None,
     limit: int | None = None,
 ) -> list[Row] | None:
     trial: list[Problem] = []
@@ -40,7 +48,7 @@ def _read_delimited(
 
 
 def _parse_delimited(
-    decoded: _Text,
+    decoded: TextFile,
     source: str,
     delimiter: str,
     quoting: int,
@@ -67,9 +75,9 @@ def _parse_delimited(
     old_limit = csv.field_size_limit(MAX_ROW_BYTES)
     rows: list[Row] = []
     before = len(problems)
-    wrong_count = _Capped(problems, source, "lines", rejects)
-    too_big = _Capped(problems, source, "lines", rejects)
-    merged = _Capped(problems, source, "records", rejects)
+    wrong_count = CappedProblems(problems, source, "lines", rejects)
+    too_big = CappedProblems(problems, source, "lines", rejects)
+    merged = CappedProblems(problems, source, "records", rejects)
     spanning: list[tuple[int, list[tuple[int, str]], _Raw]] = []  # (row position, lines, raw) of records with breaks
     profile = _Columns()
 
@@ -87,7 +95,7 @@ def _parse_delimited(
             if over is not None and header is not None:
                 too_big.add(
                     Problem(
-                        _too_big_what(f"the record at line {first_line}", decoded.oversized[over]),
+                        too_big_what(f"the record at line {first_line}", decoded.oversized[over]),
                         where=where,
                         fix="split the text into smaller rows, or remove the record",
                     ),
@@ -105,7 +113,7 @@ def _parse_delimited(
                             "the header line "
                             + decoded.bad_lines[bad_at][0].replace("not valid UTF-8:", "is not valid UTF-8:", 1),
                             where=f"{source} line {bad_at}",
-                            fix=_ICONV_FIX,
+                            fix=ICONV_FIX,
                         )
                     )
                     return None, len(problems) - before
@@ -178,7 +186,7 @@ class _Raw:
         self.lines = lines
 
     def __str__(self) -> str:
-        return _clip("".join(text for _, text in self.lines).removesuffix("\n")) or ""
+        return clip_raw("".join(text for _, text in self.lines).removesuffix("\n")) or ""
 
 
 class _Columns:
@@ -280,7 +288,7 @@ def _header(record: list[str], source: str, line: int, kind: str, problems: list
         )
         return None
     # A file without a header would silently lose its first row to column names; sentence-length names give it away.
-    long_names = [name for name in names if len(name) > _MAX_HEADER_NAME]
+    long_names = [name for name in names if len(name) > MAX_HEADER_NAME]
     if long_names:
         problems.append(
             Problem(

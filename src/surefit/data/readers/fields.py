@@ -9,13 +9,13 @@ from typing import Any
 
 from surefit.data.readers.common import (
     Rejected,
-    _raw_json,
-    _with_hint,
     all_rejected_problem,
     have,
     n_rows,
+    raw_json,
     short,
     wheres,
+    with_hint,
 )
 from surefit.data.rows import Row
 from surefit.errors import Problem
@@ -112,7 +112,7 @@ def check_text_fields(
                 Problem(
                     f"{len(missing)} of {len(rows)} rows {have(len(missing))} no '{field}' field: {wheres(missing, source)}",
                     where=source,
-                    fix=_with_hint(f"add '{field}' to these rows or remove them"),
+                    fix=with_hint(f"add '{field}' to these rows or remove them"),
                 )
             )
         if null or empty:
@@ -126,7 +126,7 @@ def check_text_fields(
                 Problem(
                     f"{n_rows(len(listed))} {have(len(listed))} a null or empty '{field}' ({', '.join(parts)}): {wheres(listed, source)}",
                     where=source,
-                    fix=_with_hint("fill in or remove these rows"),
+                    fix=with_hint("fill in or remove these rows"),
                 )
             )
         for type_name, wrong_rows in wrong.items():
@@ -134,7 +134,7 @@ def check_text_fields(
                 Problem(
                     f"{n_rows(len(wrong_rows))} {have(len(wrong_rows))} a {type_name} as '{field}', not text: {wheres(wrong_rows, source)}",
                     where=source,
-                    fix=_with_hint(
+                    fix=with_hint(
                         f"make '{field}' a single string in every row (pick or join list items; json.dumps objects), "
                         f"or pass {flag} NAME to use another field"
                     ),
@@ -154,7 +154,7 @@ def check_text_fields(
         earlier = [r for r in rejects if r.where == source or r.where.startswith(prefix)]
         for position in sorted(reasons):
             row = rows[position]
-            rejects.append(Rejected(row.where, "; ".join(reasons[position]), _raw_json(row.fields)))
+            rejects.append(Rejected(row.where, "; ".join(reasons[position]), raw_json(row.fields)))
         if rows and not kept and not explained:
             first = earlier[0] if earlier else rejects[-len(reasons)]
             problems.append(all_rejected_problem(source, len(earlier) + len(rows), first))

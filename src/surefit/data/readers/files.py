@@ -8,17 +8,17 @@ import os
 from pathlib import Path
 
 from surefit.data.readers.common import (
-    _DATA_EXTS,
-    _JSONL_EXTS,
-    _KIND,
+    DATA_EXTS,
+    JSONL_EXTS,
+    KIND_OF_EXT,
     SUPPORTED_FORMATS,
     Rejected,
     all_rejected_problem,
 )
-from surefit.data.readers.delimited import _read_delimited
-from surefit.data.readers.json_rows import _read_json, _read_jsonl
-from surefit.data.readers.tabular import _read_dataset_folder, _read_parquet
-from surefit.data.readers.text import _read_text, not_a_regular_file
+from surefit.data.readers.delimited import read_delimited
+from surefit.data.readers.json_rows import read_json, read_jsonl
+from surefit.data.readers.tabular import read_dataset_folder, read_parquet
+from surefit.data.readers.text import not_a_regular_file, read_text
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -59,7 +59,7 @@ def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list
         return []
 
     ext = p.suffix.lower()
-    if ext not in _DATA_EXTS:
+    if ext not in DATA_EXTS:
         problems.append(_unknown_extension_problem(p, source, ext))
         return []
 
@@ -88,20 +88,20 @@ def read_rows(path: str | os.PathLike, problems: list[Problem], *, rejects: list
 def _read_file(p: Path, source: str, ext: str, problems: list[Problem], rejects: list[Rejected] | None,
                limit: int | None) -> list[Row] | None:
     if ext == ".parquet":
-        return _read_parquet(source, problems)
+        return read_parquet(source, problems)
     # A .json document has no lines to drop one by one; the other text formats do.
     by_line = ext != ".json"
-    decoded = _read_text(p, source, _KIND[ext], problems, by_line=by_line, skip=rejects is not None,
+    decoded = read_text(p, source, KIND_OF_EXT[ext], problems, by_line=by_line, skip=rejects is not None,
                          bounded=limit is not None)
     if decoded is None:
         return None
     at = len(problems)
-    if ext in _JSONL_EXTS:
-        rows = _read_jsonl(decoded, source, problems, rejects, limit)
+    if ext in JSONL_EXTS:
+        rows = read_jsonl(decoded, source, problems, rejects, limit)
     elif ext == ".json":
-        rows = _read_json(decoded, source, problems, rejects)
+        rows = read_json(decoded, source, problems, rejects)
     else:
-        rows = _read_delimited(decoded, source, "," if ext == ".csv" else "\t", problems, rejects, limit)
+        rows = read_delimited(decoded, source, "," if ext == ".csv" else "\t", problems, rejects, limit)
     decoded.finish(problems, at)
     return rows
 
@@ -155,7 +155,7 @@ def _read_folder(p: Path, source: str, problems: list[Problem]) -> list[Row]:
         )
         return []
     if _is_dataset_folder(p):
-        return _read_dataset_folder(source, problems)
+        return read_dataset_folder(source, problems)
 
     found = _data_files_inside(p)
     if found:
@@ -188,7 +188,7 @@ def _data_files_inside(p: Path, limit: int = 5) -> list[str]:
             found.append(str(here))
             dirs[:] = []
         else:
-            found.extend(str(here / f) for f in sorted(files) if Path(f).suffix.lower() in _DATA_EXTS)
+            found.extend(str(here / f) for f in sorted(files) if Path(f).suffix.lower() in DATA_EXTS)
         if len(found) >= limit or visited > 10_000:
             break
     return found[:limit]

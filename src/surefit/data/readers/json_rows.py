@@ -6,10 +6,10 @@ import json
 from typing import Any
 
 from surefit.config_files import TooDeep, check_depth
-from surefit.data.readers.common import _JSONL_FIX, _SQUAD_SHAPE, Rejected, _Capped, _json_type, _raw_json, short
+from surefit.data.readers.common import JSONL_FIX, SQUAD_SHAPE, CappedProblems, Rejected, json_type, raw_json, short
 from surefit.data.readers.limits import available_memory
 from surefit.data.readers.squad import flatten_squad
-from surefit.data.readers.text import _Text, _too_big_what
+from surefit.data.readers.text import TextFile, too_big_what
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -70,15 +70,15 @@ def _loads(text: str) -> tuple[Any, _DuplicateKeys]:
     return check_depth(json.JSONDecoder(object_pairs_hook=keys).decode(text), MAX_DATA_DEPTH + 2), keys
 
 
-def _read_jsonl(
-    decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None,
+def read_jsonl(
+    decoded: TextFile, source: str, problems: list[Problem], rejects: list[Rejected] | None = None,
     limit: int | None = None,
 ) -> list[Row] | None:
     rows: list[Row] = []
-    invalid = _Capped(problems, source, "lines", rejects)
-    not_object = _Capped(problems, source, "lines", rejects)
-    duplicate = _Capped(problems, source, "lines", rejects)
-    too_big = _Capped(problems, source, "lines", rejects)
+    invalid = CappedProblems(problems, source, "lines", rejects)
+    not_object = CappedProblems(problems, source, "lines", rejects)
+    duplicate = CappedProblems(problems, source, "lines", rejects)
+    too_big = CappedProblems(problems, source, "lines", rejects)
     keys = _DuplicateKeys()
     decoder = json.JSONDecoder(object_pairs_hook=keys)
     first = True
@@ -102,7 +102,7 @@ def _read_jsonl(
         if n in decoded.oversized:
             too_big.add(
                 Problem(
-                    _too_big_what(f"line {n}", decoded.oversized[n]),
+                    too_big_what(f"line {n}", decoded.oversized[n]),
                     where=where,
                     fix="split the text into smaller rows, or remove the line",
                 ),
@@ -122,13 +122,13 @@ def _read_jsonl(
                     # A pretty-printed JSON document saved as .jsonl.
                     return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
             invalid.add(
-                Problem(f"not valid JSON: {_json_error(e, body)}", where=where, fix=_JSONL_FIX),
+                Problem(f"not valid JSON: {_json_error(e, body)}", where=where, fix=JSONL_FIX),
                 raw=line,
             )
             continue
         if not isinstance(value, dict):
             not_object.add(
-                Problem(f"line holds a JSON {_json_type(value)}, not an object", where=where, fix=_JSONL_FIX), raw=line
+                Problem(f"line holds a JSON {json_type(value)}, not an object", where=where, fix=JSONL_FIX), raw=line
             )
             continue
         dup = keys.of(value)
@@ -146,7 +146,7 @@ def _read_jsonl(
 def _whole_document(
     value: Any,
     keys: _DuplicateKeys,
-    decoded: _Text,
+    decoded: TextFile,
     source: str,
     problems: list[Problem],
     rejects: list[Rejected] | None,
@@ -158,7 +158,7 @@ def _whole_document(
     return _rows_from_json(value, source, problems, rejects, keys)
 
 
-def _try_whole_document(decoded: _Text, source: str, problems: list[Problem]) -> tuple[Any, _DuplicateKeys] | None:
+def _try_whole_document(decoded: TextFile, source: str, problems: list[Problem]) -> tuple[Any, _DuplicateKeys] | None:
     """The .jsonl file read whole as one JSON document, when it is one that fits in memory."""
     free = available_memory()
     if free is not None and decoded.size > free:
@@ -191,8 +191,8 @@ def _json_error(e: Exception, line: str) -> str:
 # --- JSON ---------------------------------------------------------------------------------------------------------
 
 
-def _read_json(
-    decoded: _Text, source: str, problems: list[Problem], rejects: list[Rejected] | None = None
+def read_json(
+    decoded: TextFile, source: str, problems: list[Problem], rejects: list[Rejected] | None = None
 ) -> list[Row] | None:
     text = decoded.whole()
     if decoded.problem is not None:
@@ -207,7 +207,7 @@ def _read_json(
             # accepts too). Read it as JSON Lines if every line is an object; otherwise report the real error.
             trial: list[Problem] = []
             trial_rejects: list[Rejected] = []
-            rows = _read_jsonl(decoded, source, trial, trial_rejects)
+            rows = read_jsonl(decoded, source, trial, trial_rejects)
             if rows and not trial and not trial_rejects:
                 return rows
         problems.append(
@@ -248,7 +248,7 @@ def _rows_from_json(
         Problem(
             f"{source} holds {_describe_shape(value)}; surefit reads a list of objects "
             f'([{{"input": ..., "target": ...}}, ...]), an object of equal-length lists '
-            f'({{"input": [...], "target": [...]}}), or SQuAD ({_SQUAD_SHAPE})',
+            f'({{"input": [...], "target": [...]}}), or SQuAD ({SQUAD_SHAPE})',
             fix="re-save the data in one of these shapes (if the rows sit under a key, save that list on its own)",
         )
     )
@@ -265,12 +265,12 @@ def _describe_shape(value: Any) -> str:
             kind = (
                 f"a list of {len(v)}"
                 if isinstance(v, list)
-                else f"a{'n' if _json_type(v)[0] in 'aeiou' else ''} {_json_type(v)}"
+                else f"a{'n' if json_type(v)[0] in 'aeiou' else ''} {json_type(v)}"
             )
             parts.append(f"'{key}' ({kind})")
         more = f" and {len(value) - 8} more" if len(value) > 8 else ""
         return "a JSON object with keys " + ", ".join(parts) + more
-    kind = _json_type(value)
+    kind = json_type(value)
     return f"a single JSON {kind}"
 
 
@@ -282,23 +282,23 @@ def _rows_from_list(
     keys: _DuplicateKeys | None = None,
 ) -> list[Row]:
     rows: list[Row] = []
-    not_object = _Capped(problems, source, "items", rejects)
-    duplicate = _Capped(problems, source, "items", rejects)
+    not_object = CappedProblems(problems, source, "items", rejects)
+    duplicate = CappedProblems(problems, source, "items", rejects)
     for i, item in enumerate(items, 1):
         where = f"{source} item {i}"
         if not isinstance(item, dict):
             not_object.add(
                 Problem(
-                    f"item is a JSON {_json_type(item)}, not an object",
+                    f"item is a JSON {json_type(item)}, not an object",
                     where=where,
                     fix='make every item of the list an object, e.g. {"input": "...", "target": "..."}',
                 ),
-                raw=_raw_json(item),
+                raw=raw_json(item),
             )
             continue
         dup = keys.of(item) if keys is not None else None
         if dup is not None:
-            duplicate.add(Problem(dup, where=where, fix=_DUPLICATE_FIX), raw=_raw_json(item))
+            duplicate.add(Problem(dup, where=where, fix=_DUPLICATE_FIX), raw=raw_json(item))
             continue
         rows.append(Row(fields=item, where=where, index=len(rows)))
     not_object.close()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from surefit.data.readers.common import _SQUAD_SHAPE, Rejected, _Capped, _raw_json
+from surefit.data.readers.common import SQUAD_SHAPE, CappedProblems, Rejected, raw_json
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -27,15 +27,15 @@ def flatten_squad(
         The rows of the well-formed, answerable questions.
     """
     rows: list[Row] = []
-    unanswerable = _Capped(problems, source, "questions", rejects)
-    malformed = _Capped(problems, source, "entries", rejects)
-    shape_fix = f"SQuAD files need {_SQUAD_SHAPE}; fix or remove this entry"
+    unanswerable = CappedProblems(problems, source, "questions", rejects)
+    malformed = CappedProblems(problems, source, "entries", rejects)
+    shape_fix = f"SQuAD files need {SQUAD_SHAPE}; fix or remove this entry"
     for a, article in enumerate(obj.get("data") or [], 1):
         paragraphs = article.get("paragraphs") if isinstance(article, dict) else None
         if not isinstance(paragraphs, list):
             malformed.add(
                 Problem("'paragraphs' is not a list", where=f"{source} (article {a})", fix=shape_fix),
-                raw=_raw_json(article),
+                raw=raw_json(article),
             )
             continue
         for p, paragraph in enumerate(paragraphs, 1):
@@ -43,7 +43,7 @@ def flatten_squad(
             if not isinstance(paragraph, dict):
                 malformed.add(
                     Problem("paragraph is not an object", where=f"{source} ({place})", fix=shape_fix),
-                    raw=_raw_json(paragraph),
+                    raw=raw_json(paragraph),
                 )
                 continue
             context = paragraph.get("context")
@@ -55,7 +55,7 @@ def flatten_squad(
                         where=f"{source} ({place})",
                         fix=shape_fix,
                     ),
-                    raw=_raw_json(paragraph),
+                    raw=raw_json(paragraph),
                 )
                 continue
             for q, qa in enumerate(qas, 1):
@@ -74,13 +74,13 @@ def _squad_row(
     place: str,
     fallback_id: str,
     index: int,
-    unanswerable: _Capped,
-    malformed: _Capped,
+    unanswerable: CappedProblems,
+    malformed: CappedProblems,
 ) -> Row | None:
-    shape_fix = f"SQuAD files need {_SQUAD_SHAPE}; fix or remove this question"
+    shape_fix = f"SQuAD files need {SQUAD_SHAPE}; fix or remove this question"
     if not isinstance(qa, dict):
         malformed.add(
-            Problem("question entry is not an object", where=f"{source} ({place})", fix=shape_fix), raw=_raw_json(qa)
+            Problem("question entry is not an object", where=f"{source} ({place})", fix=shape_fix), raw=raw_json(qa)
         )
         return None
     # An id is only a label for reports; a file without ids still trains, so number the question instead.
@@ -91,14 +91,14 @@ def _squad_row(
     if not isinstance(question, str) or not isinstance(answers, list):
         malformed.add(
             Problem("question needs a string 'question' and a list 'answers'", where=where, fix=shape_fix),
-            raw=_raw_json(qa),
+            raw=raw_json(qa),
         )
         return None
     texts: list[str] = []
     for answer in answers:
         text = answer.get("text") if isinstance(answer, dict) else None
         if not isinstance(text, str):
-            malformed.add(Problem("an answer has no string 'text'", where=where, fix=shape_fix), raw=_raw_json(qa))
+            malformed.add(Problem("an answer has no string 'text'", where=where, fix=shape_fix), raw=raw_json(qa))
             return None
         if text not in texts:
             texts.append(text)
@@ -109,7 +109,7 @@ def _squad_row(
                 where=where,
                 fix="remove unanswerable questions (or pre-filter: keep questions whose 'answers' list is non-empty)",
             ),
-            raw=_raw_json(qa),
+            raw=raw_json(qa),
         )
         return None
     fields = {

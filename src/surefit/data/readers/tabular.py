@@ -10,7 +10,7 @@ from surefit.errors import Problem
 # --- Parquet and datasets folders ---------------------------------------------------------------------------------
 
 
-def _read_parquet(source: str, problems: list[Problem]) -> list[Row] | None:
+def read_parquet(source: str, problems: list[Problem]) -> list[Row] | None:
     import pyarrow.parquet as pq  # deferred: pyarrow is only needed for this format
 
     try:
@@ -25,7 +25,7 @@ def _read_parquet(source: str, problems: list[Problem]) -> list[Row] | None:
     return [Row(fields=r, where=f"{source} row {i}", index=i - 1) for i, r in enumerate(records, 1)]
 
 
-def _read_dataset_folder(source: str, problems: list[Problem]) -> list[Row] | None:
+def read_dataset_folder(source: str, problems: list[Problem]) -> list[Row] | None:
     import datasets  # deferred: importing datasets costs about a second
 
     try:

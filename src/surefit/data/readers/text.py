@@ -8,16 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from surefit.data.readers.common import (
-    _BOMS,
-    _CONTROL_BYTES,
-    _ICONV_FIX,
-    _MAX_CONTROL_SHARE,
-    _SNIFF_BYTES,
-    _UTF8_BOM,
+    BOMS,
+    CONTROL_BYTES,
+    ICONV_FIX,
+    MAX_CONTROL_SHARE,
     MAX_ROW_BYTES,
-    _clip,
-    _with_hint,
+    SNIFF_BYTES,
+    UTF8_BOM,
+    clip_raw,
     have,
+    with_hint,
 )
 from surefit.data.readers.limits import available_memory, capped_lines, gib
 from surefit.errors import Problem
@@ -25,7 +25,7 @@ from surefit.errors import Problem
 # --- text and encoding -------------------------------------------------------------------------------------------
 
 
-class _Text:
+class TextFile:
     """A text file being read: as a stream of capped lines (JSONL, CSV, TSV) or whole (a .json document).
 
     Streaming keeps memory at the rows read plus one line; no line over :data:`MAX_ROW_BYTES` is ever held whole.
@@ -63,8 +63,8 @@ class _Text:
             for n, (raw, size) in enumerate(capped_lines(fh, MAX_ROW_BYTES, self.size), 1):
                 start = offset
                 offset += size + raw.endswith(b"\n")
-                if n == 1 and raw.startswith(_UTF8_BOM):
-                    raw, start = raw[len(_UTF8_BOM) :], start + len(_UTF8_BOM)
+                if n == 1 and raw.startswith(UTF8_BOM):
+                    raw, start = raw[len(UTF8_BOM) :], start + len(UTF8_BOM)
                 if size > MAX_ROW_BYTES:
                     # Refused by size; its start may end inside a character.
                     self.oversized[n] = size
@@ -83,13 +83,13 @@ class _Text:
         bad = raw[e.start : e.end]
         if self.skip and self.by_line:
             what = f"not valid UTF-8: byte {_hex(bad)} at byte {e.start + 1} of the line" + _cp1252_guess(bad)
-            self.bad_lines[n] = (what, _clip(raw.rstrip(b"\n").decode("utf-8", "backslashreplace")))
+            self.bad_lines[n] = (what, clip_raw(raw.rstrip(b"\n").decode("utf-8", "backslashreplace")))
         elif self._first_bad is None:
             excerpt = raw[max(0, e.start - 30) : e.end + 30].split(b"\n")[0].decode("utf-8", "backslashreplace")
             self._first_bad = Problem(
                 f"not valid UTF-8: byte {_hex(bad)} at byte offset {start + e.start} (line {n}, byte {e.start + 1} "
                 f"of the line){_cp1252_guess(bad)}; near: '{excerpt}'",
-                where=f"{self.source} line {n}", fix=_with_hint(_ICONV_FIX))
+                where=f"{self.source} line {n}", fix=with_hint(ICONV_FIX))
 
     def finish(self, problems: list[Problem], at: int) -> None:
         """After streaming: the file's encoding problem (error mode) and a file that grew while read, inserted at
@@ -121,7 +121,7 @@ class _Text:
             self.problem = Problem(f"{self.source} grew while it was read (it held {self.size} bytes when opened)",
                                    fix="pass a file that is not being written to")
             return None
-        bom = len(_UTF8_BOM) if data.startswith(_UTF8_BOM) else 0
+        bom = len(UTF8_BOM) if data.startswith(UTF8_BOM) else 0
         try:
             return data[bom:].decode("utf-8")
         except UnicodeDecodeError as e:
@@ -147,15 +147,15 @@ def not_a_regular_file(p: Path, source: str) -> Problem | None:
                    fix="save the data to a file and pass that file")
 
 
-def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool,
-               bounded: bool = False) -> _Text | None:
+def read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_line: bool, skip: bool,
+               bounded: bool = False) -> TextFile | None:
     """Open a text file for reading: binary and UTF-16 files refused from their first bytes, and a file that cannot
     fit in memory refused before it is read (``bounded``: the caller stops after a few rows, so size does not
     matter for a line-based format)."""
     try:
         with p.open("rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            head = fh.read(_SNIFF_BYTES)
+            head = fh.read(SNIFF_BYTES)
     except OSError as e:
         problems.append(Problem(f"cannot read {source}: {e.strerror or e}", fix="check the file's permissions"))
         return None
@@ -172,12 +172,12 @@ def _read_text(p: Path, source: str, kind: str, problems: list[Problem], *, by_l
         problems.append(Problem(f"{source} is {gib(size)}, more than the {gib(free)} of memory free: its rows cannot "
                                 "all be held in memory", fix=f"{fix}, or split the file"))
         return None
-    return _Text(p, source, size, by_line=by_line, skip=skip)
+    return TextFile(p, source, size, by_line=by_line, skip=skip)
 
 
 def _binary_problem(data: bytes, source: str, kind: str) -> Problem | None:
-    head = data[:_SNIFF_BYTES]
-    for bom, name, order in _BOMS:
+    head = data[:SNIFF_BYTES]
+    for bom, name, order in BOMS:
         if head.startswith(bom):
             return _utf16_problem(source, name, f"{order}, it starts with a {name} byte order mark")
     nul = head.find(b"\x00")
@@ -193,8 +193,8 @@ def _binary_problem(data: bytes, source: str, kind: str) -> Problem | None:
             fix=f"check that this is the right file; a compressed, spreadsheet or other binary file must be "
             f"exported to {kind} first",
         )
-    control = len(head) - len(head.translate(None, _CONTROL_BYTES))
-    if head and control > _MAX_CONTROL_SHARE * len(head):
+    control = len(head) - len(head.translate(None, CONTROL_BYTES))
+    if head and control > MAX_CONTROL_SHARE * len(head):
         return Problem(
             f"looks like a binary file, not {kind} ({control} of its first {len(head)} bytes are control bytes)",
             where=source,
@@ -223,7 +223,7 @@ def _encoding_problem(data: bytes, start: int, end: int, source: str, *, hint: b
         f"{_cp1252_guess(bad)}; near: '{excerpt}'; "
         f"{bad_lines} line{'s' if bad_lines != 1 else ''} in the file {have(bad_lines)} invalid bytes"
     )
-    return Problem(what, where=f"{source} line {line}", fix=_with_hint(_ICONV_FIX) if hint else _ICONV_FIX)
+    return Problem(what, where=f"{source} line {line}", fix=with_hint(ICONV_FIX) if hint else ICONV_FIX)
 
 
 def _hex(bad: bytes) -> str:
@@ -237,7 +237,7 @@ def _cp1252_guess(bad: bytes) -> str:
         return ""
 
 
-def _too_big_what(subject: str, size: int) -> str:
+def too_big_what(subject: str, size: int) -> str:
     shown = f"{size / 2**20:.1f} MiB"
     if round(size / 2**20, 1) * 2**20 <= MAX_ROW_BYTES:
         # Just over the limit rounds to "16.0 MiB", which would read as allowed.

@@ -17,7 +17,7 @@ from surefit.data.readers import read_rows
 from surefit.errors import DataError, Problem, raise_input_problems
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
 from surefit.tasks.dpo.recipe import REFERENCE_FILE, choose_reference, evaluate_pairs, load_pairs
-from surefit.tasks.sft.finished import _base_model, load, marked_text
+from surefit.tasks.sft.finished import finished_base_model, load, marked_text
 from surefit.training.preference import PreferenceLoss, compute_reference
 
 Say = Any
@@ -70,7 +70,7 @@ def evaluate(run: Any, data: str | None, batch_size: int, max_new_tokens: int | 
             if lora:
                 own = compute_reference(loaded.model, features, collate, batch_size, loaded.accelerator, True)
             else:
-                path, source = _base_model(run, say)
+                path, source = finished_base_model(run, say)
                 base = load_causal_lm(path, source, cfg.trust_remote_code).to(loaded.accelerator.device)
                 own = compute_reference(base, features, collate, batch_size, loaded.accelerator, False)
         for f, ref in zip(features, own, strict=True):

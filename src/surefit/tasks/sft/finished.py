@@ -11,6 +11,7 @@ from typing import Any
 
 from surefit.config import SFTConfig
 from surefit.data.encode import (
+    ChatReport,
     Example,
     encode_rows,
 )
@@ -36,13 +37,13 @@ from surefit.tasks.sft.recipe import (
     Generation,
     Say,
     Scoring,
-    _encode_settings,
-    _input_text,
     choose_metric,
+    encode_settings,
     eos_token_ids,
     evaluate_examples,
     generate_texts,
     load_data,
+    prediction_input,
     prediction_records,
     prerendered,
 )
@@ -51,7 +52,7 @@ from surefit.training.speedups.lora_fast import fuse_lora
 from surefit.training.work import Switches
 
 
-def _base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
+def finished_base_model(run: Run, say: Say) -> tuple[str, ModelSource]:
     """The base model the run was trained from (a LoRA adapter is applied to it), resolved as training did."""
     try:
         source = resolve_model(run.cfg.model)
@@ -75,7 +76,7 @@ def load(run: Run, say: Say = print, as_trained: bool = True, merge_dtype: str |
     if (run.final / "adapter_config.json").is_file():
         PeftModel = import_peft().PeftModel  # noqa: N806 - the class, as `from peft import` would name it
 
-        path, source = _base_model(run, say)
+        path, source = finished_base_model(run, say)
         # Adapters marked trainable as in training: what stays frozen is what training may have stored in 16 bits.
         quantize = getattr(cfg, "quantize", "none") if as_trained else "none"
         dtype = run.frozen_dtype if as_trained else merge_dtype
@@ -123,7 +124,7 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
         described = str(data)
     with phase("loading the run's model"):
         loaded = load(run, say)
-    enc = _encode_settings(cfg, input_field, target_field)
+    enc = encode_settings(cfg, input_field, target_field)
     encoder: Encoder = loaded.extra["encoder"]
     if encoder.chat is not None:
         examples, rep = encoder.encode(rows, "evaluation")
@@ -211,7 +212,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
     with phase("loading the run's model"):
         loaded = load(run, say)
     encoder: Encoder = loaded.extra["encoder"]
-    max_new = _max_new_tokens(run, max_new_tokens, loaded, None, _encode_settings(cfg))
+    max_new = _max_new_tokens(run, max_new_tokens, loaded, None, encode_settings(cfg))
     # Like training, prompt + answer fit in max_seq_length: the input is cut (and counted) so that they do.
     room = max(cfg.max_seq_length - max_new, 1)
     for part in chunks(rows, batch_size):
@@ -227,7 +228,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         lengths, raw = out.lengths, out.raw
         batch = []
         for row, pred, n_cut, n, text in zip(part, preds, cut, lengths, raw, strict=True):
-            rec = {"where": row.where, "input": _input_text(row, input_field), "prediction": pred,
+            rec = {"where": row.where, "input": prediction_input(row, input_field), "prediction": pred,
                    "stopped": "end of turn" if n < max_new else f"max_new_tokens ({max_new})"}
             parts = encoder.reasoning_answer(text)
             if parts is not None:  # the template marks reasoning: both, apart; "prediction" is the answer
@@ -330,7 +331,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
         trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
         say("turns per role: " + ", ".join(f"{r} {n}" for r, n in roles.items()) + f"; supervised: {trained} "
             "and its terminator; system, user and tool turns never")
-    if getattr(rep, "tools_rows", 0):
+    if isinstance(rep, ChatReport) and rep.tools_rows:
         say(f"tools: {rep.tools_rows} rows give tool schemas ({rep.tools_how}); {rep.tool_call_turns} assistant turns "
             "call a tool (trained like any assistant turn)")
     say(f"shortened to fit: {counts['shortened']} of {rep.rows} rows (oldest turns dropped); excluded: "

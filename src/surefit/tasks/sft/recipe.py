@@ -35,15 +35,13 @@ from surefit.data.encode import (
 )
 from surefit.data.formats import (
     FormatChoice,
-    apply_template,
-    detect_format,
+    ReadSettings,
     field_table,
     last_assistant,
-    parse_role_map,
+    read_formatted,
     template_fields,
-    to_conversations,
 )
-from surefit.data.readers import Rejected, check_text_fields, read_splits
+from surefit.data.readers import Rejected, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.data.summary import DataSummary
@@ -87,7 +85,7 @@ Say = Callable[[str], None]
 # The column flags of an sft run (``surefit eval`` / ``predict`` take them for other data).
 FIELDS = ("input_field", "target_field")
 # What ``final/`` holds: a LoRA adapter, or a full model.
-FINAL_FILES = [("adapter_config.json",), ("config.json",)]
+FINAL_FILES: list[tuple[str, ...]] = [("adapter_config.json",), ("config.json",)]
 
 
 def final_files(cfg: SFTConfig) -> list[tuple[str, ...]]:
@@ -98,63 +96,15 @@ def final_files(cfg: SFTConfig) -> list[tuple[str, ...]]:
 # ------------------------------------------------------------------------------------------------------------ data
 
 
-def _read_formatted(rows: list[Row], cfg: SFTConfig, source: str, problems: list[Problem],
-                    rejects: list[Rejected] | None, wanted: str | None = None) -> tuple[list[Row], FormatChoice | None,
-                                                                                     list[str]]:
-    """Rows of one file in the internal form of their format (detected, or ``wanted``), every row checked.
-
-    Rows of no known shape are read as input/target rows, so that the problems name the missing field, what the rows
-    have instead, and the shapes read without flags. Returns ``(rows, format, notes)``.
-    """
-    role_map, role_problems = parse_role_map(cfg.role_map)
-    if wanted is None:  # once per run: the training file's read
-        problems += role_problems
-    choice = detect_format(rows, source, wanted or cfg.format, cfg.input_field, cfg.target_field, role_map,
-                           needs_input=not prerendered(cfg))
-    if isinstance(choice, Problem):
-        # No known shape: the flat fields' own problems say which field is missing and what the rows have instead.
-        choice = detect_format(rows, source, "input_target", cfg.input_field, cfg.target_field)
-        found = len(problems)
-        rows, _, notes = _read_formatted(rows, cfg, source, problems, rejects, "input_target")
-        problems[found:] = [replace(p, fix=p.fix + FORMAT_HINT) if p.where in ("--input_field", "--target_field")
-                            else p for p in problems[found:]]
-        return rows, choice, notes
-    if choice.conversational:
-        rows = to_conversations(rows, choice, source, problems, rejects)
-        if cfg.template and choice.name == "alpaca":
-            rows, notes = apply_template(rows, cfg.template, choice, cfg.input_field, source, problems)
-            return rows, choice, notes
-        if cfg.template:
-            problems.append(Problem(f"--template writes the prompt of input/target and Alpaca rows; the turns of "
-                                    f"{choice.name} rows are written by the chat template", "--template",
-                                    "drop --template (or --chat_format NAME|FILE.jinja to change the chat template)"))
-        return rows, choice, []
-    fields = [(cfg.input_field, "--input_field"), (cfg.target_field, "--target_field")]
-    if choice.name == "prompt_completion":
-        fields = [("prompt", "--format"), ("completion", "--format")]
-    if prerendered(cfg):  # the template's fields are the prompt: the input field may be absent or empty
-        fields = fields[1:]
-        names = template_fields(cfg.template)
-        choice.fields = " / ".join([*names, fields[0][0]])
-        choice.mapping = f"--template fills the prompt from {', '.join(names)}; {fields[0][0]} -> trained answer"
-    kept, notes = check_text_fields(rows, fields, problems, source, rejects=rejects)
-    if choice.name == "prompt_completion":
-        kept = [r.with_fields(**{cfg.input_field: r.fields["prompt"], cfg.target_field: r.fields["completion"]})
-                for r in kept]
-    if prerendered(cfg):
-        kept, more = apply_template(kept, cfg.template, choice, cfg.input_field, source, problems)
-        notes += more
-    return kept, choice, notes
+def read_settings(cfg: SFTConfig) -> ReadSettings:
+    """The flags of ``cfg`` that say how its rows are read."""
+    return ReadSettings(cfg.format, cfg.input_field, cfg.target_field, cfg.template, cfg.role_map)
 
 
 def prerendered(cfg: SFTConfig) -> bool:
-    """A --template naming fields other than {input} is filled per row while reading (see
-    :func:`surefit.data.formats.apply_template`); one with only {input} is split around it as it always was."""
-    return bool(cfg.template) and template_fields(cfg.template) != ["input"]
-
-
-FORMAT_HINT = ("; or give the rows a shape surefit reads without field flags: 'messages', 'conversations', "
-               "'instruction' + 'output', 'prompt' + 'completion' (see --format)")
+    """A --template naming fields other than {input} fills each row's prompt while reading (see
+    :func:`surefit.data.formats.read_formatted`)."""
+    return read_settings(cfg).prerendered
 
 
 def conversation_key(row: Row, input_field: str) -> str:
@@ -180,19 +130,21 @@ def load_data(cfg: SFTConfig, say: Say = print,
         A problem raised carries the rejected rows too (``error.rejected``), for the run folder to list.
     """
     problems = list(problems or [])
+    assert cfg.data is not None  # required: the config's checks say so first
     rejects: list[Rejected] = []
     report = DataSummary(notes=[], rejected=rejects)
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects if cfg.on_bad_rows == "skip" else None,
                          report.notes)
     choice: FormatChoice | None = None
     table: list[dict[str, str]] = []
+    how = read_settings(cfg)
     for name, path in (("train", cfg.data), ("validation", cfg.val_data)):
         if loaded.get(name):
             raw = loaded[name]
             before = len(rejects or [])
-            loaded[name], found, notes = _read_formatted(raw, cfg, str(path), problems,
-                                                        rejects if cfg.on_bad_rows == "skip" else None,
-                                                        choice.name if choice else None)
+            loaded[name], found, notes = read_formatted(raw, how, str(path), problems,
+                                                       rejects if cfg.on_bad_rows == "skip" else None,
+                                                       choice.name if choice else None)
             report.notes += notes
             if found is not None and choice is None:
                 choice = found
@@ -237,7 +189,7 @@ def _golds(row: Row, target_field: str) -> list[str]:
     return [str(row.fields[target_field])]
 
 
-def _encode_settings(cfg: SFTConfig, input_field: str | None = None, target_field: str | None = None) -> dict:
+def encode_settings(cfg: SFTConfig, input_field: str | None = None, target_field: str | None = None) -> dict:
     return dict(max_seq_length=cfg.max_seq_length, input_field=input_field or cfg.input_field,
                 target_field=target_field or cfg.target_field, truncation_side=cfg.truncation_side)
 
@@ -297,7 +249,8 @@ class Encoder:
         """Examples and the report of one split. A row the chat template cannot label is an error (or, with
         ``--on_bad_rows skip``, excluded and listed)."""
         if self.chat is None:
-            return encode_rows(rows, self.tokenizer, self.prompt, split=split, **_encode_settings(self.cfg))
+            assert self.prompt is not None  # flat rows have a prompt format
+            return encode_rows(rows, self.tokenizer, self.prompt, split=split, **encode_settings(self.cfg))
         rows = [self._with_system(r) for r in rows]
         examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat,
                                                                        self.chat_settings(), split)
@@ -352,6 +305,7 @@ class Encoder:
         """Generation prompt of a row and how many tokens were cut from it: a conversation continues with the next
         assistant turn (oldest exchanges dropped to fit ``room``); a flat row's input is cut as in training."""
         if self.chat is None:
+            assert self.prompt is not None  # flat rows have a prompt format
             [ids], [cut] = encode_prompts([str(row.fields[self.cfg.input_field])], self.tokenizer, self.prompt,
                                           max_prompt_length=room, truncation_side=self.cfg.truncation_side)
             return ids, cut
@@ -754,7 +708,7 @@ def prediction_records(examples: list[Example], preds: list[str], golds: list[li
     scores the whole set) (``predictions/epoch_N.jsonl``)."""
     out = []
     for ex, pred, gold in zip(examples, preds, golds, strict=True):
-        record: dict[str, Any] = {"where": ex.row.where, "input": _input_text(ex.row, input_field), "gold": gold,
+        record: dict[str, Any] = {"where": ex.row.where, "input": prediction_input(ex.row, input_field), "gold": gold,
                                   "prediction": pred}
         if metric == "squad":
             record["f1"] = max(token_f1(pred, g) for g in gold)
@@ -766,7 +720,7 @@ def prediction_records(examples: list[Example], preds: list[str], golds: list[li
     return out
 
 
-def _input_text(row: Row, input_field: str) -> Any:
+def prediction_input(row: Row, input_field: str) -> Any:
     """What a prediction answers: a flat row's input, or a conversation's last user (or tool) turn."""
     messages = row.fields.get("messages")
     if isinstance(messages, list):

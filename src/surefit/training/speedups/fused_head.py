@@ -115,7 +115,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and need_b else None
         for i in range(0, n, chunk):
             h = hidden[i : i + chunk].to(compute_dtype)
             t = targets[i : i + chunk]
@@ -139,13 +139,13 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if capped is not None:
                 g.mul_(1 - capped * capped)
             g = g.to(compute_dtype)
-            if need_h:
+            if grad_h is not None:
                 grad_h[i : i + chunk] = (g @ w).to(hidden.dtype)
-            if need_w and g.dtype == torch.float32:
+            if grad_w is not None and g.dtype == torch.float32:
                 grad_w.addmm_(g.t(), h)  # in place: no [vocab, hidden] temporary per chunk
-            elif need_w:
+            elif grad_w is not None:
                 grad_w += (g.t() @ h).float()
-            if need_b:
+            if grad_b is not None:
                 grad_b += g.float().sum(0)
         ctx.save_for_backward(*(x for x in (grad_h, grad_w, grad_b) if x is not None))
         ctx.kept = (need_h, need_w, need_b)
@@ -200,6 +200,7 @@ def fused_loss(model: Any, kwargs: dict[str, Any], keep: torch.Tensor, targets: 
     finally:
         setattr(inner, name, head)
     hidden = capture.seen
+    assert hidden is not None  # the head ran inside model(...)
     softcap = _softcap_of(model)
     if out is not hidden:
         expected = hidden if softcap is None else torch.tanh(hidden / softcap) * softcap

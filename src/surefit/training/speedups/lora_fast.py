@@ -276,8 +276,8 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
 
 def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     down = self.down_proj
-    name = _fast_adapter(down, (), {}) if not (args or kwargs) and _is_lora_linear(down) else None
-    w = down.base_layer.weight if name is not None else None
+    name = fast_adapter(down, (), {}) if not (args or kwargs) and is_lora_linear(down) else None
+    w: Any = down.base_layer.weight if name is not None else None
     if name is None or w.dtype not in (torch.float16, torch.bfloat16) or w.requires_grad \
             or (down.base_layer.bias is not None and down.base_layer.bias.requires_grad) \
             or type(self.act_fn) is not self._surefit_act or _hooked(down) or _hooked(self.act_fn):
@@ -307,7 +307,7 @@ def _lora_linear_class() -> type | None:
     return LoraLinear
 
 
-def _is_lora_linear(m: Any) -> bool:
+def is_lora_linear(m: Any) -> bool:
     return type(m) is _lora_linear_class()
 
 
@@ -334,7 +334,7 @@ def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return cast
 
 
-def _fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
+def fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
     """The active adapter's name when the fused forward computes what peft's would; None otherwise."""
     name = None if args or kwargs else plain_lora_adapter(layer)
     if name is None:
@@ -349,8 +349,8 @@ def _fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
     return name
 
 
-def _fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    name = _fast_adapter(self, args, kwargs)
+def fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    name = fast_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
     base = self.base_layer
@@ -380,16 +380,16 @@ def fuse_lora(model: nn.Module) -> int:
     n = 0
     for m in model.modules():
         if type(m) is LoraLinear:
-            m.forward = types.MethodType(_fused_forward, m)
+            m.forward = types.MethodType(fused_forward, m)
             n += 1
         elif _is_swiglu_mlp(m):
             # Used only when down_proj is a LoRA layer on 16-bit frozen weights (checked at each call).
-            m._surefit_act = type(m.act_fn)
+            m._surefit_act = type(m.act_fn)  # type: ignore[assignment]  # a new attribute on the module
             m.forward = types.MethodType(_fused_mlp_forward, m)
     return n
 
 
-class _Packed:
+class Packed:
     __slots__ = ("tensor", "dtype")
 
     def __init__(self, tensor: torch.Tensor, dtype: torch.dtype):
@@ -449,26 +449,25 @@ class SavedActivationsIn:
         if dtype != torch.bfloat16:
             raise ValueError(f"saved activations can be stored in bfloat16 only, not {dtype}")
         self.dtype = dtype
-        self._memo: dict[int, tuple[Any, int, _Packed]] = {}
+        self._memo: dict[int, tuple[Any, int, Packed]] = {}
         self._hooks: Any = None
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor | _Packed | _Kept:
+    def pack(self, t: torch.Tensor) -> torch.Tensor | Packed | _Kept:
         if t.dtype != torch.float32 or t.is_leaf or t.numel() < self.MIN_NUMEL \
                 or (t._base is not None and t._base.is_leaf):
             return keep_saved(t)
         hit = self._memo.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        packed = _Packed(t.detach().to(self.dtype), t.dtype)
+        packed = Packed(t.detach().to(self.dtype), t.dtype)
         self._memo[id(t)] = (weakref.ref(t), t._version, packed)
         return packed
 
     @staticmethod
-    def unpack(p: torch.Tensor | _Packed | _Kept) -> torch.Tensor:
-        kind = type(p)
-        if kind is _Packed:
+    def unpack(p: torch.Tensor | Packed | _Kept) -> torch.Tensor:
+        if isinstance(p, Packed):
             return p.tensor.to(p.dtype)
-        return p.get() if kind is _Kept else p
+        return p.get() if isinstance(p, _Kept) else p
 
     def __enter__(self) -> SavedActivationsIn:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from surefit.training.speedups.lora_fast import _fast_adapter, _fused_forward, _is_lora_linear
+from surefit.training.speedups.lora_fast import fast_adapter, fused_forward, is_lora_linear
 
 
 def _lean_mixed(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, ah: torch.Tensor, bh: torch.Tensor,
@@ -36,7 +36,7 @@ def _lean_mixed(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def _lean_full(x: torch.Tensor, *, base: Any, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    # _fused_forward's fp32 branch (base output + _LoraBranch with p = 0), without the autograd Function.
+    # fused_forward's fp32 branch (base output + _LoraBranch with p = 0), without the autograd Function.
     y = base(x).to(a.dtype)
     with torch.autocast(x.device.type, enabled=False):
         out = (x.to(a.dtype) @ a.t()).mul_(scaling) @ b.t()
@@ -52,9 +52,9 @@ def lean_lora(model: Any) -> Iterator[int]:
     try:
         for layer in model.modules():
             forward = layer.__dict__.get("forward")
-            if not _is_lora_linear(layer) or getattr(forward, "__func__", None) is not _fused_forward:
+            if not is_lora_linear(layer) or getattr(forward, "__func__", None) is not fused_forward:
                 continue
-            name = _fast_adapter(layer, (), {})
+            name = fast_adapter(layer, (), {})
             if name is None:
                 continue
             base = layer.base_layer

@@ -68,6 +68,7 @@ def why_not_shared(model: Any) -> str | None:
     text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
     kind = getattr(cfg, "model_type", None)
     params = base_forward_params(model)
+    reason: str | None
     if kind not in SHAREABLE_MODEL_TYPES:
         reason = (f"model type {kind!r} is not one of those verified for it "
                   f"({', '.join(sorted(SHAREABLE_MODEL_TYPES))})")
