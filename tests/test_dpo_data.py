@@ -185,7 +185,7 @@ def test_file_reading_through_the_task_prints_format_and_splits_by_prompt(tmp_pa
     path.write_text("".join(json.dumps(r) + "\n" for r in items), encoding="utf-8")
     said = []
     train, val, report = load_pairs(DPOConfig(data=str(path), val_fraction=0.2), said.append)
-    assert report["format"] == "explicit_prompt" and len(train) + len(val) == 40
+    assert report.format == "explicit_prompt" and len(train) + len(val) == 40
     assert not {r.fields["pair_prompt"] for r in train} & {r.fields["pair_prompt"] for r in val}
     assert said[0].startswith("format: explicit_prompt (prompt / chosen / rejected)")
 

@@ -9,9 +9,10 @@ import torch
 
 from conftest import OneProcess, tiny_llama
 from surefit.data.pairs import PairCollator
-from surefit.training.loop import accumulate_step
+from surefit.training.loop import StepPlan, accumulate_step
 from surefit.training.memory import OOMGuard
-from surefit.training.preference import PreferenceLoss, adapters_off, pair_losses, sequence_logps
+from surefit.training.preference import PairLogps, PreferenceLoss, adapters_off, pair_losses, sequence_logps
+from surefit.training.work import TrainingWork
 
 # Hand-made log-probabilities of 3 pairs: policy chosen / rejected, reference chosen / rejected, answer lengths.
 C, R = torch.tensor([-4.0, -10.0, -2.5]), torch.tensor([-6.0, -9.0, -7.5])
@@ -26,7 +27,7 @@ def _sig(x):
 @pytest.mark.parametrize("kind", ["sigmoid", "hinge", "ipo", "simpo", "orpo"])
 def test_each_loss_equals_its_formula_on_hand_made_log_probabilities(kind):
     beta, gamma, lam = 0.3, 0.7, 0.2
-    losses, cr, rr = pair_losses(kind, C, R, RC, RR, NC, NR, beta=beta, gamma=gamma, orpo_lambda=lam)
+    losses, cr, rr = pair_losses(kind, PairLogps(C, R, RC, RR, NC, NR), beta=beta, gamma=gamma, orpo_lambda=lam)
     for i in range(3):
         c, r, rc, rref, nc, nr = (float(t[i]) for t in (C, R, RC, RR, NC, NR))
         delta = (c - rc) - (r - rref)
@@ -99,9 +100,10 @@ def test_step0_loss_is_ln2_with_the_adapters_off_reference_and_moves_once_the_ad
 def _grads(model, feats, micro, loss_fn, guard=None):
     model = copy.deepcopy(model)
     lengths = [len(f["chosen_ids"]) + len(f["rejected_ids"]) for f in feats]
-    loss = accumulate_step(model, feats, list(range(len(feats))), lengths, [1] * len(feats), micro_batch_size=micro,
-                           loss_fn=loss_fn, collate=PairCollator(pad_token_id=0), accelerator=OneProcess(),
-                           guard=guard, say=lambda s: None)
+    work = TrainingWork(features=feats, lengths=lengths, counts=[1] * len(feats), collate=PairCollator(pad_token_id=0),
+                        loss_fn=loss_fn)
+    loss = accumulate_step(model, work, list(range(len(feats))), OneProcess(),
+                           StepPlan(micro_batch_size=micro, guard=guard, say=lambda s: None))
     return loss / len(feats), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -175,7 +177,7 @@ def test_doctor_step0_check_allows_16_bit_rounding_but_not_another_reference():
 
     def scores(shift):
         c, r = torch.tensor([-10.0, -12.0]), torch.tensor([-11.0, -9.0])
-        losses, cr, rr = pair_losses("sigmoid", c + shift, r, c, r, torch.ones(2), torch.ones(2), beta=0.1)
+        losses, cr, rr = pair_losses("sigmoid", PairLogps(c + shift, r, c, r, torch.ones(2), torch.ones(2)), beta=0.1)
         return PairScores(c + shift, r, c, r, losses, cr, rr)
 
     assert step0_finding(scores(0.0), batch, fp32=True) is None

@@ -21,7 +21,8 @@ REFERENCE_FREE = ("simpo", "orpo")
 class DPOConfig(SFTConfig):
     """Preference tuning of a causal LM on chosen / rejected pairs (DPO, IPO, hinge, SimPO, ORPO)."""
 
-    task: Literal["dpo"] = opt("dpo", "Training path. 'dpo': preference tuning on chosen / rejected pairs.")
+    # Another task's name on SFT's settings: a narrower Literal than the base class's, on purpose.
+    task: Literal["dpo"] = opt("dpo", "Training path. 'dpo': preference tuning on chosen / rejected pairs.")  # type: ignore[assignment]
     data: str | None = opt(None, "Preference pairs: prompt/chosen/rejected, chosen/rejected conversations, ShareGPT or "
                            "Alpaca with chosen/rejected, or Anthropic HH text (detected; see docs/preference.md).")
     loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = opt(

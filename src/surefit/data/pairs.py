@@ -30,7 +30,7 @@ from surefit.data.conversation_shapes import (
     messages_from_sharegpt,
     parse_tools,
 )
-from surefit.data.encode import ChatFormat, TemplateProblem, label_conversation, leading_special_ids
+from surefit.data.encode import ChatFormat, Labelled, TemplateProblem, label_conversation, leading_special_ids
 from surefit.data.formats import MAX_WHERES, SHAREGPT_ROLES, FormatChoice, check_messages
 from surefit.data.readers import SKIP_HINT, Rejected
 from surefit.data.rows import Row
@@ -442,9 +442,10 @@ def _encode_chat(row: Row, tokenizer: Any, chat: ChatFormat | None, max_len: int
     prompt: list[dict] = list(f["pair_prompt"])
     dropped = 0
     while True:
-        encoded = [label_conversation(tokenizer, chat, prompt + list(f[k]), f.get("tools"), "all_assistant")
+        encoded = [_one_sequence(label_conversation(tokenizer, chat, prompt + list(f[k]), f.get("tools"),
+                                                    "all_assistant"), chat)
                    for k in ("pair_chosen", "pair_rejected")]
-        longest = max(len(e[0]) for e in encoded)
+        longest = max(len(e.input_ids) for e in encoded)
         if longest <= max_len:
             break
         shorter = _drop_oldest_prompt(prompt)
@@ -453,10 +454,20 @@ def _encode_chat(row: Row, tokenizer: Any, chat: ChatFormat | None, max_len: int
             return None, f"{longest} tokens {how}; --max_seq_length is {max_len}", set()
         dropped += len(prompt) - len(shorter)
         prompt = shorter
-    (c_ids, c_lab, _, c_term, _), (r_ids, r_lab, _, r_term, _) = encoded
+    c, r = encoded
     # The shared prompt ends where the first trained token of either sequence begins.
-    p = min(next(i for i, t in enumerate(c_lab) if t != -100), next(i for i, t in enumerate(r_lab) if t != -100))
-    return PairExample(c_ids, c_lab, r_ids, r_lab, p, row, dropped), "", c_term | r_term
+    p = min(next(i for i, t in enumerate(c.labels) if t != -100), next(i for i, t in enumerate(r.labels) if t != -100))
+    return PairExample(c.input_ids, c.labels, r.input_ids, r.labels, p, row, dropped), "", c.terminators | r.terminators
+
+
+def _one_sequence(labelled: list[Labelled], chat: ChatFormat) -> Labelled:
+    """A pair's answer as one sequence. A template that rewrites earlier turns makes an answer of several assistant
+    turns several examples (each turn with the conversation up to it): a pair cannot be compared that way."""
+    if len(labelled) != 1:
+        raise TemplateProblem(f"chat template ({chat.name}) rewrites earlier turns, so an answer of "
+                              f"{len(labelled)} assistant turns is not one sequence: give each answer as one "
+                              "assistant turn, or use a template that keeps history as written")
+    return labelled[0]
 
 
 def _drop_oldest_prompt(prompt: list[dict]) -> list[dict] | None:

@@ -8,12 +8,12 @@ from typing import Any
 
 from surefit.config import TrainConfig
 from surefit.errors import ConfigError, Problem
-from surefit.tasks import classify, custom, sft
+from surefit.tasks import classify, custom, dpo, sft
 from surefit.tasks.common import Task
 
 # The modules are the task objects: a type checker holds each to the Task protocol here, and tests/test_tasks.py does
 # at run time.
-TASKS: dict[str, Task[Any]] = {"sft": sft, "classify": classify, "custom": custom}
+TASKS: dict[str, Task[Any]] = {"sft": sft, "classify": classify, "custom": custom, "dpo": dpo}
 
 
 def get_task(name: str) -> Task[Any]:

@@ -82,16 +82,27 @@ def adapters_off(model: Any) -> Iterator[None]:
             m.scaling[n] = value
 
 
-def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor | None,
-                ref_rejected: torch.Tensor | None, n_chosen: torch.Tensor, n_rejected: torch.Tensor, *,
-                beta: float, gamma: float = 0.5, orpo_lambda: float = 0.1) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                  torch.Tensor]:
-    """Per-pair losses and the implicit rewards of both answers, as TRL defines them.
+@dataclass
+class PairLogps:
+    """What a preference loss compares, per pair (``[pairs]`` tensors).
 
-    Args:
-        chosen, rejected: summed log-probabilities of each answer under the policy (``[pairs]``);
+    Attributes:
+        chosen, rejected: summed log-probabilities of each answer under the policy;
         ref_chosen, ref_rejected: the same under the reference (None for the reference-free SimPO and ORPO);
         n_chosen, n_rejected: supervised tokens of each answer (IPO, SimPO and ORPO average per token).
+    """
+
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    ref_chosen: torch.Tensor | None
+    ref_rejected: torch.Tensor | None
+    n_chosen: torch.Tensor
+    n_rejected: torch.Tensor
+
+
+def pair_losses(kind: str, logps: PairLogps, *, beta: float, gamma: float = 0.5,
+                orpo_lambda: float = 0.1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and the implicit rewards of both answers, as TRL defines them.
 
     Returns:
         ``(losses, chosen_rewards, rejected_rewards)``, each ``[pairs]``.
@@ -103,6 +114,8 @@ def pair_losses(kind: str, chosen: torch.Tensor, rejected: torch.Tensor, ref_cho
     - orpo: ``-c / n_c - lambda * log sigmoid(log odds(c / n_c) - log odds(r / n_r))``,
       with ``log odds(p) = p - log(1 - exp(p))``.
     """
+    chosen, rejected, ref_chosen, ref_rejected = logps.chosen, logps.rejected, logps.ref_chosen, logps.ref_rejected
+    n_chosen, n_rejected = logps.n_chosen, logps.n_rejected
     if kind in ("simpo", "orpo"):
         c_avg, r_avg = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
         if kind == "simpo":
@@ -174,8 +187,8 @@ class PreferenceLoss:
         pairs = logps.shape[0] // 2
         ref = self.reference_logps(model, batch)
         ref_c, ref_r = ref if ref is not None else (None, None)
-        losses, c_rew, r_rew = pair_losses(self.kind, logps[:pairs], logps[pairs:], ref_c, ref_r, counts[:pairs],
-                                           counts[pairs:], beta=self.beta, gamma=self.gamma,
+        compared = PairLogps(logps[:pairs], logps[pairs:], ref_c, ref_r, counts[:pairs], counts[pairs:])
+        losses, c_rew, r_rew = pair_losses(self.kind, compared, beta=self.beta, gamma=self.gamma,
                                            orpo_lambda=self.orpo_lambda)
         return PairScores(logps[:pairs], logps[pairs:], ref_c, ref_r, losses, c_rew, r_rew)
 

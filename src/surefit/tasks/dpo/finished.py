@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from surefit.config_dpo import DPOConfig
-from surefit.data.encode import resolve_chat_template
+from surefit.data.encode import Example, resolve_chat_template
+from surefit.data.formats import FormatChoice
 from surefit.data.pairs import PairCollator, detect_pair_format, encode_pairs, to_pairs
 from surefit.data.readers import read_rows
 from surefit.errors import DataError, Problem, raise_input_problems
@@ -46,7 +46,7 @@ def evaluate(run: Any, data: str | None, batch_size: int, max_new_tokens: int | 
         choice = detect_pair_format(raw, str(data)) if raw else None
         if isinstance(choice, Problem):
             problems.append(choice)
-        rows = to_pairs(raw, choice, str(data), problems) if choice is not None and not problems else []
+        rows = to_pairs(raw, choice, str(data), problems) if isinstance(choice, FormatChoice) and not problems else []
         raise_input_problems(problems)
         described = str(data)
     loaded = load(run, say)
@@ -97,11 +97,12 @@ def inspect(cfg: DPOConfig, out: str | None = None, show: int = 2, color: bool |
     if color is None:
         color = sys.stdout.isatty()
     on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
-    seq = lambda ids, labels: SimpleNamespace(input_ids=ids, labels=labels)  # noqa: E731
     for ex in examples[:show]:
         say(f"--- {ex.row.where}: shared prompt {ex.prompt_len} tokens (supervised spans marked {on}like this{off}) ---")
-        say("chosen:   " + marked_text(tokenizer, seq(ex.chosen_ids, ex.chosen_labels), on, off))
-        say("rejected: " + marked_text(tokenizer, seq(ex.rejected_ids, ex.rejected_labels), on, off))
+        say("chosen:   " + marked_text(tokenizer, Example(ex.chosen_ids, ex.chosen_labels, ex.prompt_len, ex.row), on,
+                                       off))
+        say("rejected: " + marked_text(tokenizer, Example(ex.rejected_ids, ex.rejected_labels, ex.prompt_len, ex.row),
+                                       on, off))
     for where, reason in (rep.excluded + failures)[:10]:
         say(f"  excluded {where}: {reason}")
     say(rep.summary())
@@ -114,9 +115,10 @@ def inspect(cfg: DPOConfig, out: str | None = None, show: int = 2, color: bool |
                 for side in ("chosen", "rejected"):
                     ids, labels = getattr(ex, f"{side}_ids"), getattr(ex, f"{side}_labels")
                     record[side] = {"input_ids": ids, "labels": labels,
-                                    "text": marked_text(tokenizer, seq(ids, labels), "[[", "]]")}
+                                    "text": marked_text(tokenizer, Example(ids, labels, ex.prompt_len, ex.row), "[[",
+                                                        "]]")}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         say(f"wrote {len(examples)} pairs to {path}")
-    return {"format": report["format"], "rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens,
+    return {"format": report.format, "rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens,
             "supervised_tokens": rep.supervised_tokens, "excluded": len(rep.excluded) + len(failures),
             "template": why if chat is not None else "prompts as written"}

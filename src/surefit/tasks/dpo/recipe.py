@@ -23,17 +23,21 @@ from surefit.data.pairs import PairCollator, PairExample, PairReport, detect_pai
 from surefit.data.readers import Rejected, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
-from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_input_problems
+from surefit.data.summary import DataSummary
+from surefit.doctor.checks_dpo import check_pairs
+from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_with_rejected
+from surefit.eval.progress import phase
 from surefit.models import apply_lora, load_tokenizer, model_folder, resolve_model
 from surefit.models_lowbit import require_bitsandbytes
-from surefit.run_folder import EXCLUDED
-from surefit.tasks.common import Evaluation, Prepared, render_columns, train
+from surefit.run_folder import EXCLUDED, Found
+from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.tasks.sft.recipe import load_model, save
 from surefit.training.dropout import seed_dropout
 from surefit.training.memory import enable_gradient_checkpointing
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.preference import PreferenceLoss, Reference, compute_reference
 from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.work import PlanInputs, TrainingWork
 
 Say = Callable[[str], None]
 REFERENCE_FILE = "reference_logps.json"
@@ -48,14 +52,22 @@ def prompt_key(row: Row) -> str:
     return normalize_key(" \n ".join(m["content"] for m in prompt if m["role"] in ("system", "user")))
 
 
-def load_pairs(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = None,
-               on_rejected: Callable[[list[Rejected]], None] | None = None
-               ) -> tuple[list[Row], list[Row], dict[str, Any]]:
-    """Read, detect the pair shape, check every pair, and split by prompt. Every problem is reported at once."""
+def load_pairs(cfg: DPOConfig, say: Say = print,
+               problems: list[Problem] | None = None) -> tuple[list[Row], list[Row], DataSummary]:
+    """Read, detect the pair shape, check every pair, and split by prompt. Every problem is reported at once.
+
+    Returns:
+        ``(train_rows, val_rows, summary)``: the summary holds the notes printed, the pair shape, the rows rejected
+        under ``--on_bad_rows skip`` and what became of each field (``details["field_table"]``). A problem raised
+        carries the rejected rows too (``error.rejected``), for the run folder to list.
+    """
     problems = list(problems or [])
-    report: dict[str, Any] = {"notes": []}
-    rejects: list[Rejected] | None = [] if cfg.on_bad_rows == "skip" else None
-    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, report["notes"])
+    assert cfg.data is not None  # required: the config's checks say so first
+    rejected: list[Rejected] = []
+    notes: list[str] = []
+    report = DataSummary(notes=notes, rejected=rejected)
+    rejects = rejected if cfg.on_bad_rows == "skip" else None
+    loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, notes)
     choice = None
     table: list[dict[str, str]] = []
     for name, path in (("train", cfg.data), ("validation", cfg.val_data)):
@@ -75,19 +87,18 @@ def load_pairs(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None 
             problems.append(Problem(f"all {len(raw)} pairs of {path} were rejected (first: {rejects[before].where}: "
                                     f"{rejects[before].reason})", str(path), "fix the pairs (see the rejected rows "
                                     "file)"))
-    if rejects and on_rejected is not None:
-        on_rejected(rejects)
-    report["rejected_rows"] = len(rejects or [])
-    raise_input_problems(problems)
+    raise_with_rejected(problems, rejected)
     assert choice is not None
-    report.update(format=choice.name, field_table=table)
+    # format_conversational is left unset: it tells SFT's predict how to prompt, and pair shapes are all "conversational"
+    report.format = choice.name
+    report.details["field_table"] = table
     say(choice.line())
     say("fields of the rows:\n" + render_columns(table))
-    train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
-                                            prompt_key, "prompt")
-    report["notes"] += notes
-    report.update(train_rows=len(train_rows), val_rows=len(val))
-    for note in report["notes"]:
+    train_rows, val, split_notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction,
+                                                  cfg.seed, prompt_key, "prompt")
+    notes += split_notes
+    report.train_rows, report.val_rows = len(train_rows), len(val)
+    for note in notes:
         say(note)
     return train_rows, val, report
 
@@ -138,8 +149,8 @@ def reference_logps(cfg: DPOConfig, model: Any, accelerator: Any, collate: Any, 
     return out
 
 
-def _encode(rows: list[Row], tokenizer: Any, chat: Any, cfg: DPOConfig, split: str,
-            on_rejected: Callable[[list[Rejected]], None] | None) -> tuple[list[PairExample], PairReport, set[int]]:
+def _encode(rows: list[Row], tokenizer: Any, chat: Any, cfg: DPOConfig,
+            split: str) -> tuple[list[PairExample], PairReport, set[int]]:
     examples, report, failures, terms = encode_pairs(rows, tokenizer, chat, max_seq_length=cfg.max_seq_length,
                                                      truncation=cfg.truncation, split=split)
     if failures and cfg.on_bad_rows != "skip":
@@ -152,8 +163,7 @@ def _encode(rows: list[Row], tokenizer: Any, chat: Any, cfg: DPOConfig, split: s
     return examples, report, terms
 
 
-def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = None,
-            on_rejected: Callable[[list[Rejected]], None] | None = None) -> Prepared:
+def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
     """Everything the loop needs: pairs -> encoded examples, the model with LoRA, the collator, the preference loss and
     the per-epoch evaluation. Nothing is written to the run folder (the reference is returned as a file to write)."""
     early = list(problems or [])
@@ -166,9 +176,9 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
             require_bitsandbytes(cfg.quantize)
         except ConfigError as e:
             early += e.problems
-    with startup.phase("reading data"):
-        train_rows, val_rows, data_report = load_pairs(cfg, say, early, on_rejected)
-    with startup.phase("model conversion"):
+    with startup.phase("reading data"), phase("reading data"):
+        train_rows, val_rows, data_report = load_pairs(cfg, say, early)
+    with startup.phase("model conversion"), phase("model conversion"):
         path = model_folder(source, log=say)
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
@@ -177,14 +187,14 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
     texts = all(isinstance(r.fields["pair_prompt"], str) for r in train_rows + val_rows)
     if chat is None and not texts:
-        raise ConfigError(Problem(f"the pairs are conversations ({data_report['format']}) and need a chat template, "
+        raise ConfigError(Problem(f"the pairs are conversations ({data_report.format}) and need a chat template, "
                                   f"but {why}", "--chat_format", "pass --chat_format chatml (or llama3, gemma, or a "
                                   "Jinja file); it is saved with the tokenizer"))
     template = why if not texts else "prompts as written (text pairs: no template), answers end with EOS"
     say(template)
-    with startup.phase("encoding data"):
-        train_ex, train_rep, terms = _encode(train_rows, tokenizer, chat, cfg, "train", on_rejected)
-        val_ex, val_rep, _ = _encode(val_rows, tokenizer, chat, cfg, "validation", on_rejected)
+    with startup.phase("encoding data"), phase("encoding data"):
+        train_ex, train_rep, terms = _encode(train_rows, tokenizer, chat, cfg, "train")
+        val_ex, val_rep, _ = _encode(val_rows, tokenizer, chat, cfg, "validation")
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
     for rep in (train_rep, val_rep):
         say(rep.summary())
@@ -196,11 +206,11 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
                       f"{r.excluded[0][1] if r.excluded else '?'})", "--max_seq_length",
                       f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the pairs")
               for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
-    data_report["encoding"] = {r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"}
-                               | {"excluded": len(r.excluded)} for r in (train_rep, val_rep)}
-    data_report["template"] = template
+    data_report.encoding = {r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"}
+                            | {"excluded": len(r.excluded)} for r in (train_rep, val_rep)}
+    data_report.details["template"] = template
 
-    with startup.phase("model load"):
+    with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
     with startup.phase("LoRA setup"):
         if cfg.gradient_checkpointing:
@@ -231,24 +241,22 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     loss_fn = PreferenceLoss(cfg.loss, cfg.beta, reference, gamma=cfg.gamma, orpo_lambda=cfg.orpo_lambda)
     tokenizer.padding_side = "left"  # generation pads on the left; the saved tokenizer says so
     if terms:
-        data_report["stop_ids"] = sorted(terms | {tokenizer.eos_token_id})
+        data_report.details["stop_ids"] = sorted(terms | {tokenizer.eos_token_id})
 
-    def evaluate(m: Any, epoch: int, batch_size: int) -> Evaluation:
+    def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         metrics, records = evaluate_pairs(m, val_ex, val_features, loss_fn, collate, batch_size, accelerator)
         say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
         return Evaluation(metrics, records)
 
-    from surefit.doctor.checks_dpo import check_pairs
-
+    # A pair is one example of the loop: it counts 1 in the loss, and its two sequences are its length.
+    work = TrainingWork(features=features, lengths=[e.tokens for e in train_ex], counts=[1] * len(train_ex),
+                        collate=collate, loss_fn=loss_fn, evaluate=evaluate, where=lambda i: train_ex[i].row.where,
+                        plan=PlanInputs(eval_lengths=[e.tokens for e in val_ex], lora=cfg.lora_r > 0))
     return Prepared(
-        cfg=cfg, model=model, accelerator=accelerator, features=features,
-        lengths=[e.tokens for e in train_ex], counts=[1] * len(train_ex), collate=collate, loss_fn=loss_fn,
-        evaluate=evaluate, save=lambda m, folder: save(m, tokenizer, folder),
+        cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: check_pairs(model, tokenizer, train_ex, features, collate, loss_fn, accelerator, cfg),
-        data_report=data_report, jsonl={EXCLUDED: excluded}, files=files,
-        plan={"eval_lengths": [e.tokens for e in val_ex], "lora": cfg.lora_r > 0},
-        saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer",
-        rejected=data_report["rejected_rows"], where=lambda i: train_ex[i].row.where)
+        found=Found(data_report, files=files, jsonl={EXCLUDED: excluded}),
+        saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 
 def evaluate_pairs(model: Any, examples: list[PairExample], features: list[dict[str, Any]], loss_fn: PreferenceLoss,
@@ -268,9 +276,10 @@ def evaluate_pairs(model: Any, examples: list[PairExample], features: list[dict[
                 with accelerator.autocast():
                     s = loss_fn.score(model, batch)
                 for j, ex in enumerate(examples[start:start + batch_size]):
-                    rec = {"where": ex.row.where, "loss": float(s.losses[j]), "logps_chosen": float(s.chosen[j]),
-                           "logps_rejected": float(s.rejected[j]), "reward_chosen": float(s.chosen_rewards[j]),
-                           "reward_rejected": float(s.rejected_rewards[j])}
+                    rec: dict[str, Any] = {
+                        "where": ex.row.where, "loss": float(s.losses[j]), "logps_chosen": float(s.chosen[j]),
+                        "logps_rejected": float(s.rejected[j]), "reward_chosen": float(s.chosen_rewards[j]),
+                        "reward_rejected": float(s.rejected_rewards[j])}
                     if s.ref_chosen is not None and s.ref_rejected is not None:
                         rec.update(ref_logps_chosen=float(s.ref_chosen[j]), ref_logps_rejected=float(s.ref_rejected[j]))
                     rec["margin"] = rec["reward_chosen"] - rec["reward_rejected"]
@@ -288,6 +297,6 @@ def evaluate_pairs(model: Any, examples: list[PairExample], features: list[dict[
     return metrics, records
 
 
-def run(cfg: DPOConfig, say: Say = print) -> dict[str, Any]:
+def run(cfg: DPOConfig, say: Say = print) -> RunResult:
     """Train, evaluating the held-out pairs before the first epoch and after each one (``tasks/common.train``)."""
     return train(cfg, prepare, say)
