@@ -148,3 +148,16 @@ def test_eval_of_another_pair_file_and_inspect_shows_both_sequences(lora_run, ti
     assert first["chosen"]["input_ids"][:p] == first["rejected"]["input_ids"][:p]
     assert first["chosen"]["text"].endswith("[[ " + qa_rows(6)[0]["target"] + "</s>]]")
     assert len(out.read_text().splitlines()) == 6
+
+
+def test_skipped_pairs_are_listed_in_the_run_folder_and_counted_in_the_data_report(tiny_lm_dir, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    items = [{"prompt": f"Q{i}: where?\nAnswer:", "chosen": " mat", "rejected": " park"} for i in range(9)]
+    items.insert(6, {"prompt": "Q: who?\nAnswer:", "chosen": " cat", "rejected": " cat"})
+    path.write_text("".join(json.dumps(x) + "\n" for x in items), encoding="utf-8")
+    out = tmp_path / "run"
+    assert _train(tiny_lm_dir, path, out, "--on_bad_rows", "skip", "--lora_r", "8") == 0
+    [rejected] = [json.loads(x) for x in (out / "rejected_rows.jsonl").read_text().splitlines()]
+    assert "line 7" in rejected["where"]
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["rejected_rows"] == 1 and report["train_rows"] + report["val_rows"] == 9
