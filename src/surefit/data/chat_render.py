@@ -294,7 +294,7 @@ def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
     try:
         answered = [*user, {"role": "assistant", "content": _PROBE_ANSWER}]
         follow = _ids(tokenizer, after(r(answered, False), r([*answered, *user], False)).lstrip())[:1]
-        if follow and follow[0] in _special_ids(tokenizer):
+        if follow and follow[0] in template_special_ids(tokenizer):
             next_turn = tokenizer.decode(follow, skip_special_tokens=False)
     except TemplateProblem:
         pass
@@ -400,10 +400,10 @@ def _string_arguments(call: dict) -> dict:
 
 def special_texts(tokenizer: Any) -> list[str]:
     """The special tokens as text, longest first (to take them out of a decoded generation)."""
-    return sorted({tokenizer.convert_ids_to_tokens(i) for i in _special_ids(tokenizer)}, key=len, reverse=True)
+    return sorted({tokenizer.convert_ids_to_tokens(i) for i in template_special_ids(tokenizer)}, key=len, reverse=True)
 
 
-def _special_ids(tokenizer: Any) -> set[int]:
+def template_special_ids(tokenizer: Any) -> set[int]:
     ids = set(tokenizer.all_special_ids)
     added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
     ids |= {i for i, t in added.items() if getattr(t, "special", False)}

@@ -20,7 +20,6 @@ from surefit.data.chat_render import (  # noqa: F401 - re-exported: templates, p
     TemplateLimit,
     TemplateProblem,
     TemplateTraits,
-    _special_ids,
     answer_end,
     answer_start,
     chat_format,
@@ -29,6 +28,7 @@ from surefit.data.chat_render import (  # noqa: F401 - re-exported: templates, p
     row_variables,
     special_texts,
     split_reasoning,
+    template_special_ids,
     template_traits,
     thinking_line,
 )
@@ -401,7 +401,7 @@ def _tokenize(tokenizer: Any, fmt: ChatFormat, traits: TemplateTraits, messages:
     """Ids and labels of ``text`` with the character ``spans`` ``(turn, start, end)`` trained up to the token that
     ends each turn. Each piece between span boundaries is tokenized on its own, so the spans are exact token spans;
     the last span's prompt is checked against the prompt generation tokenizes whole."""
-    specials = _special_ids(tokenizer)
+    specials = template_special_ids(tokenizer)
     ids: list[int] = []
     labels: list[int] = []
     terminators: set[int] = set()
