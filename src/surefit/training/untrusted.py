@@ -111,6 +111,11 @@ def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
     return out
 
 
+# The keys of an epoch record that hold text: the record's type and, with --keep_best / --early_stopping, the metric
+# and checkpoint of the best evaluation (training/selection.py). Every other figure is a number.
+EPOCH_TEXT_KEYS = frozenset({"type", "best_metric", "best_checkpoint"})
+
+
 def last_epoch(path: Path) -> dict[str, Any] | None:
     """The last epoch record of ``metrics.jsonl``; a record whose figures are not numbers is named, not used."""
     if not path.is_file():
@@ -126,7 +131,7 @@ def last_epoch(path: Path) -> dict[str, Any] | None:
             raise SurefitError(Problem(f"line {number} is not valid JSON: {line[:80]!r}", f"{path} line {number}",
                                        "metrics.jsonl was changed after training; restore it or remove that line")) from None
         if isinstance(record, dict) and record.get("type") == "epoch":
-            wrong = {k: v for k, v in record.items() if k != "type" and isinstance(v, str)}
+            wrong = {k: v for k, v in record.items() if k not in EPOCH_TEXT_KEYS and isinstance(v, str)}
             if wrong:
                 key, value = next(iter(wrong.items()))
                 raise SurefitError(Problem(f"'{key}' is {value!r}, not a number (an epoch record holds numbers)",
