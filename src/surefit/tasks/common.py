@@ -38,6 +38,7 @@ from surefit.run_folder import (
     write_rejected,
     write_run_report,
 )
+from surefit.run_folder.guard import train_problems
 from surefit.tasks.control import (
     final_model,
     gpu_preset_without_gpu,
@@ -139,6 +140,7 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
     early: list[Problem] = []
     previous = check_output_dir(cfg, early)
+    early += train_problems(cfg)  # the run's files never land on its data or base model (run_folder/guard.py)
     resume_from = resume_point(cfg, early, say)
     with clock.phase("prepare (other)"):  # the task names its own phases inside (data, model, ...)
         p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))
