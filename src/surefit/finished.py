@@ -31,6 +31,10 @@ def report(run: str | Path, say=print) -> Path:
     if not (folder / "config.yaml").is_file() and not (folder / "metrics.jsonl").is_file():
         raise ConfigError(Problem(f"{folder} holds no run (no config.yaml or metrics.jsonl)", "--run",
                                   "pass the --output_dir a `surefit train` wrote"))
+    from surefit.run_folder.guard import check_outputs, run_inputs
+
+    pages = [folder / "curves.png", folder / "report.html"]
+    check_outputs([Output("surefit report", p) for p in pages], [i for i in run_inputs(folder) if i.path not in pages])
     return write_report(folder, say=say)
 
 

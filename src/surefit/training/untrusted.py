@@ -21,29 +21,11 @@ Say = Callable[[str], None]
 
 
 def code_problems(cfg: Any, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
-    """The settings of a run's config.yaml that would import or run code, unless this command line allows it."""
-    found: list[tuple[str, Any, str, bool]] = []
-    if cfg.trust_remote_code:
-        found.append(("trust_remote_code", True, "lets the model folder run its own Python code when loading",
-                      trust_remote_code or allow_code))
-    if getattr(cfg, "head", None):
-        found.append(("head", cfg.head, "imports the head factory's Python module", allow_code))
-    if cfg.task == "custom" and cfg.model:
-        found.append(("model", cfg.model, "imports the model factory's Python module", allow_code))
-    for key in ("data", "val_data"):
-        value = getattr(cfg, key, None)
-        if cfg.task == "custom" and value and ":" in str(value) and not Path(str(value)).exists():
-            found.append((key, value, "imports the dataset factory's Python module", allow_code))
-    problems = []
-    for key, value, what, allowed in found:
-        if allowed:
-            continue
-        flag = "--trust_remote_code (or --allow_code)" if key == "trust_remote_code" else "--allow_code"
-        problems.append(Problem(
-            f"the run's config sets {key}: {value!r}, which {what}; a run folder is data, and the code it names only "
-            "runs when the command line allows it", f"{config_path} '{key}'",
-            f"if you trust this run folder and that code, add {flag} to this command"))
-    return problems
+    """The settings of a run's config.yaml that would import or run code, unless this command line allows it (the
+    one table and gate: run_folder/code_gate.py)."""
+    from surefit.run_folder.code_gate import code_problems as gate
+
+    return gate(cfg, lambda key: f"{config_path} '{key}'", allow_code, trust_remote_code)
 
 
 def verify_final(final: Path, say: Say) -> None:
