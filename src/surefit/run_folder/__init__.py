@@ -38,6 +38,7 @@ from typing import Any
 from surefit.config import config_to_dict, save_config
 from surefit.config_files import load_yaml
 from surefit.errors import Problem
+from surefit.run_folder.links import is_previous, remove_previous
 from surefit.training import integrity, untrusted
 from surefit.training.checkpoint import latest_checkpoint
 from surefit.training.checkpoint import verify as verify_checkpoint
@@ -83,7 +84,7 @@ def check_output_dir(cfg: Any, problems: list[Problem]) -> list[str]:
     into the folder, and a slower process would otherwise take the new run's files for a previous run's.
     """
     out = Path(cfg.output_dir)
-    previous = [name for name in RUN_FILES if (out / name).exists()]
+    previous = [name for name in RUN_FILES if is_previous(out / name)]
     if previous and not cfg.overwrite and not cfg.resume:
         problems.append(
             Problem(
@@ -138,9 +139,7 @@ def start_output_dir(cfg: Any, previous: list[str], say: Say = print, keep_rejec
         return out
     if keep_rejected:
         previous = [name for name in previous if name != REJECTED]
-    for name in previous:
-        target = out / name
-        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    remove_previous(out, previous, say)  # never deletes through a symbolic link
     if previous:
         say(f"--overwrite: removed the previous run's {', '.join(previous)} from {out}")
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +159,7 @@ def atomic_write(path: Path, write: Callable[[Path], None], what: str = "") -> N
     :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        tmp.unlink(missing_ok=True)  # a leftover (or planted) name: never written through
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -185,10 +185,14 @@ def save_final(out: Path, save_model: Callable[[Path], None]) -> Path:
     """Write ``final/`` atomically (temporary folder, then rename); the main process writes, the others wait."""
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():
+        for p in (tmp, final):
+            if p.is_symlink():
+                p.unlink()  # a planted link: removed as a link, never written through
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             save_model(tmp)
-            integrity.write_manifest(tmp)  # eval, predict and export verify it: corrupt weights are refused
+            if not (tmp / integrity.MANIFEST).is_file():  # a verified checkpoint's copy brings its own manifest
+                integrity.write_manifest(tmp)  # eval, predict and export verify it: corrupt weights are refused
         except Exception as e:
             written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
             shutil.rmtree(tmp, ignore_errors=True)  # never a partial final/
@@ -223,8 +227,9 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     """One JSON object per line (main process only)."""
     if is_main_process():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+        text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+        # a new file renamed into place: a link planted at path is replaced, never written through
+        atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def predictions_path(out: Path, epoch: int) -> Path:

@@ -4,7 +4,6 @@ without that GPU, training without validation data, a small validation split, lo
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,9 @@ def final_model(out: Path, history: list[dict[str, Any]], export_last: Callable[
     source = out / "checkpoints" / best["best_checkpoint"] / "model"
     say(f"final/ is the best evaluation: {best['best_metric']} {best['best_value']:.4f} at step "
         f"{best['best_step']} (checkpoints/{best['best_checkpoint']})")
-    return lambda folder: shutil.copytree(source, folder)
+    from surefit.run_folder.verified import copy_checkpoint_model
+
+    return lambda folder: copy_checkpoint_model(source.parent, folder)  # verified first; its manifest carried over
 
 
 SAMPLES = "samples"  # under predictions/: one file per evaluation of the --log_samples rows
