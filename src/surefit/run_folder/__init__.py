@@ -66,7 +66,7 @@ RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, CO
              "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
-RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
+RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_changed_data", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
                      "report_to",
                      # the memory plan changes how a step is cut, never the update (training/plan.py)
                      "gpu_memory_gb", "grad_accum", "gradient_checkpointing",
@@ -109,6 +109,7 @@ def resume_point(cfg: Any, problems: list[Problem], say: Say = print) -> Path | 
         for k in changed:
             problems.append(Problem(f"the run was started with {k}={before[k]!r}; resuming with {now[k]!r} would not "
                                     "continue the same run", f"--{k}", f"drop --{k} (or start a new run)"))
+    untrusted.check_inputs_on_resume(cfg, Path(cfg.output_dir) / DATA_FILES, problems, say)
     if cfg.resume == "latest":
         folder = latest_checkpoint(Path(cfg.output_dir) / CHECKPOINTS, say)
         if folder is None:
