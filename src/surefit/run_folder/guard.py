@@ -87,6 +87,7 @@ def conflicts(outputs: Iterable[Output], inputs: Iterable[Input], own_run: Path 
             continue
         out = _real(o.path)
         hit: tuple[Input, Path] | None = None
+        via = "" if out == _abs(o.path) else f" (it resolves to {out})"
         for real, i in real_inputs:
             folder_input = i.tree or real.is_dir()
             if (folder_input and _inside(out, real)) or out == real or (o.folder and _inside(real, out)):
@@ -97,8 +98,10 @@ def conflicts(outputs: Iterable[Output], inputs: Iterable[Input], own_run: Path 
             if node is not None and os.path.isfile(out) and os.stat(out).st_nlink > 1:  # a hard link to an input?
                 for real, i in real_inputs:
                     files = _tree_files(real) if real.is_dir() else [real]
-                    if any(_identity(f) == node for f in files):
+                    same = next((f for f in files if _identity(f) == node), None)
+                    if same is not None:
                         hit = (i, real)
+                        via = f" (a hard link to {same})"
                         break
         if hit is None:
             run_part = _protected_run_folder(out)
@@ -106,8 +109,9 @@ def conflicts(outputs: Iterable[Output], inputs: Iterable[Input], own_run: Path 
                 hit = (Input(run_part, f"the {run_part.name}/ folder of the run {run_part.parent}", tree=True), run_part)
         if hit is not None:
             i, real = hit
-            via = "" if out == _abs(o.path) else f" (it resolves to {out})"
             at = "is" if out == real else "holds" if _inside(real, out) and out != real else "is inside"
+            if "hard link" in via:
+                at = "is the same file as one of"
             problems.append(Problem(
                 f"{o.flag} {o.path}{via} {at} {i.what} ({i.path}), which this command reads: writing there would "
                 "replace it", o.flag, f"pass another path for {o.flag}, outside the inputs (the data, the base model, the "
@@ -179,8 +183,8 @@ def train_problems(cfg: Any) -> list[Problem]:
     out = Path(cfg.output_dir)
     folders = {CHECKPOINTS, FINAL, PREDICTIONS, "tensorboard"}
     outputs = [Output("--output_dir", out / name, folder=name in folders) for name in (LOCK, *RUN_FILES)]
-    problems = conflicts(outputs, config_inputs(cfg), own_run=out)
     inside = [i for i in config_inputs(cfg) if i.tree and _inside(_real(out), _real(i.path))]
+    problems = [] if inside else conflicts(outputs, config_inputs(cfg), own_run=out)  # inside: said once, below
     problems += [Problem(f"--output_dir {out} is inside {i.what} ({i.path}); the run would write its files among the "
                          "ones it reads", "--output_dir", "pass an --output_dir outside the data and the base model")
                  for i in inside]

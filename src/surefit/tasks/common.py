@@ -21,7 +21,7 @@ import surefit.startup as startup
 import surefit.startup_cache as startup_cache
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
-from surefit.errors import Problem
+from surefit.errors import ConfigError, Problem, raise_if
 from surefit.models import quiet_libraries
 from surefit.run_folder import (
     STARTUP,
@@ -126,6 +126,8 @@ def train(cfg: Any, prepare: PrepareFn, say: Say = print) -> dict[str, Any]:
     """
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     clock = startup.Clock()
+    # Before the lock: its file must not be created among the data or in the base model's folder either.
+    raise_if(train_problems(cfg), ConfigError)
     with startup.timing(clock), lock_run(cfg, say):  # one run at a time in --output_dir (run_folder.RunLock)
         return _train(cfg, prepare, say, clock)
 
@@ -140,7 +142,6 @@ def _train(cfg: Any, prepare: PrepareFn, say: Say, clock: startup.Clock) -> dict
     # The run folder's problems (a previous run, --resume) are cheap to find: they join the data's in one report.
     early: list[Problem] = []
     previous = check_output_dir(cfg, early)
-    early += train_problems(cfg)  # the run's files never land on its data or base model (run_folder/guard.py)
     resume_from = resume_point(cfg, early, say)
     with clock.phase("prepare (other)"):  # the task names its own phases inside (data, model, ...)
         p = prepare(cfg, say, problems=early, on_rejected=lambda rejects: write_rejected(cfg, rejects, say))

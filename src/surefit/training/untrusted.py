@@ -118,7 +118,9 @@ def _file_hashes(value: str, limit: int = 10_000) -> dict[str, dict[str, Any]] |
         path = Path(value).expanduser()
         if not path.exists() or Path.cwd().resolve().is_relative_to(path.resolve()):
             return None
-        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        # a run's lock file is not an input (a run refused before its checks once left one in a model folder)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
+                                                     and p.name != ".surefit.lock")
         if len(files) > limit:
             return None
         return {(p.name if p == path else str(p.relative_to(path))): {"bytes": p.stat().st_size,
