@@ -77,3 +77,24 @@ def test_a_classify_run_with_training_control_options_is_read_back(name, tiny_be
     assert any("best_metric" in r for r in _records(run))
     _read_back(run, tmp_path, capsys, ["--input", "the movie was very good", "--input", "the plot was very bad"],
                merge=False, allow=[])
+
+
+def test_a_custom_run_with_keep_best_and_step_options_is_read_back(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(repo / "examples/custom/make_shards.py"), "--out", str(tmp_path / "d"),
+                    "--vocab", "11", "--train", "48", "--val", "16", "--shard_rows", "16"], check=True,
+                   capture_output=True)
+    run = tmp_path / "run"
+    assert main(["train", "--task", "custom", "--model", str(repo / "examples/custom/projection_model.py") + ":build",
+                 "--model_args", '{"vocab": 11, "hidden": 16}', "--data", str(tmp_path / "d/train"), "--epochs", "2",
+                 "--batch_size", "16", "--keep_best", "eval_loss", "--eval_every", "2", "--save_every", "2",
+                 "--keep_checkpoints", "1", "--output_dir", str(run)]) == 0, capsys.readouterr().err
+    assert any("best_metric" in r for r in _records(run))
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--json", "--allow_code"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["metrics"]["eval_loss"] > 0
+    assert main(["export", "--run", str(run), "--to", str(tmp_path / "export"), "--allow_code"]) == 0
+    assert main(["report", "--run", str(run)]) == 0 and (run / "report.html").is_file()
