@@ -161,3 +161,15 @@ def test_the_guard_reads_config_settings_generically(tmp_path):
     named = {i.what: i.path for i in config_inputs(cfg)}
     assert named["--data"] == data and named["--chat_format"] == tpl and "--output_dir" not in named
 
+
+
+def test_two_outputs_of_one_command_at_the_same_file_are_refused_and_dev_null_is_written_not_replaced(setup, tmp_path,
+                                                                                                    capsys):
+    run, _, _ = setup
+    link = tmp_path / "same.json"
+    link.symlink_to(tmp_path / "eval.json")
+    capsys.readouterr()
+    assert main(["eval", "--run", str(run), "--out", str(tmp_path / "eval.json"), "--predictions", str(link)]) == 2
+    assert "are the same file" in capsys.readouterr().err
+    assert main(["predict", "--run", str(run), "--input", "x", "--out", os.devnull]) == 0
+    assert Path(os.devnull).is_char_device()

@@ -124,8 +124,17 @@ def _abs(path: Path) -> Path:
 
 
 def check_outputs(outputs: Iterable[Output], inputs: Iterable[Input]) -> None:
-    """Raise :class:`ConfigError` listing every output that resolves to an input (see :func:`conflicts`)."""
-    raise_if(conflicts(outputs, inputs), ConfigError)
+    """Raise :class:`ConfigError` listing every output that resolves to an input (see :func:`conflicts`), or to
+    another output of the same command (the second would replace the first)."""
+    outputs = [o for o in outputs if o.path is not None]
+    problems = conflicts(outputs, inputs)
+    seen: dict[Path, Output] = {}
+    for o in outputs:
+        first = seen.setdefault(_real(o.path), o)
+        if first is not o:
+            problems.append(Problem(f"{o.flag} {o.path} and {first.flag} {first.path} are the same file; the second "
+                                    "write would replace the first", o.flag, f"pass another path for {o.flag}"))
+    raise_if(problems, ConfigError)
 
 
 # ------------------------------------------------------------------------------------------------------ what is read
@@ -199,6 +208,10 @@ def atomic_file(path: str | os.PathLike, mode: str = "w", encoding: str | None =
     """Open a temporary file beside ``path`` (created exclusively, never through a symlink); on a clean exit it is
     fsynced and renamed onto ``path``, on an error removed: a reader never sees a cut file."""
     path = Path(path)
+    if path.exists() and not path.is_file() and not path.is_dir():  # /dev/null, a pipe: written to, never replaced
+        with open(path, mode, encoding=None if "b" in mode else encoding) as fh:
+            yield fh
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.unlink(missing_ok=True)  # a leftover (or planted) name: never written through
