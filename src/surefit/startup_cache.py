@@ -70,13 +70,16 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
-def file_sha256(path: str | Path) -> str:
+def file_sha256(path: str | Path, remember: bool = True) -> str:
     """SHA-256 of a file's content, remembered under ``hashes/`` in the start-up cache by the file's device, inode,
-    size, modification and change times: a hit is used only while all five still match (else the file is read)."""
+    size, modification and change times: a hit is used only while all five still match (else the file is read).
+    ``remember=False`` (``--no_cache``): read the file, and store nothing."""
     path = Path(path)
     st = path.stat()
     memo = cache_dir() / "hashes" / f"{digest(os.path.realpath(path))}.json"
     try:
+        if not remember:
+            raise OSError("not remembered")
         entry = json.loads(memo.read_text(encoding="utf-8"))
         if entry.get("stat") == _stat_key(st) and isinstance(entry.get("sha256"), str):
             return entry["sha256"]
@@ -87,7 +90,7 @@ def file_sha256(path: str | Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     value = h.hexdigest()
-    if _stat_key(path.stat()) == _stat_key(st):  # unchanged while it was read
+    if remember and _stat_key(path.stat()) == _stat_key(st):  # unchanged while it was read
         tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)

@@ -99,7 +99,7 @@ def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
         value = getattr(cfg, f.name, None)
         if f.name in out or f.name in _NOT_INPUTS or not isinstance(value, str) or not value:
             continue
-        files = _file_hashes(value)
+        files = _file_hashes(value, remember=not getattr(cfg, "no_cache", False))
         if files:
             out[f.name] = {"path": value, "files": files}
     return out
@@ -109,7 +109,7 @@ def data_hashes(cfg: Any) -> dict[str, dict[str, Any]]:
 _NOT_INPUTS = {"output_dir", "resume", "data", "val_data"}
 
 
-def _file_hashes(value: str, limit: int = 10_000) -> dict[str, dict[str, Any]] | None:
+def _file_hashes(value: str, limit: int = 10_000, remember: bool = True) -> dict[str, dict[str, Any]] | None:
     """``{relative name: {bytes, sha256}}`` of a file, or of a folder's files; ``None`` when ``value`` is no path
     (a hub id, a built-in name) or the folder is the working folder or holds more than ``limit`` files."""
     from surefit.startup_cache import file_sha256
@@ -124,7 +124,8 @@ def _file_hashes(value: str, limit: int = 10_000) -> dict[str, dict[str, Any]] |
         if len(files) > limit:
             return None
         return {(p.name if p == path else str(p.relative_to(path))): {"bytes": p.stat().st_size,
-                                                                      "sha256": file_sha256(p)} for p in files}
+                                                                      "sha256": file_sha256(p, remember)}
+                for p in files}
     except (OSError, ValueError):
         return None
 
