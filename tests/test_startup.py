@@ -81,8 +81,12 @@ def test_a_changed_input_reruns_the_doctor_and_the_planner(tmp_path, tiny_lm_dir
     elif change == "setting":
         extra = ("--lora_dropout", "0.1")
     elif change == "model":
-        weights = next(model.glob("*.safetensors"))  # rewritten weights: a new modification time
-        os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+        weights = next(model.glob("*.safetensors"))  # other weights of the same size and modification time
+        st = weights.stat()
+        raw = bytearray(weights.read_bytes())
+        raw[-4:] = bytes(b ^ 1 for b in raw[-4:])
+        weights.write_bytes(bytes(raw))
+        os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
     else:
         extra = ("--template", "Q: {input}\nA: ")
     second = _train(model, data, tmp_path / "b", *extra)

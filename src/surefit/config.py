@@ -116,6 +116,8 @@ class TrainConfig:
         const="latest",
     )
     overwrite: bool = opt(False, "Replace a previous run in --output_dir (without it, such a run is refused).")
+    allow_changed_data: bool = opt(False, "With --resume: continue although the data (or another input file) changed "
+                                   "since the run started; the changes are listed and recorded in data_files.json.")
     force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
     no_cache: bool = opt(False, "Re-run the doctor's dry run and the memory planner's measurements instead of reusing "
                          "those of an identical earlier start (model files, data, settings and code unchanged; "

@@ -5,10 +5,12 @@ its task module. Training is ``api.py``; these names are importable from there t
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
 from surefit.errors import ConfigError, Problem, raise_if
+from surefit.run_folder.guard import Output, atomic_file
 from surefit.tasks import get_task
 
 
@@ -29,6 +31,10 @@ def report(run: str | Path, say=print) -> Path:
     if not (folder / "config.yaml").is_file() and not (folder / "metrics.jsonl").is_file():
         raise ConfigError(Problem(f"{folder} holds no run (no config.yaml or metrics.jsonl)", "--run",
                                   "pass the --output_dir a `surefit train` wrote"))
+    from surefit.run_folder.guard import check_outputs, run_inputs
+
+    pages = [folder / "curves.png", folder / "report.html"]
+    check_outputs([Output("surefit report", p) for p in pages], [i for i in run_inputs(folder) if i.path not in pages])
     return write_report(folder, say=say)
 
 
@@ -43,6 +49,16 @@ def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = F
     task = get_task(r.task)
     r.require(*task.final_files(r.cfg))
     return r, task
+
+
+def _check_outputs(run: Any, outputs: list[Output], data: str | Path | None) -> None:
+    """Refuse, before anything is loaded, an output that resolves to what the command reads (run_folder/guard.py)."""
+    from surefit.run_folder.guard import Input, check_outputs, run_inputs
+
+    inputs = run_inputs(run.folder, run.cfg)
+    if data is not None:
+        inputs.append(Input(Path(data), "the data this command reads", tree=Path(data).is_dir()))
+    check_outputs([o for o in outputs if o.path is not None], inputs)
 
 
 def _check_counts(**values: int | None) -> None:
@@ -92,10 +108,10 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     import json as _json
 
     from surefit.report import render_eval
-    from surefit.run_folder import write_jsonl
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
     r, task = _open(run, allow_code, trust_remote_code, say)
+    _check_outputs(r, [Output("--out", out), Output("--predictions", predictions)], data)
     given = _check_fields(r, task, fields or {})
     if data is None and given:
         raise ConfigError([Problem(f"--{k} names a column of --data, and no --data was given (the run's own validation "
@@ -104,7 +120,8 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     described, n, metrics, records = task.evaluate(r, data, batch_size or r.eval_batch_size, max_new_tokens, given,
                                                    say)
     if predictions is not None:
-        write_jsonl(Path(predictions), records)
+        with atomic_file(predictions) as fh:
+            fh.writelines(_json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
     training = None
     if data is None and r.last_epoch is not None:
         training = {"epoch": r.last_epoch.get("epoch")}
@@ -112,8 +129,8 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     result = {"run": str(r.folder), "task": r.task, "data": described, "rows": n, "metrics": metrics,
               "training": training}
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(_json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        with atomic_file(out) as fh:
+            fh.write(_json.dumps(result, indent=2) + "\n")
     if show == "json":
         print(_json.dumps(result, indent=2))
     elif show == "table":
@@ -146,6 +163,7 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
     r, task = _open(run, allow_code, trust_remote_code, say)
+    _check_outputs(r, [Output("--out", out)], file)
     given = _check_fields(r, task, fields or {})
     batches = task.predict(r, inputs, None if file is None else str(file), batch_size or r.eval_batch_size,
                            max_new_tokens, given, say)  # a task without predictions refuses here
@@ -155,11 +173,9 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
     if out is not None:
         if Path(out).is_dir():
             raise ConfigError(Problem(f"{out} is a folder", "--out", "pass a file path, e.g. predictions.jsonl"))
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
     records: list[dict[str, Any]] = []
     count = 0
-    fh = Path(out).open("w", encoding="utf-8") if out is not None else None
-    try:
+    with atomic_file(out) if out is not None else nullcontext() as fh:  # renamed into place once all are written
         for batch in batches:
             sinks = [s for s in (fh, stream) if s is not None]
             for rec in batch:
@@ -171,9 +187,6 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
             count += len(batch)
             if collect:
                 records += batch
-    finally:
-        if fh is not None:
-            fh.close()
     if out is not None:
         say(f"wrote {count} prediction{'s' if count != 1 else ''} to {out}")
     return records
@@ -195,9 +208,11 @@ def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: b
 
     ``allow_code``, ``trust_remote_code``: as for :func:`evaluate`.
     """
-    from surefit.run_folder.finished import export_folder
+    from surefit.run_folder.finished import _check_destination, export_folder
 
     r, task = _open(run, allow_code, trust_remote_code, say)
+    _check_destination(r, Path(to), overwrite)  # the run folder itself: its own message
+    _check_outputs(r, [Output("--to", Path(to), folder=True)], None)
     what: list[str] = []
     dest = export_folder(r, Path(to), overwrite, lambda tmp: what.append(task.export(r, tmp, merge, say)))
     say(f"exported the {what[0]} of {r.folder} to {dest}")

@@ -174,6 +174,7 @@ def write_curves(run_dir: str | Path) -> Path:
     fig.suptitle(f"{run_dir.name}  ({config.get('task', '?')})", fontsize=11)
     target = run_dir / CURVES
     tmp = run_dir / f".{CURVES}.tmp"
+    tmp.unlink(missing_ok=True)  # a leftover (or planted) temporary name is never written through
     fig.savefig(tmp, format="png")
     os.replace(tmp, target)
     return target
@@ -481,6 +482,7 @@ def write_report(run_dir: str | Path, say: Any = None) -> Path:
     write_curves(run_dir)
     target = run_dir / REPORT
     tmp = run_dir / f".{REPORT}.tmp"
+    tmp.unlink(missing_ok=True)
     tmp.write_text(render_report(run_dir), encoding="utf-8")
     os.replace(tmp, target)
     if say is not None:

@@ -18,7 +18,7 @@ from typing import Any
 from surefit.config import TrainConfig
 
 # Bumped when an entry's layout changes: older entries then simply miss.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: model files keyed by content (sha256), not size and mtime
 
 def digest(value: Any) -> str:
     """SHA-256 of a JSON-able value, independent of dict order."""
@@ -52,22 +52,57 @@ def features_digest(features: Iterable[Mapping[str, Any]] | None) -> str | None:
 
 
 def files_identity(path: str | Path) -> list[list[Any]] | None:
-    """Every file under a folder (or the file) as ``[relative name, size, mtime_ns]``; ``None`` if it is not on disk.
+    """Every file under a folder (or the file) as ``[relative name, size, sha256]``; ``None`` if it is not on disk.
 
-    Size and modification time identify a file without reading gigabytes of weights; any rewrite changes them.
+    Keyed by content: a file rewritten with the same size and modification time (a changed ``config.json``) is
+    another key. The hashes are remembered by :func:`file_sha256`, so gigabytes of weights are read once.
     """
     p = Path(path)
     if p.is_file():
-        st = p.stat()
-        return [[p.name, st.st_size, st.st_mtime_ns]]
+        return [[p.name, p.stat().st_size, file_sha256(p)]]
     if not p.is_dir():
         return None
     out = []
     for f in sorted(p.rglob("*")):
         if f.is_file():
-            st = f.stat()
-            out.append([str(f.relative_to(p)), st.st_size, st.st_mtime_ns])
+            out.append([str(f.relative_to(p)), f.stat().st_size, file_sha256(f)])
     return out
+
+
+def _stat_key(st: os.stat_result) -> list[int]:
+    # ctime cannot be set back by hand (utime sets mtime, and changes ctime): any rewrite changes this key
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def file_sha256(path: str | Path, remember: bool = True) -> str:
+    """SHA-256 of a file's content, remembered under ``hashes/`` in the start-up cache by the file's device, inode,
+    size, modification and change times: a hit is used only while all five still match (else the file is read).
+    ``remember=False`` (``--no_cache``): read the file, and store nothing."""
+    path = Path(path)
+    st = path.stat()
+    memo = cache_dir() / "hashes" / f"{digest(os.path.realpath(path))}.json"
+    try:
+        if not remember:
+            raise OSError("not remembered")
+        entry = json.loads(memo.read_text(encoding="utf-8"))
+        if entry.get("stat") == _stat_key(st) and isinstance(entry.get("sha256"), str):
+            return entry["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    value = h.hexdigest()
+    if remember and _stat_key(path.stat()) == _stat_key(st):  # unchanged while it was read
+        tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+        try:
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps({"stat": _stat_key(st), "sha256": value}), encoding="utf-8")
+            os.replace(tmp, memo)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # a cache that cannot be written only costs the next read
+    return value
 
 
 def tokenizer_identity(tokenizer: Any) -> dict[str, Any]:
@@ -191,7 +226,7 @@ class StartupCache:
 
 # Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
 # one still finds the cached work. Every other setting is part of the key.
-NOT_IN_KEY = {"output_dir", "overwrite", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
+NOT_IN_KEY = {"output_dir", "overwrite", "allow_changed_data", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
               "report_to", "log_samples", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "warmup",
               "min_lr", "lr_scheduler", "max_grad_norm", "eval_every", "early_stopping", "keep_best", "on_nonfinite"}
 

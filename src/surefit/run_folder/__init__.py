@@ -44,6 +44,7 @@ from surefit.config_files import load_yaml
 from surefit.data.summary import DataSummary
 from surefit.errors import Problem
 from surefit.run_folder import integrity, untrusted
+from surefit.run_folder.links import is_previous, remove_previous
 from surefit.run_folder.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
 from surefit.training.loop import Checkpointing
 from surefit.training.plan import Plan
@@ -78,7 +79,7 @@ RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, CO
              "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP, SHORTENED)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
-RESUME_MAY_CHANGE = {"resume", "overwrite", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
+RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_changed_data", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
                      "report_to",
                      # the memory plan changes how a step is cut, never the update (training/plan.py)
                      "gpu_memory_gb", "grad_accum", "gradient_checkpointing",
@@ -113,7 +114,7 @@ class RunFolder:
         into the folder, and a slower process would otherwise take the new run's files for a previous run's.
         """
         cfg, out = self.cfg, self.path
-        self.previous = [name for name in RUN_FILES if (out / name).exists()]
+        self.previous = [name for name in RUN_FILES if is_previous(out / name)]
         if self.previous and not cfg.overwrite and not cfg.resume:
             problems.append(
                 Problem(
@@ -137,6 +138,7 @@ class RunFolder:
             for k in changed:
                 problems.append(Problem(f"the run was started with {k}={before[k]!r}; resuming with {now[k]!r} would "
                                         "not continue the same run", f"--{k}", f"drop --{k} (or start a new run)"))
+        untrusted.check_inputs_on_resume(cfg, self.path / DATA_FILES, problems, self.say)
         if cfg.resume == "latest":
             folder = checkpoint.latest_checkpoint(self.path / CHECKPOINTS, self.say)
             if folder is None:
@@ -170,9 +172,7 @@ class RunFolder:
         if not is_main_process():
             barrier()
             return
-        for name in self.previous:
-            target = out / name
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        remove_previous(out, self.previous, self.say)  # never deletes through a symbolic link
         if self.previous:
             self.say(f"--overwrite: removed the previous run's {', '.join(self.previous)} from {out}")
         out.mkdir(parents=True, exist_ok=True)
@@ -280,6 +280,7 @@ def atomic_write(path: Path, write: Callable[[Path], object], what: str = "") ->
     :class:`~surefit.training.checkpoint.WriteFailed` naming the cause."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
+        tmp.unlink(missing_ok=True)  # a leftover (or planted) name: never written through
         write(tmp)
         fd = os.open(tmp, os.O_RDONLY)
         try:
@@ -300,10 +301,14 @@ def save_final(out: Path, save_model: Callable[[Path], object]) -> Path:
     """Write ``final/`` atomically (temporary folder, then rename); the main process writes, the others wait."""
     final, tmp = out / FINAL, out / f"{FINAL}.tmp"
     if is_main_process():
+        for p in (tmp, final):
+            if p.is_symlink():
+                p.unlink()  # a planted link: removed as a link, never written through
         shutil.rmtree(tmp, ignore_errors=True)
         try:
             save_model(tmp)
-            integrity.write_manifest(tmp)  # eval, predict and export verify it: corrupt weights are refused
+            if not (tmp / integrity.MANIFEST).is_file():  # a verified checkpoint's copy brings its own manifest
+                integrity.write_manifest(tmp)  # eval, predict and export verify it: corrupt weights are refused
         except Exception as e:
             written = sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()) if tmp.is_dir() else 0
             shutil.rmtree(tmp, ignore_errors=True)  # never a partial final/
@@ -338,8 +343,9 @@ def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
     """One JSON object per line (main process only)."""
     if is_main_process():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w", encoding="utf-8") as fh:
-            fh.writelines(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+        text = "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
+        # a new file renamed into place: a link planted at path is replaced, never written through
+        atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
 
 
 def predictions_path(out: Path, epoch: int) -> Path:

@@ -109,6 +109,8 @@ class Run:
                     "run surefit from the folder the training ran in, or pass --data FILE to evaluate on other data"))
         raise_if(problems, DataError)
         for key, (path, why) in self.changed_data().items():
+            if key not in ("data", "val_data"):
+                continue  # other inputs (the base model) are named when the run is opened
             self.say(f"warning: the run's {'training' if key == 'data' else 'validation'} data {path} {why} since "
                      f"training ({self.folder / DATA_FILES}): the validation split re-derived from it may not be the "
                      "one training scored, and the numbers may not match metrics.jsonl")
@@ -168,6 +170,10 @@ def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code
         raise SurefitError(Problem(f"{folder} has no final/ folder: the run did not finish (interrupted, failed, or "
                                    "still training)", "--run", fix))
     untrusted.verify_final(final, say)
+    for key, (path, why) in untrusted.changed_data(folder / DATA_FILES, cfg).items():
+        if key not in ("data", "val_data"):  # the data is named where it is read (Run.check_training_data)
+            say(f"warning: the run's {key} {path} {why} since training ({folder / DATA_FILES}): results may differ "
+                "from the ones training gave (for a base model: the adapter is applied to other weights)")
     report = untrusted.read_json(folder / DATA_REPORT, "what happened to the data", untrusted.DATA_REPORT_KEYS)
     plan = untrusted.read_json(folder / MEMORY_PLAN, "the memory plan", untrusted.PLAN_KEYS)
     return Run(folder, cfg, final, report, untrusted.last_epoch(folder / METRICS), plan, say)

@@ -53,13 +53,16 @@ class RunLock:
         """Take the lock, or raise :class:`RunLocked` naming the process that holds it."""
         import fcntl
 
+        from surefit.run_folder.links import open_own
+
         if self.folder.exists() and not self.folder.is_dir():
             return self  # --output_dir is a file: reported with the other configuration problems
         try:
             if not self.folder.exists():
                 self.folder.mkdir(parents=True, exist_ok=True)
                 self.created_folder = True
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            # never through a link: a lock file planted as a symlink would get the file it points to emptied
+            fd = open_own(self.path, os.O_RDWR | os.O_CREAT, "the run's lock file")
         except OSError as e:
             raise SurefitError(Problem(f"cannot create {self.path}: {e.strerror or e}", "--output_dir",
                                        "pass an --output_dir you can write to")) from e
@@ -127,7 +130,7 @@ def lock_run(cfg: TrainConfig, say: Say = print) -> Iterator[RunLock | None]:
     if lock is not None:
         try:
             lock.acquire()
-        except RunLocked as e:
+        except SurefitError as e:  # in use, or a lock file that is a link: every process stops
             refused = [vars(p) for p in e.problems]
             if world_size() <= 1:
                 raise

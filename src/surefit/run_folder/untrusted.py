@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,29 +23,11 @@ Say = Callable[[str], None]
 
 
 def code_problems(cfg: TrainConfig, config_path: Path, allow_code: bool, trust_remote_code: bool) -> list[Problem]:
-    """The settings of a run's config.yaml that would import or run code, unless this command line allows it."""
-    found: list[tuple[str, Any, str, bool]] = []
-    if cfg.trust_remote_code:
-        found.append(("trust_remote_code", True, "lets the model folder run its own Python code when loading",
-                      trust_remote_code or allow_code))
-    if getattr(cfg, "head", None):
-        found.append(("head", cfg.head, "imports the head factory's Python module", allow_code))
-    if cfg.task == "custom" and cfg.model:
-        found.append(("model", cfg.model, "imports the model factory's Python module", allow_code))
-    for key in ("data", "val_data"):
-        value = getattr(cfg, key, None)
-        if cfg.task == "custom" and value and ":" in str(value) and not Path(str(value)).exists():
-            found.append((key, value, "imports the dataset factory's Python module", allow_code))
-    problems = []
-    for key, value, what, allowed in found:
-        if allowed:
-            continue
-        flag = "--trust_remote_code (or --allow_code)" if key == "trust_remote_code" else "--allow_code"
-        problems.append(Problem(
-            f"the run's config sets {key}: {value!r}, which {what}; a run folder is data, and the code it names only "
-            "runs when the command line allows it", f"{config_path} '{key}'",
-            f"if you trust this run folder and that code, add {flag} to this command"))
-    return problems
+    """The settings of a run's config.yaml that would import or run code, unless this command line allows it (the
+    one table and gate: run_folder/code_gate.py)."""
+    from surefit.run_folder.code_gate import code_problems as gate
+
+    return gate(cfg, lambda key: f"{config_path} '{key}'", allow_code, trust_remote_code)
 
 
 def verify_final(final: Path, say: Say) -> None:
@@ -100,8 +83,12 @@ def read_json(path: Path, what: str, keys: dict[str, tuple[type, ...]] | None = 
 
 
 def data_hashes(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
-    """sha256 and size of the run's data files (``--data``, ``--val_data``; a folder: all its files), so that
-    ``eval`` can warn when the data it re-derives the validation split from has changed since training."""
+    """sha256 and size of everything the run reads from disk, stored at the start of training (``data_files.json``)
+    so that ``--resume``, ``eval``, ``predict`` and ``export`` can name what changed since: ``--data`` and
+    ``--val_data`` (a folder: all its files, hashed together), and every other setting that names a file or folder
+    (the base model's weights, config and tokenizer files, a chat template ...), file by file."""
+    import dataclasses
+
     out = {}
     for key in ("data", "val_data"):
         value = getattr(cfg, key, None)
@@ -109,7 +96,70 @@ def data_hashes(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
             found = hash_source(str(value))
             if found is not None:
                 out[key] = {"path": str(value), **found}
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name, None)
+        if f.name in out or f.name in _NOT_INPUTS or not isinstance(value, str) or not value:
+            continue
+        files = _file_hashes(value, remember=not getattr(cfg, "no_cache", False))
+        if files:
+            out[f.name] = {"path": value, "files": files}
     return out
+
+
+# Settings that name paths the run writes (or reads as data, hashed above), not files it depends on.
+_NOT_INPUTS = {"output_dir", "resume", "data", "val_data"}
+
+
+def _file_hashes(value: str, limit: int = 10_000, remember: bool = True) -> dict[str, dict[str, Any]] | None:
+    """``{relative name: {bytes, sha256}}`` of a file, or of a folder's files; ``None`` when ``value`` is no path
+    (a hub id, a built-in name) or the folder is the working folder or holds more than ``limit`` files."""
+    from surefit.startup_cache import file_sha256
+
+    try:
+        path = Path(value).expanduser()
+        if not path.exists() or Path.cwd().resolve().is_relative_to(path.resolve()):
+            return None
+        # a run's lock file is not an input (a run refused before its checks once left one in a model folder)
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()
+                                                     and p.name != ".surefit.lock")
+        if len(files) > limit:
+            return None
+        return {(p.name if p == path else str(p.relative_to(path))): {"bytes": p.stat().st_size,
+                                                                      "sha256": file_sha256(p, remember)}
+                for p in files}
+    except (OSError, ValueError):
+        return None
+
+
+def check_inputs_on_resume(cfg: Any, saved: Path, problems: list[Problem], say: Say) -> None:
+    """``--resume``: the run's data and other input files must be what the run started with, or
+    ``--allow_changed_data`` given; then each change is listed, and recorded in ``data_files.json``."""
+    changed = changed_data(saved, cfg)
+    if not changed:
+        return
+    if not getattr(cfg, "allow_changed_data", False):
+        for key, (path, why) in changed.items():
+            problems.append(Problem(f"--{key} {path} {why} since the run started ({saved}); resuming would continue the "
+                                    "run on other inputs than it started with", f"--{key}",
+                                    "restore the file(s), start a new run (--overwrite or another --output_dir), or "
+                                    "pass --allow_changed_data to resume on the changed inputs"))
+        return
+    for key, (path, why) in changed.items():
+        say(f"--allow_changed_data: resuming although --{key} {path} {why} since the run started")
+    import time
+
+    record = json.loads(saved.read_text(encoding="utf-8"))
+    record.setdefault("resumed_with_changes", []).append(
+        {"time": time.strftime("%Y-%m-%d %H:%M:%S"), "changed": {k: f"{p} {w}" for k, (p, w) in changed.items()}})
+    tmp = saved.with_name(f".{saved.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    tmp.write_text(json.dumps(record, indent=2), encoding="utf-8")
+    tmp.replace(saved)
+
+
+# The keys of an epoch record that hold text: the record's type and, with --keep_best / --early_stopping, the metric
+# and checkpoint of the best evaluation (training/selection.py). Every other figure is a number.
+EPOCH_TEXT_KEYS = frozenset({"type", "best_metric", "best_checkpoint"})
 
 
 def last_epoch(path: Path) -> dict[str, Any] | None:
@@ -127,7 +177,7 @@ def last_epoch(path: Path) -> dict[str, Any] | None:
             raise SurefitError(Problem(f"line {number} is not valid JSON: {line[:80]!r}", f"{path} line {number}",
                                        "metrics.jsonl was changed after training; restore it or remove that line")) from None
         if isinstance(record, dict) and record.get("type") == "epoch":
-            wrong = {k: v for k, v in record.items() if k != "type" and isinstance(v, str)}
+            wrong = {k: v for k, v in record.items() if k not in EPOCH_TEXT_KEYS and isinstance(v, str)}
             if wrong:
                 key, value = next(iter(wrong.items()))
                 raise SurefitError(Problem(f"'{key}' is {value!r}, not a number (an epoch record holds numbers)",
@@ -146,6 +196,16 @@ def changed_data(path: Path, cfg: TrainConfig) -> dict[str, tuple[str, str]]:
     for key, before in saved.items():
         value = getattr(cfg, key, None)
         if not isinstance(before, dict) or not value:
+            continue
+        if isinstance(before.get("files"), dict):  # file by file: name the files that changed
+            now_files = _file_hashes(str(value))
+            if now_files is None:
+                continue
+            names = sorted(n for n in set(before["files"]) | set(now_files)
+                           if (before["files"].get(n) or {}).get("sha256") != (now_files.get(n) or {}).get("sha256"))
+            if names:
+                shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+                changed[key] = (str(value), f"changed ({shown})")
             continue
         now = hash_source(str(value))
         if now is None:

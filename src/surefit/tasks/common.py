@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +21,12 @@ from surefit.config import TrainConfig
 from surefit.data.summary import DataSummary
 from surefit.doctor.core import Report
 from surefit.doctor.gate import cached_doctor, gate, run_doctor
-from surefit.errors import Problem, SurefitError
+from surefit.errors import ConfigError, Problem, SurefitError, raise_if
 from surefit.eval.progress import phase
 from surefit.models import quiet_libraries
 from surefit.run_folder import Found, RunFolder
 from surefit.run_folder.finished import Run
+from surefit.run_folder.guard import train_problems
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
@@ -143,6 +143,8 @@ def train(cfg: C, prepare: PrepareFn[C], say: Say = print) -> RunResult:
     """Prepare the run, start its folder, run the doctor, plan the memory, train, and save ``final/``."""
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
     clock = startup.Clock()
+    # Before the lock: its file must not be created among the data or in the base model's folder either.
+    raise_if(train_problems(cfg), ConfigError)
     folder = RunFolder(cfg, say)
     with startup.timing(clock), folder.locked():  # one run at a time in --output_dir (run_folder.RunLock)
         return _train(folder, prepare, clock)
@@ -263,7 +265,9 @@ def final_model(folder: RunFolder, history: list[dict[str, Any]],
     source = folder.checkpoint_model(best["best_checkpoint"])
     folder.say(f"final/ is the best evaluation: {best['best_metric']} {best['best_value']:.4f} at step "
         f"{best['best_step']} (checkpoints/{best['best_checkpoint']})")
-    return lambda folder: shutil.copytree(source, folder)
+    from surefit.run_folder.verified import copy_checkpoint_model
+
+    return lambda dest: copy_checkpoint_model(source.parent, dest)  # verified first; its manifest carried over
 
 
 def log_samples(folder: RunFolder, log: MetricsLog, records: list[dict[str, Any]], epoch: int | float,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -137,7 +138,11 @@ class MetricsLog:
                  after_epoch: Callable[[], object] | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = self.path.open("a", encoding="utf-8")
+        from surefit.run_folder.links import open_own
+
+        # appended to, never through a link (a metrics.jsonl planted as a symlink would grow the file it points to)
+        fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the run's metrics log")
+        self._fh = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held for the life of the run
         self._t0 = time.time()
         self.trackers = trackers
         self.after_epoch = after_epoch

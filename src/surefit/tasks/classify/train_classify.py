@@ -499,7 +499,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
         # A custom head is user code, and remote code is the model's: neither has a content identity to key on.
-        cache_key=None if cfg.head or cfg.trust_remote_code or startup_cache.files_identity(path) is None else lambda: {
+        cache_key=None if cfg.head or cfg.trust_remote_code or not Path(path).exists() else lambda: {
             "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
             "labels": repr(spec), "train": startup_cache.features_digest(train_feats),
             "validation": startup_cache.features_digest(val_feats)},

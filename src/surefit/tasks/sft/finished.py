@@ -290,6 +290,9 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     import json
     import sys
 
+    from surefit.run_folder.guard import Output, atomic_file, check_outputs, config_inputs
+
+    check_outputs([Output("--out", Path(out))] if out else [], config_inputs(cfg))
     rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
     rows, _, report = load_data(rows_cfg, say)
     rejected = report.rejected or []
@@ -339,7 +342,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     for where, why in rep.excluded[:10]:
         say(f"  excluded {where}: {why}")
     if out:
-        with open(out, "w", encoding="utf-8") as f:
+        with atomic_file(out) as f:
             for ex in examples:
                 f.write(json.dumps({"where": ex.row.where, "input_ids": ex.input_ids, "labels": ex.labels,
                                     "text": tokenizer.decode(ex.input_ids, skip_special_tokens=False)},

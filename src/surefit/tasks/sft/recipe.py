@@ -475,10 +475,10 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
 
     doctor_args = {"batch_size": cfg.micro_batch_size, "max_length": cfg.max_seq_length, "generation": True}
     val_features = [e.features() for e in val_ex]
-    model_files = startup_cache.files_identity(path)
-    # The doctor and the planner read the model (its files + the settings), the tokenizer and these examples.
-    cache_key = None if model_files is None or cfg.trust_remote_code else lambda: {
-        "model": model_files, "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
+    # The doctor and the planner read the model (its files + the settings), the tokenizer and these examples; the
+    # files are hashed only when the cache is used (--no_cache reads and stores nothing).
+    cache_key = None if not Path(path).exists() or cfg.trust_remote_code else lambda: {
+        "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
         "train": startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
     work = TrainingWork(
