@@ -114,6 +114,21 @@ def _leading_special_ids(tokenizer: Any) -> list[int]:
     return []
 
 
+# One int object per token id, shared by every encoded row: a tokenizer returns a new 32-byte object per token above
+# 256 (CPython caches only -5..256), which was most of an encoded row's memory (benchmarks/eval_scaling.py).
+_INTS: list[int] = []
+_SHARED_BELOW = 1 << 18  # ids past any real vocabulary are left as they are (no table that large)
+
+
+def shared_ints(ids: list[int]) -> list[int]:
+    """The same ids as a new list whose int objects are shared process-wide (equal values, 8 bytes a token)."""
+    table = _INTS
+    top = max(ids, default=-1)
+    if len(table) <= top < _SHARED_BELOW:
+        table.extend(range(len(table), top + 1))
+    return [table[t] if 0 <= t < _SHARED_BELOW else t for t in ids]
+
+
 @dataclass
 class Example:
     """One encoded row.
@@ -129,6 +144,9 @@ class Example:
     labels: list[int]
     prompt_len: int
     row: Row
+
+    def __post_init__(self) -> None:
+        self.input_ids, self.labels = shared_ints(self.input_ids), shared_ints(self.labels)
 
     @property
     def prompt_ids(self) -> list[int]:
