@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from surefit.data import encode
-from surefit.data.encode import Example, shared_ints
+from surefit.data.encode import Example
 from surefit.data.rows import Row
 
 
@@ -17,12 +16,5 @@ def test_examples_share_their_token_int_objects_and_keep_their_values():
     assert a.input_ids[0] is b.input_ids[1] is b.labels[1]
     assert a.input_ids[1] is a.labels[1] is b.input_ids[0]
     assert a.features() == {"input_ids": [1000, 40000, 5], "labels": [-100, 40000, 5]}
-
-
-def test_shared_ints_leaves_negative_and_out_of_vocabulary_values_alone():
-    huge = 10**12
-    assert shared_ints([-100, 0, 7, huge]) == [-100, 0, 7, huge]
-    assert shared_ints([]) == []
-    # The table grows only to the largest id seen below its bound, not to an arbitrary value.
-    before = len(encode._INTS)
-    assert shared_ints([huge, -3]) == [huge, -3] and len(encode._INTS) == before
+    huge = int("1" * 30)  # any value keeps its value (no table sized by the largest id)
+    assert Example(input_ids=[huge], labels=[-100], prompt_len=0, row=row).input_ids == [huge]

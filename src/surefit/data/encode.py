@@ -39,6 +39,8 @@ DEFAULT_TEMPLATE = (
 )
 # A marker no real text contains: the template (or chat template) is rendered once with it, then split around it.
 _SENTINEL = "\u2063SUREFIT_INPUT\u2063"
+# One int object per token id for every row: a tokenizer makes a 32-byte object per id above 256 (most of a row).
+_INTS: dict[int, int] = {}
 
 
 @dataclass(frozen=True)
@@ -114,21 +116,6 @@ def _leading_special_ids(tokenizer: Any) -> list[int]:
     return []
 
 
-# One int object per token id, shared by every encoded row: a tokenizer returns a new 32-byte object per token above
-# 256 (CPython caches only -5..256), which was most of an encoded row's memory (benchmarks/eval_scaling.py).
-_INTS: list[int] = []
-_SHARED_BELOW = 1 << 18  # ids past any real vocabulary are left as they are (no table that large)
-
-
-def shared_ints(ids: list[int]) -> list[int]:
-    """The same ids as a new list whose int objects are shared process-wide (equal values, 8 bytes a token)."""
-    table = _INTS
-    top = max(ids, default=-1)
-    if len(table) <= top < _SHARED_BELOW:
-        table.extend(range(len(table), top + 1))
-    return [table[t] if 0 <= t < _SHARED_BELOW else t for t in ids]
-
-
 @dataclass
 class Example:
     """One encoded row.
@@ -145,8 +132,9 @@ class Example:
     prompt_len: int
     row: Row
 
-    def __post_init__(self) -> None:
-        self.input_ids, self.labels = shared_ints(self.input_ids), shared_ints(self.labels)
+    def __post_init__(self) -> None:  # the ids as shared objects (_INTS): 8 bytes a token instead of 40
+        share = _INTS.setdefault
+        self.input_ids, self.labels = [share(t, t) for t in self.input_ids], [share(t, t) for t in self.labels]
 
     @property
     def prompt_ids(self) -> list[int]:
