@@ -208,6 +208,8 @@ def augment_conversations(rows: list[Row], factor: int, seed: int) -> tuple[list
     def last_user(r: Row) -> int:
         return max(i for i, m in enumerate(r.fields["messages"]) if m["role"] == "user")
 
+    if factor == 1:  # nothing to augment: no staged and rebuilt copy of every conversation (a peak-RSS doubling)
+        return augment_rows(rows, factor, seed, field_name)
     staged = [r.with_fields(**{field_name: r.fields["messages"][last_user(r)]["content"]}) for r in rows]
     out, stats = augment_rows(staged, factor, seed, field_name)
     rebuilt = []
