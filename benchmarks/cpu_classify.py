@@ -59,7 +59,7 @@ def prepare(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     from surefit.data.readers import read_rows
     from surefit.data.sampling import step_batches
-    from surefit.models_gguf import embedded_encoder_path
+    from surefit.models.gguf import embedded_encoder_path
 
     sst2 = Path(args.shared) / "sst2"
     problems: list = []
@@ -99,7 +99,7 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     """surefit's classify task through its Python API; training time and loss from its metrics.jsonl."""
     import surefit
     import surefit.tasks.classify.train_classify as cls  # its evaluation calls predict_logits
-    import surefit.tasks.common as common
+    import surefit.tasks.runner as common
 
     marks: dict[str, Any] = {"fit_start": None, "evals": []}
     original_fit, original_predict = common.fit, cls.predict_logits

@@ -209,8 +209,8 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     its step times, evaluation and checkpointing excluded) and the token-weighted ``train_loss``. Evaluation seconds
     are not logged by surefit, so its two evaluation functions are wrapped here with a timer (nothing else changes)."""
     import surefit
-    import surefit.tasks.common as common
-    import surefit.tasks.sft.recipe as sft
+    import surefit.tasks.runner as common
+    import surefit.tasks.sft.train_sft as sft
 
     marks: dict[str, Any] = {"fit_start": None, "evals": []}
     original_fit, original_loss, original_gen = common.fit, sft.evaluate_loss, sft.greedy_generate

@@ -80,7 +80,7 @@ def holders(n: int, workdir: Path, src: Path) -> dict[str, Any]:
 
     from surefit.config import SFTConfig, build_config
     from surefit.models import resolve_model
-    from surefit.tasks.sft.recipe import Encoder, load_data, load_tokenizer, model_folder
+    from surefit.tasks.sft.train_sft import Encoder, load_data, load_tokenizer, model_folder
 
     data = workdir / f"holders_{n}.jsonl"
     write_rows(data, n)

@@ -43,7 +43,7 @@ GOALS = {"before": 4.0, "generate": 3.0}
 def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[list[int]], int]:
     """Prompts of ``rows`` rows encoded as evaluation encodes them, and the longest gold answer in tokens."""
     from surefit.config import SFTConfig
-    from surefit.tasks.sft.recipe import Encoder, load_data
+    from surefit.tasks.sft.train_sft import Encoder, load_data
 
     data = shared / ("squad/dev-v1.1-part-a.json" if workload == "squad" else "chat/glaive_toolcall_en_demo.json")
     cfg = SFTConfig(data=str(data), val_fraction=0.0, limit=rows, max_seq_length=1024)
@@ -76,7 +76,7 @@ def main() -> None:
     from surefit.data.collate import PadCollator
     from surefit.eval.generate import greedy_generate, merged_lora
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-    from surefit.tasks.sft.recipe import eos_token_ids
+    from surefit.tasks.sft.train_sft import eos_token_ids
     from surefit.training.precision import make_accelerator, store_frozen_in
     from surefit.training.speedups.lora_fast import fuse_lora
     from surefit.training.speedups.lora_generate import lean_lora

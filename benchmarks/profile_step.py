@@ -108,7 +108,7 @@ def profile_workload(workload: str, rows: int, step_no: int, workdir: Path, top:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     import surefit
-    import surefit.tasks.sft.recipe as sft
+    import surefit.tasks.sft.train_sft as sft
     from surefit.training import loop
 
     wd = workdir / workload

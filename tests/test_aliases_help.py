@@ -7,9 +7,9 @@ import pytest
 import surefit
 from surefit.cli import build_parser, main, parse_train_config
 from surefit.config import SFTConfig
-from surefit.config_files import load_yaml
+from surefit.config.aliases import ALIASES, build_with_aliases
+from surefit.config.yaml_files import load_yaml
 from surefit.errors import ConfigError
-from surefit.names import ALIASES, build_with_aliases
 
 
 def test_trainer_names_are_read_as_surefit_settings_and_noted_once():

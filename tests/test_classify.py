@@ -9,8 +9,8 @@ import torch
 from conftest import sentiment_rows, write_tsv
 from surefit.cli import main
 from surefit.config import SFTConfig, build_config
-from surefit.config_files import list_presets, load_preset
-from surefit.config_tasks import ClassifyConfig
+from surefit.config.task_configs import ClassifyConfig
+from surefit.config.yaml_files import list_presets, load_preset
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ wholly in validation is an error naming it, never a class the model is built for
 from pathlib import Path
 
 from conftest import sentiment_rows, write_tsv
-from surefit.config_tasks import ClassifyConfig
+from surefit.config.task_configs import ClassifyConfig
 from surefit.errors import DataError
 from surefit.tasks.classify import load_data
 

@@ -11,7 +11,7 @@ import yaml
 from conftest import qa_rows
 from surefit.cli import main
 from surefit.config import field_kind
-from surefit.config_tasks import TASK_CONFIGS
+from surefit.config.task_configs import TASK_CONFIGS
 from surefit.run_folder.code_gate import DATA_SETTINGS, NAMES_CODE, code_problems
 
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from surefit.config import build_config, field_kind
-from surefit.config_tasks import TASK_CONFIGS
+from surefit.config.task_configs import TASK_CONFIGS
 from surefit.errors import ConfigError
 
 

@@ -147,7 +147,7 @@ def test_nan_in_data_and_bad_factory_are_reported(tmp_path, capsys):
 
 def test_npz_shards_under_a_bound_are_read_once_per_epoch(tmp_path, monkeypatch):
     """.npz shards load whole into a bounded cache: the epoch's order must visit them shard by shard, not at random."""
-    from surefit.config_tasks import CustomConfig
+    from surefit.config.task_configs import CustomConfig
     from surefit.data import sampling
     from surefit.tasks import custom
 

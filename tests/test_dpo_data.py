@@ -177,7 +177,7 @@ def test_collator_pads_chosen_rows_then_rejected_rows_and_nothing_else():
 
 
 def test_file_reading_through_the_task_prints_format_and_splits_by_prompt(tmp_path):
-    from surefit.config_dpo import DPOConfig
+    from surefit.config.dpo_config import DPOConfig
     from surefit.tasks.dpo import load_pairs
 
     path = tmp_path / "pairs.jsonl"
@@ -191,7 +191,7 @@ def test_file_reading_through_the_task_prints_format_and_splits_by_prompt(tmp_pa
 
 
 def test_sft_settings_a_dpo_run_does_not_read_are_refused_not_ignored():
-    from surefit.config_dpo import DPOConfig
+    from surefit.config.dpo_config import DPOConfig
 
     cfg = DPOConfig(data="pairs.jsonl", eval_generate=True, metric="rouge_l", loss="ipo", beta=0.0)
     text = "\n".join(str(p) for p in cfg.problems())

@@ -3,7 +3,7 @@ checkpoint's, never computed afresh over unverified bytes (run_folder/verified.p
 
 import json
 
-import surefit.tasks.common as common
+import surefit.tasks.runner as common
 from conftest import qa_rows
 from surefit.cli import main
 

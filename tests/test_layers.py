@@ -15,14 +15,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # Highest first. A module may import its own layer or any layer below it (docs/architecture.md draws this).
 LAYERS: list[tuple[str, ...]] = [
-    ("surefit", "surefit.__main__", "surefit.cli", "surefit.api", "surefit.launch"),
+    ("surefit", "surefit.__main__", "surefit.cli", "surefit.api", "surefit.cli.launch"),
     ("surefit.tasks",),
     ("surefit.doctor",),
-    ("surefit.training", "surefit.run_folder", "surefit.report"),
-    ("surefit.data", "surefit.eval", "surefit.models", "surefit.models_gguf", "surefit.models_lowbit"),
-    ("surefit.config", "surefit.config_checks", "surefit.config_files", "surefit.config_tasks", "surefit.config_dpo",
+    ("surefit.training", "surefit.run_folder", "surefit.run_folder.report"),
+    ("surefit.data", "surefit.eval", "surefit.models", "surefit.models.gguf", "surefit.models.lowbit"),
+    ("surefit.config", "surefit.config.checks", "surefit.config.yaml_files", "surefit.config.task_configs", "surefit.config.dpo_config",
      "surefit.errors",
-     "surefit.units", "surefit.startup", "surefit.startup_cache"),
+     "surefit.units", "surefit.startup", "surefit.startup.cache"),
 ]
 
 

@@ -4,7 +4,7 @@ import pytest
 
 from surefit.errors import ModelError
 from surefit.models import resolve_model
-from surefit.models_gguf import EMBEDDED_LM_FILE
+from surefit.models.gguf import EMBEDDED_LM_FILE
 
 
 def test_resolve_local_folder_gguf_file_gguf_folder_and_hub_id(tmp_path, tiny_lm_dir):

@@ -149,7 +149,7 @@ def test_a_predict_write_that_fails_leaves_the_previous_file_whole(setup, tmp_pa
 def test_the_guard_reads_config_settings_generically(tmp_path):
     """Every setting that names a file is an input, whatever its name (a setting added later included)."""
     from surefit.config import build_config
-    from surefit.config_tasks import SFTConfig
+    from surefit.config.task_configs import SFTConfig
     from surefit.run_folder.guard import config_inputs
 
     tpl = tmp_path / "tpl.jinja"

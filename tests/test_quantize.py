@@ -14,7 +14,7 @@ import torch
 from conftest import build_tokenizer, qa_rows
 from surefit.cli import main
 from surefit.models import ModelSource, load_causal_lm
-from surefit.models_lowbit import quantized_bits
+from surefit.models.lowbit import quantized_bits
 from surefit.training.precision import store_frozen_in
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -269,7 +269,7 @@ def test_4bit_adapter_loads_with_plain_peft_on_the_unquantised_base_within_the_q
 
 @needs_bnb
 def test_eval_of_a_4bit_run_loads_it_quantised_and_reproduces_training(run4, capsys):
-    from surefit.run_folder.finished import open_run
+    from surefit.run_folder.open_run import open_run
     from surefit.tasks.sft import load
 
     out, _ = run4

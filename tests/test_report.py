@@ -12,7 +12,7 @@ import pytest
 from surefit.cli import main
 from surefit.config import SFTConfig, build_config
 from surefit.errors import ConfigError
-from surefit.report import SECTIONS, write_report
+from surefit.run_folder.report import SECTIONS, write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -14,7 +14,7 @@ import yaml
 from conftest import qa_rows
 from surefit.cli import main
 from surefit.config import build_config
-from surefit.config_tasks import ClassifyConfig
+from surefit.config.task_configs import ClassifyConfig
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import surefit.startup as startup
-import surefit.startup_cache as startup_cache
-import surefit.tasks.sft.recipe as sft
+import surefit.startup.cache as startup_cache
+import surefit.tasks.sft.train_sft as sft
 import surefit.training.plan as plan_module
 from conftest import qa_rows, tiny_llama
 from surefit.cli import main

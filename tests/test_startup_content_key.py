@@ -5,7 +5,7 @@ of them changes."""
 import json
 import os
 
-from surefit import startup_cache
+from surefit.startup import cache as startup_cache
 
 
 def test_a_config_rewritten_with_the_same_size_and_mtime_is_another_key(tmp_path):

@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 
-from surefit.config_tasks import TASK_CONFIGS
+from surefit.config.task_configs import TASK_CONFIGS
 from surefit.errors import ConfigError
 from surefit.tasks import TASKS, get_task
-from surefit.tasks.common import Task
+from surefit.tasks.runner import Task
 
 
 def _surface() -> dict[str, inspect.Signature | None]:

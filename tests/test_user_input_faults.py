@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 
 def test_a_metric_module_in_the_working_directory_is_found_for_that_option_only(tmp_path, monkeypatch):
-    from surefit.tasks.sft.recipe import score
+    from surefit.tasks.sft.train_sft import score
 
     (tmp_path / "mymetric_33b.py").write_text(
         "def score(predictions, references):\n"
@@ -65,7 +65,7 @@ def test_objects_given_as_data_to_the_python_api_are_refused_by_kind_with_the_li
 
 
 def test_a_startup_cache_path_that_is_a_file_turns_the_cache_off_with_a_note(tmp_path):
-    from surefit.startup_cache import StartupCache
+    from surefit.startup.cache import StartupCache
 
     file = tmp_path / "cache"
     file.write_text("not a folder")
@@ -120,8 +120,8 @@ def test_tool_call_arguments_that_are_not_json_are_reported_with_row_and_turn():
 
 def test_inspect_with_skip_lists_the_rows_it_left_out(tiny_lm_dir, tmp_path):
     from surefit.config import build_config
-    from surefit.config_tasks import SFTConfig
-    from surefit.tasks.sft.finished import inspect
+    from surefit.config.task_configs import SFTConfig
+    from surefit.tasks.sft.use_sft import inspect
 
     rows = [json.dumps(r) for r in qa_rows(6)]
     rows.insert(2, '{"input": "broken')

@@ -421,7 +421,7 @@ def test_surefit_sft_pipeline_has_no_errors():
     from surefit.data.rows import Row
 
     tok = build_tokenizer()  # pad == eos
-    tok.padding_side = "left"  # as tasks/sft/recipe.py sets it before the doctor runs
+    tok.padding_side = "left"  # as tasks/sft/train_sft.py sets it before the doctor runs
     rows = [Row(r, f"qa.jsonl line {i + 1}", i) for i, r in enumerate(qa_rows(12))]
     examples, _ = encode_rows(rows, tok, build_prompt_format(tok), max_seq_length=128)
     feats = [e.features() for e in examples]

@@ -140,7 +140,7 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
     from transformers import PreTrainedTokenizerFast  # noqa: F401 - the tokenizer type generate_texts decodes with
 
     from conftest import build_tokenizer
-    from surefit.tasks.sft.recipe import Generation, generate_texts
+    from surefit.tasks.sft.train_sft import Generation, generate_texts
     from surefit.training.precision import make_accelerator
     from surefit.training.work import Switches
 
@@ -172,7 +172,7 @@ def test_out_of_memory_during_generation_halves_the_eval_batch_and_keeps_the_ans
 
 def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when_asked(tmp_path, tiny_lm_dir,
                                                                                          qa_jsonl, monkeypatch):
-    from surefit.tasks.sft import recipe
+    from surefit.tasks.sft import train_sft as recipe
     from surefit.training.speedups.lora_generate import lean_lora
 
     calls: list[dict] = []

@@ -1,6 +1,6 @@
 """``surefit train`` that stops still after its first checkpoint; run by test_fsdp.py under torchrun.
 
-    python -m surefit.launch --standalone --nproc_per_node N fsdp_pause.py surefit-train-args...
+    python -m surefit.cli.launch --standalone --nproc_per_node N fsdp_pause.py surefit-train-args...
 
 The main process, once the first checkpoint is written and verified (at its retention pass), writes
 OUTPUT/paused and waits; the other processes wait for it at the next barrier. The test then kills the whole process

@@ -1,6 +1,6 @@
 """``surefit train`` in which one process dies by SIGKILL after the first checkpoint; run by test_lost_worker.py.
 
-    python -m surefit.launch --standalone --nproc_per_node 2 lose_worker.py RANK surefit-train-args...
+    python -m surefit.cli.launch --standalone --nproc_per_node 2 lose_worker.py RANK surefit-train-args...
 
 Once the first checkpoint is written and every process has passed the barrier after it, the process of rank RANK sends itself
 SIGKILL: a real lost worker (out of memory, a node going away), at a point the test chooses. The others go on into

@@ -146,7 +146,7 @@ def test_controls_that_need_an_evaluation_are_refused_without_validation_data():
 
 
 def test_metric_goals_take_their_direction_from_the_metric():
-    from surefit.config_checks import parse_metric_goal
+    from surefit.config.checks import parse_metric_goal
 
     assert parse_metric_goal("eval_loss:3", "--early_stopping", True)[0].mode == "min"
     assert parse_metric_goal("f1:2", "--early_stopping", True)[0].metric == "eval_f1"
@@ -237,8 +237,8 @@ def test_log_samples_is_refused_for_custom_models():
 
 def test_a_gpu_preset_without_a_gpu_says_so_and_leaves_checkpointing_off_unless_asked(monkeypatch):
     from surefit.config import build_config
-    from surefit.config_tasks import ClassifyConfig
-    from surefit.tasks.common import gpu_preset_without_gpu
+    from surefit.config.task_configs import ClassifyConfig
+    from surefit.tasks.runner import gpu_preset_without_gpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     said = []
@@ -259,7 +259,7 @@ def test_a_gpu_preset_without_a_gpu_says_so_and_leaves_checkpointing_off_unless_
 def test_a_small_validation_split_is_warned_about_with_its_size():
     from surefit.config import SFTConfig, build_config
     from surefit.data.summary import DataSummary
-    from surefit.tasks.common import warn_small_validation
+    from surefit.tasks.runner import warn_small_validation
 
     said = []
     cfg = build_config(SFTConfig, None, {"data": "d", "keep_best": "eval_f1"})

@@ -16,7 +16,7 @@ from conftest import qa_rows
 
 def _evaluate_counting(tmp_path, tiny_lm_dir, train_rows: int) -> tuple[int, int, dict]:
     from surefit.config import SFTConfig, build_config
-    from surefit.tasks.sft.recipe import prepare
+    from surefit.tasks.sft.train_sft import prepare
 
     rows = qa_rows(74)  # the same 10 validation rows (the last) for every training size
     train, val = tmp_path / f"train_{train_rows}.jsonl", tmp_path / "val.jsonl"

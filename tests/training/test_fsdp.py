@@ -93,7 +93,7 @@ def runs(tmp_path_factory, tiny_lm_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "surefit.launch", "--standalone", "--nproc_per_node", "2", str(HERE / "fsdp_pause.py"),
+        [sys.executable, "-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", "2", str(HERE / "fsdp_pause.py"),
          *args, "--output_dir", str(killed), "--sharding", "fsdp"],
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -29,7 +29,7 @@ def test_a_worker_killed_mid_run_is_named_with_the_checkpoint_and_the_resume_com
     args = ["--model", str(tiny_lm_dir), "--data", str(data), "--val_fraction", "0.1", "--precision", "fp32",
             "--lora_r", "0", "--batch_size", "4", "--max_steps", "12", "--save_every", "4", "--max_new_tokens", "2",
             "--sharding", sharding, "--output_dir", str(out)]
-    done = subprocess.run([sys.executable, "-m", "surefit.launch", "--standalone", "--nproc_per_node", "2",
+    done = subprocess.run([sys.executable, "-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", "2",
                            str(HERE / "lose_worker.py"), str(victim), *args],
                           capture_output=True, text=True, env=ENV, timeout=600)
     text = done.stdout + done.stderr

@@ -137,8 +137,8 @@ def test_two_processes_stopped_and_resumed_train_the_same_run_as_one(setup, capf
 
 
 def test_num_processes_flag_is_taken_out_of_the_arguments():
+    from surefit.cli.launch import command, split_num_processes
     from surefit.errors import ConfigError
-    from surefit.launch import command, split_num_processes
 
     assert split_num_processes(["--data", "x", "--num_processes", "2", "--epochs", "1"]) == (2, [
         "--data", "x", "--epochs", "1"])
@@ -148,12 +148,12 @@ def test_num_processes_flag_is_taken_out_of_the_arguments():
         with pytest.raises(ConfigError, match="--num_processes"):
             split_num_processes(bad)
     cmd = command(2, ["train", "--data", "x"])
-    assert cmd[1:] == ["-m", "surefit.launch", "--standalone", "--nproc_per_node", "2", "-m", "surefit", "train",
+    assert cmd[1:] == ["-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", "2", "-m", "surefit", "train",
                        "--data", "x"]
 
 
 def test_launcher_passes_a_signal_on_to_its_child_and_returns_the_child_exit_code(tmp_path, monkeypatch):
-    import surefit.launch as launch
+    import surefit.cli.launch as launch
 
     ready = tmp_path / "ready"
     child = textwrap.dedent(f"""
@@ -185,7 +185,7 @@ def test_launcher_exits_with_the_training_processes_exit_code(monkeypatch):
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from surefit.launch import main as launch_main
+    from surefit.cli.launch import main as launch_main
 
     def failing(code_by_rank):
         def run(args):
@@ -269,7 +269,7 @@ def test_the_launcher_names_a_process_killed_by_a_signal_and_keeps_the_exit_code
     import torch.distributed.run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from surefit.launch import main as launch_main
+    from surefit.cli.launch import main as launch_main
 
     def failing(code_by_rank):
         def run(args):

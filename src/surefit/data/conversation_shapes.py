@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from surefit.config_files import load_json
+from surefit.config.yaml_files import load_json
 
 # Tool-call arguments are a few levels of JSON; deeper text is refused as the data rows are.
 _MAX_ARGS_DEPTH = 32

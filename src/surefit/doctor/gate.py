@@ -12,7 +12,7 @@ from typing import Any
 from surefit.config import TrainConfig
 from surefit.doctor.core import Finding, Report
 from surefit.errors import Problem, SurefitError
-from surefit.startup_cache import StartupCache
+from surefit.startup.cache import StartupCache
 from surefit.training.processes import is_main_process, share_from_main
 
 
@@ -26,7 +26,7 @@ def run_doctor(make_report: Callable[[], Report]) -> Report | None:
 
 
 def cached_doctor(make_report: Callable[[], Report], key: Any, cache: StartupCache, status: dict[str, str]) -> Report:
-    """``make_report()``, or the report stored for ``key`` (an identical setup: see ``surefit/startup.py``).
+    """``make_report()``, or the report stored for ``key`` (an identical setup: see ``surefit/startup/__init__.py``).
 
     ``status["doctor"]`` says which it was. A stored entry that is not a report is ignored with a note.
     """

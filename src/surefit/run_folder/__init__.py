@@ -1,5 +1,5 @@
 """The run folder (``--output_dir``), and the one place that knows its layout: what a run writes where, replacing or
-resuming a previous run, and the final save. ``run_folder/finished.py`` opens a finished run for ``eval``,
+resuming a previous run, and the final save. ``run_folder/open_run.py`` opens a finished run for ``eval``,
 ``predict`` and ``export``, with the names defined here.
 
 Layout (every name a run writes; a previous run's copies are only replaced with ``--overwrite``)::
@@ -40,7 +40,7 @@ from typing import Any, Protocol
 # A module, not its names: training/checkpoint.py imports run_folder/integrity.py, and may be imported first.
 import surefit.training.checkpoint as checkpoint
 from surefit.config import TrainConfig, config_to_dict, save_config
-from surefit.config_files import load_yaml
+from surefit.config.yaml_files import load_yaml
 from surefit.data.summary import DataSummary
 from surefit.errors import Problem
 from surefit.run_folder import integrity, untrusted
@@ -363,7 +363,7 @@ def open_metrics_log(cfg: TrainConfig, out: Path, accelerator: Any) -> MetricsLo
     trackers = Trackers(accelerator, cfg, out) if getattr(accelerator, "log_with", None) else None
     after_epoch = None
     if main:
-        from surefit.report import write_curves
+        from surefit.run_folder.report import write_curves
 
         after_epoch = lambda: write_curves(out)  # noqa: E731
     return MetricsLog(out / METRICS, trackers=trackers, after_epoch=after_epoch)
@@ -373,7 +373,7 @@ def write_run_report(out: Path, accelerator: Any = None, say: Say = print) -> No
     """At the end of a run: ``curves.png`` and ``report.html`` (main process only; ``surefit report`` rebuilds them)."""
     if accelerator is not None and not getattr(accelerator, "is_main_process", True):
         return
-    from surefit.report import write_report
+    from surefit.run_folder.report import write_report
 
     try:
         write_report(out, say=say)

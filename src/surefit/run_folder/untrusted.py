@@ -113,7 +113,7 @@ _NOT_INPUTS = {"output_dir", "resume", "data", "val_data"}
 def _file_hashes(value: str, limit: int = 10_000, remember: bool = True) -> dict[str, dict[str, Any]] | None:
     """``{relative name: {bytes, sha256}}`` of a file, or of a folder's files; ``None`` when ``value`` is no path
     (a hub id, a built-in name) or the folder is the working folder or holds more than ``limit`` files."""
-    from surefit.startup_cache import file_sha256
+    from surefit.startup.cache import file_sha256
 
     try:
         path = Path(value).expanduser()

@@ -1,5 +1,5 @@
-"""The training paths, one module (or package) each, all with the same surface: :class:`~surefit.tasks.common.Task`
-(docs/architecture.md). A task is registered by one entry in :data:`TASKS` (and its config in ``config_tasks.py``).
+"""The training paths, one module (or package) each, all with the same surface: :class:`~surefit.tasks.runner.Task`
+(docs/architecture.md). A task is registered by one entry in :data:`TASKS` (and its config in ``config/task_configs.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 from surefit.config import TrainConfig
 from surefit.errors import ConfigError, Problem
 from surefit.tasks import classify, custom, dpo, sft
-from surefit.tasks.common import Task
+from surefit.tasks.runner import Task
 
 # The modules are the task objects: a type checker holds each to the Task protocol here, and tests/test_tasks.py does
 # at run time.

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from surefit.config_files import load_json
-from surefit.config_tasks import CustomConfig
+from surefit.config.task_configs import CustomConfig
+from surefit.config.yaml_files import load_json
 from surefit.data.readers.common import short
 from surefit.data.shards import TensorData, load_tensor_data
 from surefit.data.summary import DataSummary
@@ -28,9 +28,9 @@ from surefit.doctor.shapes import diagnose, first_layers, trace
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if, raise_input_problems
 from surefit.models import load_factory
 from surefit.run_folder import COLUMNS, Found
-from surefit.run_folder.finished import Run
-from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
+from surefit.run_folder.open_run import Run
 from surefit.tasks.finished_common import Loaded
+from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.loss import classification_loss_sum
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.work import TrainingWork

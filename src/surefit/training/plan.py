@@ -30,7 +30,7 @@ import torch
 
 from surefit.config import TrainConfig
 from surefit.errors import Problem, SurefitError
-from surefit.models_lowbit import quantized_bits
+from surefit.models.lowbit import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in

@@ -16,7 +16,7 @@ class Selection:
     """
 
     def __init__(self, keep_best: str | None, early_stopping: str | None) -> None:
-        from surefit.config_checks import parse_metric_goal
+        from surefit.config.checks import parse_metric_goal
 
         self.goal = None
         if early_stopping:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from surefit.config_files import TooDeep, check_depth
+from surefit.config.yaml_files import TooDeep, check_depth
 from surefit.data.readers.common import JSONL_FIX, SQUAD_SHAPE, CappedProblems, Rejected, json_type, raw_json, short
 from surefit.data.readers.limits import available_memory
 from surefit.data.readers.squad import flatten_squad

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import surefit.startup as startup
-import surefit.startup_cache as startup_cache
-from surefit.config_tasks import ClassifyConfig
+import surefit.startup.cache as startup_cache
+from surefit.config.task_configs import ClassifyConfig
 from surefit.data.classes import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.collate import PadCollator
 from surefit.data.readers import Rejected, check_text_fields, read_splits
@@ -37,7 +37,7 @@ from surefit.errors import (
 from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.run_folder import COLUMNS, Found
-from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
+from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
@@ -508,7 +508,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
 
 
 def run(cfg: ClassifyConfig, say: Say = print) -> RunResult:
-    """Train a classifier, evaluating before the first epoch and after each; see :func:`surefit.tasks.common.train`."""
+    """Train a classifier, evaluating before the first epoch and after each; see :func:`surefit.tasks.runner.train`."""
     return train(cfg, prepare, say)
 
 

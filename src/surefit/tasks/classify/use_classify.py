@@ -17,9 +17,9 @@ from surefit.data.readers import field_not_found, read_checked
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError
 from surefit.models import model_folder, resolve_model
-from surefit.models_lowbit import import_peft
+from surefit.models.lowbit import import_peft
 from surefit.run_folder import COLUMNS
-from surefit.run_folder.finished import Run
+from surefit.run_folder.open_run import Run
 from surefit.tasks.classify.train_classify import (
     HF_PROBLEM_TYPES,
     Scored,

@@ -1,12 +1,11 @@
 """Instruction tuning of a causal LM (``surefit train --task sft``, the default task).
 
-``recipe.py`` trains: data -> encoding -> model -> loop -> ``final/``, top to bottom. ``finished.py`` uses a finished
+``train_sft.py`` trains: data -> encoding -> model -> loop -> ``final/``, top to bottom. ``use_sft.py`` uses a finished
 run: ``load``, ``evaluate``, ``predict``, ``export``, and ``inspect`` (what a run would supervise). Together they
 expose the surface every task has (docs/architecture.md).
 """
 
-from surefit.tasks.sft.finished import evaluate, export, inspect, load, marked_text, predict
-from surefit.tasks.sft.recipe import (
+from surefit.tasks.sft.train_sft import (
     FIELDS,
     FINAL_FILES,
     Encoder,
@@ -19,6 +18,7 @@ from surefit.tasks.sft.recipe import (
     save,
     score,
 )
+from surefit.tasks.sft.use_sft import evaluate, export, inspect, load, marked_text, predict
 
 __all__ = ["FIELDS", "FINAL_FILES", "Encoder", "choose_metric", "conversation_key", "evaluate", "export", "final_files",
            "inspect", "load", "load_data", "marked_text", "predict", "prepare", "run", "save", "score"]

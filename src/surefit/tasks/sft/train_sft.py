@@ -3,7 +3,7 @@
 The correctness-critical pieces live in library code shared by every task: encoding builds the labels once
 (``data/encode.py``), the collator only pads (``data/collate.py``), the loop normalises the loss by supervised tokens
 (``training/loop.py``), checkpoints are atomic (``training/checkpoint.py``). This file wires them together and reports in
-counts everything that happened to the data; ``finished.py`` beside it reads back the ``final/`` that ``save`` writes.
+counts everything that happened to the data; ``use_sft.py`` beside it reads back the ``final/`` that ``save`` writes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import surefit.startup as startup
-import surefit.startup_cache as startup_cache
+import surefit.startup.cache as startup_cache
 from surefit.config import SFTConfig
 from surefit.data.augment import augment_conversations, augment_rows
 from surefit.data.chat_render import answer_of, reasoning_answer
@@ -66,9 +66,9 @@ from surefit.models import (
     model_folder,
     resolve_model,
 )
-from surefit.models_lowbit import keep_4bit_trainable, require_bitsandbytes
+from surefit.models.lowbit import keep_4bit_trainable, require_bitsandbytes
 from surefit.run_folder import EXCLUDED, SHORTENED, Found
-from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
+from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum, why_not_fused
@@ -528,7 +528,7 @@ def load_model(cfg: SFTConfig, path: str, source: Any, say: Say = print) -> Any:
 
 
 def run(cfg: SFTConfig, say: Say = print) -> RunResult:
-    """Train, evaluating before the first epoch and after each one; see :func:`surefit.tasks.common.train`."""
+    """Train, evaluating before the first epoch and after each one; see :func:`surefit.tasks.runner.train`."""
     return train(cfg, prepare, say)
 
 

@@ -1,5 +1,5 @@
 """A finished sft run: ``final/`` read back (``load``), scored as each epoch was (``evaluate``), asked (``predict``),
-exported; and ``inspect``, what a run would supervise. Training itself is ``recipe.py``.
+exported; and ``inspect``, what a run would supervise. Training itself is ``train_sft.py``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
 from surefit.eval.progress import phase
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.models_lowbit import import_peft, keep_4bit_trainable
-from surefit.run_folder.finished import Run
+from surefit.models.lowbit import import_peft, keep_4bit_trainable
+from surefit.run_folder.open_run import Run
 from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
-from surefit.tasks.sft.recipe import (
+from surefit.tasks.sft.train_sft import (
     FINAL_FILES,
     Decoded,
     Encoder,

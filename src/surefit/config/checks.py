@@ -1,5 +1,5 @@
 """Checks of config values that take more than a range: the training-control settings (metric goals), trackers,
-the output folder. ``config.py``'s dataclasses call them from their ``problems()``.
+the output folder. ``config/__init__.py``'s dataclasses call them from their ``problems()``.
 """
 
 from __future__ import annotations

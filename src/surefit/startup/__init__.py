@@ -1,10 +1,10 @@
 """Start-up: where the time from the command to step 1 goes, and the cache that saves the doctor's and planner's work.
 
 A :class:`Clock` times the phases of a run's start (the task's ``prepare`` marks its own: data, tokenizer, model,
-LoRA); ``tasks/common.py`` stops it when step 1 begins, prints one line when the start took longer than
+LoRA); ``tasks/runner.py`` stops it when step 1 begins, prints one line when the start took longer than
 :data:`REPORT_AFTER_S`, and writes the split to ``OUTPUT/startup.json``.
 
-The cache that saves the doctor's and planner's work is ``startup_cache.py``.
+The cache that saves the doctor's and planner's work is ``startup/cache.py``.
 """
 
 from __future__ import annotations

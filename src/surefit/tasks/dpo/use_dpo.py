@@ -9,15 +9,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from surefit.config_dpo import DPOConfig
+from surefit.config.dpo_config import DPOConfig
 from surefit.data.encode import Example, resolve_chat_template
 from surefit.data.formats import FormatChoice
 from surefit.data.pairs import PairCollator, detect_pair_format, encode_pairs, to_pairs
 from surefit.data.readers import read_rows
 from surefit.errors import DataError, Problem, raise_input_problems
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.tasks.dpo.recipe import REFERENCE_FILE, choose_reference, evaluate_pairs, load_pairs
-from surefit.tasks.sft.finished import finished_base_model, load, marked_text
+from surefit.tasks.dpo.train_dpo import REFERENCE_FILE, choose_reference, evaluate_pairs, load_pairs
+from surefit.tasks.sft.use_sft import finished_base_model, load, marked_text
 from surefit.training.preference import PreferenceLoss, compute_reference
 
 Say = Any

@@ -13,10 +13,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
 
-from surefit.cli_finished import add_finished_run_commands, run_finished_run_command
+from surefit.cli.finished_commands import add_finished_run_commands, run_finished_run_command
 from surefit.config import TrainConfig, field_kind
-from surefit.config_files import load_yaml
-from surefit.config_tasks import TASK_CONFIGS
+from surefit.config.task_configs import TASK_CONFIGS
+from surefit.config.yaml_files import load_yaml
 from surefit.errors import SurefitError
 
 
@@ -133,7 +133,7 @@ def parse_train_config(argv: list[str]) -> Any:
     ns, unknown = build_parser().parse_known_args(["train", *argv])
     given = {k: v for k, v in vars(ns).items() if k not in {"command", "config", "num_processes"}}
     # Unknown flags join the other problems (with a did-you-mean) instead of argparse exiting on the first one.
-    from surefit.names import build_with_aliases, unknown_flags
+    from surefit.config.aliases import build_with_aliases, unknown_flags
 
     extra = unknown_flags(unknown)
     config_path = ns.config
@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0]
     try:
         if command == "train":
-            from surefit.launch import launch, split_num_processes
+            from surefit.cli.launch import launch, split_num_processes
             from surefit.training.processes import finish, world_size
 
             processes, rest = split_num_processes(argv[1:])

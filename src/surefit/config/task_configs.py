@@ -1,6 +1,6 @@
 """The configs of the classify and custom tasks, and the table from a task's name to its config (``--task``).
 
-They add to :class:`~surefit.config.TrainConfig` what their task needs; ``config.py`` holds the shared settings and
+They add to :class:`~surefit.config.TrainConfig` what their task needs; ``config/__init__.py`` holds the shared settings and
 ``SFTConfig``, which is all the SFT path reads.
 """
 
@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from surefit.config import SFTConfig, TrainConfig, opt
-from surefit.config_dpo import DPOConfig
-from surefit.config_files import load_json
+from surefit.config.dpo_config import DPOConfig
+from surefit.config.yaml_files import load_json
 from surefit.errors import Problem
 
 

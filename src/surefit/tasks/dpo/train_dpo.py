@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import surefit.startup as startup
-from surefit.config_dpo import DPOConfig
+from surefit.config.dpo_config import DPOConfig
 from surefit.data.encode import resolve_chat_template
 from surefit.data.formats import field_table
 from surefit.data.pairs import PairCollator, PairExample, PairReport, detect_pair_format, encode_pairs, to_pairs
@@ -28,10 +28,10 @@ from surefit.doctor.checks_dpo import check_pairs
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_with_rejected
 from surefit.eval.progress import phase
 from surefit.models import apply_lora, load_tokenizer, model_folder, resolve_model
-from surefit.models_lowbit import require_bitsandbytes
+from surefit.models.lowbit import require_bitsandbytes
 from surefit.run_folder import EXCLUDED, Found
-from surefit.tasks.common import Evaluation, Prepared, RunResult, render_columns, train
-from surefit.tasks.sft.recipe import load_model, save
+from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
+from surefit.tasks.sft.train_sft import load_model, save
 from surefit.training.dropout import seed_dropout
 from surefit.training.memory import enable_gradient_checkpointing
 from surefit.training.precision import make_accelerator, precision_name

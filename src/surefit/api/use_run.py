@@ -1,6 +1,6 @@
 """Python API for a finished run folder: ``evaluate``, ``predict``, ``export`` and ``report`` (the CLI's commands of
 the same names). Each opens the run through ``run_folder.finished.open_run`` (a run folder is data, not code) and hands it to
-its task module. Training is ``api.py``; these names are importable from there too.
+its task module. Training is ``api/__init__.py``; these names are importable from there too.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def report(run: str | Path, say=print) -> Path:
     Raises:
         ConfigError: the folder does not exist or holds no run (no ``config.yaml`` and no ``metrics.jsonl``).
     """
-    from surefit.report import write_report
+    from surefit.run_folder.report import write_report
 
     folder = Path(run)
     if not folder.is_dir():
@@ -42,7 +42,7 @@ def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = F
     """The finished run and its task module; ``final/`` must hold what the task saves. The code the run's config
     names (head, model or data factory, remote code) only runs with ``allow_code`` / ``trust_remote_code``."""
     from surefit.models import quiet_libraries
-    from surefit.run_folder.finished import open_run
+    from surefit.run_folder.open_run import open_run
 
     quiet_libraries()
     r = open_run(run, allow_code=allow_code, trust_remote_code=trust_remote_code, say=say)
@@ -107,7 +107,7 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     """
     import json as _json
 
-    from surefit.report import render_eval
+    from surefit.run_folder.report import render_eval
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
     r, task = _open(run, allow_code, trust_remote_code, say)
@@ -208,7 +208,7 @@ def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: b
 
     ``allow_code``, ``trust_remote_code``: as for :func:`evaluate`.
     """
-    from surefit.run_folder.finished import _check_destination, export_folder
+    from surefit.run_folder.open_run import _check_destination, export_folder
 
     r, task = _open(run, allow_code, trust_remote_code, say)
     _check_destination(r, Path(to), overwrite)  # the run folder itself: its own message

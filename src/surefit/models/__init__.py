@@ -1,6 +1,6 @@
 """Find and load models (a local Hugging Face folder, a hub id, a GGUF file or folder, or the embedded default), set
 up LoRA on them, and load user model factories (only when the user names one). The embedded models and the GGUF
-conversion (once, to a cached folder) are in ``models_gguf.py``.
+conversion (once, to a cached folder) are in ``models/gguf.py``.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from typing import Any
 
 from surefit.config import TrainConfig
 from surefit.errors import ConfigError, ModelError, Problem
-from surefit.models_gguf import (
+from surefit.models.gguf import (
     EMBEDDED_ENCODER_NAME,
     EMBEDDED_LM_NAME,
     embedded_encoder_path,
     embedded_lm_path,
     gguf_to_folder,
 )
-from surefit.models_lowbit import import_peft, load_in_dtype, load_quantized, norms_in_fp32
+from surefit.models.lowbit import import_peft, load_in_dtype, load_quantized, norms_in_fp32
 
 
 @dataclass(frozen=True)

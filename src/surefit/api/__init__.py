@@ -10,15 +10,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+# Using a finished run lives in surefit/api/use_run.py; its names stay importable from here.
+from surefit.api.use_run import evaluate, export, predict, report
 from surefit.config import SFTConfig, TrainConfig
-from surefit.config_tasks import TASK_CONFIGS
+from surefit.config.aliases import build_with_aliases
+from surefit.config.task_configs import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
-
-# Using a finished run lives in surefit/finished.py; its names stay importable from here.
-from surefit.finished import evaluate, export, predict, report
-from surefit.names import build_with_aliases
 from surefit.tasks import get_task, task_of
-from surefit.tasks.common import RunResult
+from surefit.tasks.runner import RunResult
 
 
 def _config(config: TrainConfig | dict[str, Any] | None, settings: dict[str, Any]) -> TrainConfig:
@@ -54,7 +53,7 @@ def train(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any
 def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> Any:
     """Build a run's setup exactly as ``train`` would (data, encoding, model, collator: the task's ``prepare``) and
     return the doctor's report, without training and without writing anything."""
-    from surefit.tasks.common import doctor as run_doctor
+    from surefit.tasks.runner import doctor as run_doctor
 
     cfg = _config(config, settings)
     return run_doctor(cfg, task_of(cfg).prepare)

@@ -1,4 +1,4 @@
-"""The command line of a finished run: ``report``, ``eval``, ``predict`` and ``export`` (``cli.py`` has training)."""
+"""The command line of a finished run: ``report``, ``eval``, ``predict`` and ``export`` (``cli/__init__.py`` has training)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ def add_finished_run_commands(sub: Any) -> None:
 
 def run_finished_run_command(command: str, ns: argparse.Namespace) -> int:
     """One call per command; progress goes to stderr so that stdout holds only the result."""
-    import surefit.finished as api
+    import surefit.api.use_run as api
 
     def err(message: str) -> None:
         print(message, file=sys.stderr)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import surefit.startup as startup
-import surefit.startup_cache as startup_cache
+import surefit.startup.cache as startup_cache
 from surefit.config import TrainConfig
 from surefit.data.summary import DataSummary
 from surefit.doctor.core import Report
@@ -25,8 +25,8 @@ from surefit.errors import ConfigError, Problem, SurefitError, raise_if
 from surefit.eval.progress import phase
 from surefit.models import quiet_libraries
 from surefit.run_folder import Found, RunFolder
-from surefit.run_folder.finished import Run
 from surefit.run_folder.guard import train_problems
+from surefit.run_folder.open_run import Run
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from surefit.config_files import load_yaml_text
+from surefit.config.yaml_files import load_yaml_text
 from surefit.units import human_bytes
 
 CURVES = "curves.png"

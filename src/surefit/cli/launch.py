@@ -1,7 +1,7 @@
 """``surefit train --num_processes N``: surefit starts the N processes itself, through torchrun.
 
-The command becomes ``python -m surefit.launch --standalone --nproc_per_node N -m surefit train <the same flags>``
-in a child process: ``surefit.launch`` is torchrun (``torch.distributed.run``) plus one thing torchrun does not do,
+The command becomes ``python -m surefit.cli.launch --standalone --nproc_per_node N -m surefit train <the same flags>``
+in a child process: ``surefit.cli.launch`` is torchrun (``torch.distributed.run``) plus one thing torchrun does not do,
 which is to exit with the training processes' own exit code (torchrun exits 1 for any failure, so a configuration
 error, 2, and an interrupted run, 130, would look alike). The parent forwards SIGINT and SIGTERM to the child, which
 passes them on to every training process once: they finish the step, save a checkpoint and exit with 130.
@@ -61,7 +61,7 @@ def split_num_processes(argv: Sequence[str]) -> tuple[int | None, list[str]]:
 
 def command(n: int, argv: Sequence[str]) -> list[str]:
     """The child's command line for ``n`` processes running ``surefit <argv>``."""
-    return [sys.executable, "-m", "surefit.launch", "--standalone", "--nproc_per_node", str(n), "-m", "surefit",
+    return [sys.executable, "-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", str(n), "-m", "surefit",
             *argv]
 
 
@@ -141,14 +141,14 @@ def _output_dir(args: Sequence[str]) -> str | None:
     config = flag("--config")
     if config:
         try:
-            from surefit.config_files import load_yaml
+            from surefit.config.yaml_files import load_yaml
 
             values = load_yaml(config)
         except Exception:  # noqa: BLE001 - only a hint for the message; the processes reported a bad config
             values = {}
     if values.get("output_dir"):
         return str(values["output_dir"])
-    from surefit.config_tasks import TASK_CONFIGS
+    from surefit.config.task_configs import TASK_CONFIGS
 
     cls = TASK_CONFIGS.get(str(flag("--task") or values.get("task") or "sft"))
     return None if cls is None else next(f.default for f in dataclasses.fields(cls) if f.name == "output_dir")

@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from surefit.config import TrainConfig, build_config
-from surefit.config_files import load_yaml
-from surefit.config_tasks import TASK_CONFIGS
+from surefit.config.task_configs import TASK_CONFIGS
+from surefit.config.yaml_files import load_yaml
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
 from surefit.run_folder import (
     CHECKPOINTS,

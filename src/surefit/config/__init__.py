@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from surefit.config_checks import (
+from surefit.config.checks import (
     NONFINITE,
     at_least,
     divisors,
@@ -28,7 +28,7 @@ from surefit.config_checks import (
     split_names,
     training_control_problems,
 )
-from surefit.config_files import load_preset
+from surefit.config.yaml_files import load_preset
 from surefit.errors import ConfigError, Problem
 
 
@@ -432,7 +432,7 @@ def build_config(cls: type, yaml_values: dict[str, Any] | None = None, overrides
 
     The preset is named by ``preset`` in the overrides or the YAML. Every problem (unknown keys, wrong types, bad
     ranges, cross-field conflicts) is collected and raised once, with the ``earlier`` problems the caller found
-    (other tools' setting names, ``surefit/names.py``). The config's ``preset_only`` (not a field) names the settings
+    (other tools' setting names, ``surefit/config/aliases.py``). The config's ``preset_only`` (not a field) names the settings
     only the preset gave.
     """
     problems: list[Problem] = list(earlier or [])
