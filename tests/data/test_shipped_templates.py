@@ -294,7 +294,7 @@ def test_qwen3_template_end_to_end_trains_reasoning_and_predicts_it_apart(tmp_pa
 
 
 def test_a_refused_row_is_counted_in_words_with_its_fix(tmp_path):
-    from surefit.tasks.sft.recipe import Encoder
+    from surefit.tasks.sft.train_sft import Encoder
 
     from surefit.config import SFTConfig
     from surefit.errors import DataError

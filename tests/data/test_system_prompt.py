@@ -42,7 +42,7 @@ def test_the_default_is_found_by_rendering_for_any_wording(tok):
 
 
 def _encoder(tok, conversational: bool, **settings):
-    from surefit.tasks.sft.recipe import Encoder
+    from surefit.tasks.sft.train_sft import Encoder
 
     tok.chat_template = SMOL
     cfg = SFTConfig(data="d", **settings)

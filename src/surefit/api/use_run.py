@@ -1,5 +1,5 @@
 """Python API for a finished run folder: ``evaluate``, ``predict``, ``export`` and ``report`` (the CLI's commands of
-the same names). Each opens the run through ``run_folder.finished.open_run`` (a run folder is data, not code) and hands it to
+the same names). Each opens the run through ``run_folder.open_run.open_run`` (a run folder is data, not code) and hands it to
 its task module. Training is ``api/__init__.py``; these names are importable from there too.
 """
 
