@@ -100,6 +100,11 @@ def test_full_fine_tuning_stores_the_reference_reuses_it_on_resume_and_refuses_c
     write_pairs(data, 24, shift=2)
     assert _train(tiny_lm_dir, data, copy, "--lora_r", "0", "--lr", "1e-3", "--epochs", "2", "--resume") != 0
     err = capsys.readouterr()
+    assert "--allow_changed_data" in err.out + err.err  # every run's inputs are hashed: the general refusal first
+    # Accepting changed data does not accept a stored reference computed on other pairs.
+    assert _train(tiny_lm_dir, data, copy, "--lora_r", "0", "--lr", "1e-3", "--epochs", "2", "--resume",
+                  "--allow_changed_data") != 0
+    err = capsys.readouterr()
     text = err.out + err.err
     assert "differ from those whose reference log-probabilities this run computed" in text
     assert "resume with the data the run started with" in text
