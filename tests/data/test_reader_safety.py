@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from surefit.config.yaml_files import load_yaml
 
+from surefit.config.yaml_files import load_yaml
 from surefit.data.readers import read_rows
 from surefit.errors import ConfigError
 

@@ -294,10 +294,9 @@ def test_qwen3_template_end_to_end_trains_reasoning_and_predicts_it_apart(tmp_pa
 
 
 def test_a_refused_row_is_counted_in_words_with_its_fix(tmp_path):
-    from surefit.tasks.sft.train_sft import Encoder
-
     from surefit.config import SFTConfig
     from surefit.errors import DataError
+    from surefit.tasks.sft.train_sft import Encoder
 
     tok = shipped_tokenizer("qwen3_5_nothink")
     enc = Encoder(SFTConfig(data="x.jsonl", output_dir=str(tmp_path)), tok, "", chat=chat_format(tok.chat_template, "nothink"))
