@@ -3,9 +3,9 @@ refused with its reason).
 
 The templates are the ORIGINAL ones the model families ship, as kept (for identity comparison) by the ``trl`` package
 in ``trl/chat_templates/`` (TRL is Apache-2.0; each template comes from its model's repository: Qwen2.5/Qwen3/Qwen3.5
-from Qwen, DeepSeek-V3 from deepseek-ai, gpt-oss from OpenAI, GLM-4.5 from zai-org, Phi-3/3.5 from Microsoft, Gemma
-1/3 from Google, Llama 3.1/3.2 from Meta; see that folder's README.md). They are read from the installed package,
-never copied here. Each is set on a tiny byte-level BPE tokenizer with the template's special tokens added as single
+from Qwen, DeepSeek-V3 and the R1 distills from deepseek-ai, gpt-oss from OpenAI, GLM-4.5 from zai-org, Phi-3/3.5
+from Microsoft, Gemma 1/3 from Google, Llama 3.1/3.2 from Meta; see that folder's README.md). They are read from the
+installed package, never copied here. Each is set on a tiny byte-level BPE tokenizer with the template's special tokens added as single
 tokens.
 """
 
@@ -55,8 +55,9 @@ SPEC = {
 SPEC["phi3_5"] = SPEC["phi3"]
 SPEC["gemma3"] = SPEC["gemma"]
 SPEC["llama3_2"] = SPEC["llama3_1"]
-ALL = ["qwen2_5", "qwen3", "qwen3_5_think", "qwen3_5_nothink", "deepseekv3", "gptoss", "glm4moe", "phi3", "phi3_5",
-       "gemma", "gemma3", "llama3_1", "llama3_2"]
+SPEC["deepseek_r1_distill"] = SPEC["deepseekv3"]
+ALL = ["qwen2_5", "qwen3", "qwen3_5_think", "qwen3_5_nothink", "deepseekv3", "deepseek_r1_distill", "gptoss",
+       "glm4moe", "phi3", "phi3_5", "gemma", "gemma3", "llama3_1", "llama3_2"]
 
 
 def shipped_tokenizer(name: str):
@@ -99,17 +100,18 @@ ROWS = {
 }
 
 # What each shipped template does with each kind of row: None trains; a text is the refusal's reason.
-PREFILL = "the generation prompt has '<think>\\n'"  # DeepSeek-V3 prefills a think block it never renders in training
 NO_TOOL_ROLE = "Conversation roles must alternate"  # Gemma has no tool role
 EXPECT: dict[tuple[str, str], str] = {
-    **{("deepseekv3", k): PREFILL for k in ROWS},
+    # R1-distill writes a tool call only for a turn whose content is null (and then no end after a single call)
+    ("deepseek_r1_distill", "tools"): "the tool call get_weather is not in the trained span",
     ("qwen3_5_nothink", "reasoning"): "the generation prompt has '\\n</think>\\n\\n'",
     ("gemma", "tools"): NO_TOOL_ROLE, ("gemma3", "tools"): NO_TOOL_ROLE,
 }
 # Templates that rewrite earlier turns (drop their reasoning or their empty think block): one example per turn.
 SPLITS = {("qwen3", "three"), ("qwen3", "tools"), ("qwen3", "reasoning"), ("qwen3_5_think", "three"),
           ("qwen3_5_think", "reasoning"), ("qwen3_5_nothink", "three"), ("gptoss", "three"), ("gptoss", "reasoning"),
-          ("glm4moe", "reasoning")}
+          ("glm4moe", "reasoning"), ("deepseekv3", "three"), ("deepseekv3", "tools"), ("deepseekv3", "reasoning"),
+          ("deepseek_r1_distill", "three"), ("deepseek_r1_distill", "reasoning")}
 
 
 def _messages(kind: str) -> list[dict]:
@@ -244,12 +246,42 @@ def test_gpt_oss_channel_header_and_analysis_are_trained_with_the_answer():
     assert rep.scaffold == {"<|channel|>final<|message|>": 1}
 
 
+@pytest.mark.parametrize("name", ["deepseekv3", "deepseek_r1_distill"])
+def test_deepseek_prefilled_think_block_is_prompt_and_the_rest_of_it_is_trained(name):
+    # The generation prompt ends with "<think>\n", which the template's render of a turn never writes: it is prompt
+    # (not supervised), and the model is taught to write the reasoning (or nothing), the close, the answer, EOS.
+    tok, fmt, row, (examples, rep, failures, stops) = _encode(name, "reasoning")
+    assert failures == [] and template_traits(tok, fmt).prefill == "<think>\n"
+    texts = [(tok.decode(e.input_ids[: e.prompt_len], skip_special_tokens=False),
+              [tok.decode(r, skip_special_tokens=False) for r in _runs(e)]) for e in examples]
+    assert texts == [
+        ("<｜begin▁of▁sentence｜><｜User｜>What is 6 times 7?<｜Assistant｜><think>\n",
+         ["Six sevens are forty-two.\n</think>\n\n42.<｜end▁of▁sentence｜>"]),
+        # history as the template renders it at inference: the earlier turn's reasoning dropped
+        ("<｜begin▁of▁sentence｜><｜User｜>What is 6 times 7?<｜Assistant｜>\n\n42.<｜end▁of▁sentence｜><｜User｜>And 6 "
+         "times 8?<｜Assistant｜><think>\n", ["Add six to forty-two.\n</think>\n\n48.<｜end▁of▁sentence｜>"])]
+    assert tok.convert_ids_to_tokens(sorted(stops)) == ["<｜end▁of▁sentence｜>"]
+    # a row without reasoning: the empty think block after the prefill is trained (--thinking train_empty)
+    tok, fmt, row, (examples, rep, failures, _) = _encode(name, "single")
+    [ex] = examples
+    assert [tok.decode(r, skip_special_tokens=False) for r in _runs(ex)] == [
+        "\n</think>\n\nTwo plus two is four.<｜end▁of▁sentence｜>"]
+    assert tok.decode(ex.input_ids[: ex.prompt_len], skip_special_tokens=False).endswith("<｜Assistant｜><think>\n")
+    assert rep.scaffold == {"\n</think>\n\n": 1}
+
+
+def test_a_template_without_prefill_has_none():
+    for name in ("qwen3", "qwen3_5_think", "qwen3_5_nothink", "gptoss", "llama3_1", "phi3"):
+        tok = shipped_tokenizer(name)
+        assert template_traits(tok, chat_format(tok.chat_template, name)).prefill == "", name
+
+
 def test_no_template_is_left_untested():
     shipped = {p.stem for p in TEMPLATES.glob("*.jinja")}
     assert set(ALL) <= shipped
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_think", "gptoss", "glm4moe"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_5_think", "gptoss", "glm4moe", "deepseekv3", "deepseek_r1_distill"])
 def test_a_generated_turn_splits_into_reasoning_and_answer_where_the_template_marks_them(name):
     tok, fmt, row, (examples, _, _, _) = _encode(name, "reasoning")
     generated = tok.decode(_runs(examples[-1])[-1], skip_special_tokens=False)  # what the model is taught to write
@@ -306,3 +338,10 @@ def test_a_refused_row_is_counted_in_words_with_its_fix(tmp_path):
     text = str(e.value)
     assert "1 row cannot be rendered" in text and "all rows" not in text
     assert "r.jsonl line 1: chat template (nothink), turn 2" in text and "thinking off" in text
+
+
+def test_switch_off_on_a_template_without_a_switch_says_the_block_stays_trained():
+    tok, fmt, row, (examples, rep, failures, _) = _encode("deepseekv3", "single", thinking="switch_off")
+    assert failures == [] and rep.thinking_rows == 0 and rep.scaffold == {"\n</think>\n\n": 1}
+    assert "trained with the answer: --thinking switch_off moves it into the prompt only for rows without reasoning, " \
+           "where the template has a thinking switch" in rep.thinking_line()

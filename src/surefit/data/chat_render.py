@@ -218,6 +218,15 @@ def chat_format(source: str, name: str) -> ChatFormat:
 
 
 
+# How reasoning is written into the content for a template that reads no reasoning field: the think block
+# reasoning models write (DeepSeek-R1's, Qwen3's), opened and closed.
+INLINE_THINK = ("<think>\n", "\n</think>\n\n")
+
+
+def inline_reasoning(reasoning: str, content: str) -> str:
+    return f"{INLINE_THINK[0]}{reasoning}{INLINE_THINK[1]}{content}"
+
+
 # Probe texts: rendered once per template to learn what it writes around a turn (no real text contains them).
 PROBE_USER = "\u2063PROBE_USER\u2063"
 _PROBE_REASONING = "\u2063PROBE_REASONING\u2063"
@@ -236,12 +245,16 @@ class TemplateTraits:
             it and the answer, after the generation prompt; ``None`` when the template does not write reasoning.
         next_turn: the special token a template without an end-of-turn token writes next after an answer (the next
             role's header), which then ends the turn.
+        prefill: what the generation prompt writes after the point where a render of an assistant turn parts from
+            it (DeepSeek-R1's ``<think>\n``): prompt at inference, so training writes it before the turn's reasoning,
+            unsupervised; ``""`` where the generation prompt is the start of that render.
     """
 
     closing: str
     rejects_system: bool
     reasoning_marks: tuple[str, str] | None
     next_turn: str = ""  # the special token that starts the turn after an assistant turn (GLM's "<|user|>")
+    prefill: str = ""
 
 
 _TRAITS: dict[tuple, TemplateTraits] = {}
@@ -282,7 +295,7 @@ def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
     turn = plain_message({"role": "assistant", "content": _PROBE_ANSWER, "reasoning": _PROBE_REASONING},
                          fmt.reasoning_fields)
     if not fmt.reasoning_fields:  # written inline, as render_chat writes reasoning for such a template
-        turn["content"] = f"<think>\n{_PROBE_REASONING}\n</think>\n\n{_PROBE_ANSWER}"
+        turn["content"] = inline_reasoning(_PROBE_REASONING, _PROBE_ANSWER)
     try:
         span = r([*user, turn], False)[len(prompt):]
     except TemplateProblem:
@@ -290,6 +303,18 @@ def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
     if _PROBE_REASONING in span and _PROBE_ANSWER in span.split(_PROBE_REASONING, 1)[1]:
         between = span.split(_PROBE_REASONING, 1)[1].split(_PROBE_ANSWER, 1)[0]
         marks = (span.split(_PROBE_REASONING, 1)[0], between)
+    # A prefill: the generation prompt goes on past where the render of an answered turn parts from it. The model
+    # writes what follows it, so a think block it opens is closed as the template marks reasoning (as surefit
+    # writes it inline where the template marks none, e.g. one that drops reasoning from every render).
+    prefill = ""
+    try:
+        shown = r([*user, {"role": "assistant", "content": _PROBE_ANSWER}], False)
+        if not shown.startswith(prompt):
+            prefill = prompt[common_prefix(prompt, shown):]
+    except TemplateProblem:
+        pass
+    if prefill and marks is None and INLINE_THINK[0].startswith(prefill):
+        marks = INLINE_THINK
     next_turn = ""
     try:
         answered = [*user, {"role": "assistant", "content": _PROBE_ANSWER}]
@@ -298,8 +323,23 @@ def template_traits(tokenizer: Any, fmt: ChatFormat) -> TemplateTraits:
             next_turn = tokenizer.decode(follow, skip_special_tokens=False)
     except TemplateProblem:
         pass
-    _TRAITS[key] = traits = TemplateTraits(closing, rejects_system, marks, next_turn)
+    _TRAITS[key] = traits = TemplateTraits(closing, rejects_system, marks, next_turn, prefill)
     return traits
+
+
+def prefilled_turn(before: str, plain: str, reasoning: str, traits: TemplateTraits) -> str | None:
+    """The training render of an assistant turn for a template whose generation prompt ``before`` ends with its
+    prefill (DeepSeek-R1's ``<think>\n``), which its own render ``plain`` of the turn (without reasoning) never
+    writes: the generation prompt, then what the model writes after it (the rest of the think block with the
+    turn's reasoning, or empty, closed as the template marks reasoning), then the template's turn from the answer
+    on. ``None`` where the two do not part at the prefill, or the prefill opens no think block."""
+    p = traits.prefill
+    if not p or traits.reasoning_marks is None or not before.endswith(p):
+        return None
+    head, (opener, between) = before[: len(before) - len(p)], traits.reasoning_marks
+    if not plain.startswith(head) or not opener.startswith(p):
+        return None
+    return before + (opener + reasoning + between)[len(p):] + plain[len(head):]
 
 
 def split_reasoning(text: str, traits: TemplateTraits | None, native: bool = True) -> dict[str, str] | None:
@@ -355,7 +395,7 @@ def render_chat(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: li
                 msg["content"] = ""
         if msg.get("reasoning") and not fmt.reasoning_fields:
             # A template with no reasoning field: the reasoning goes inline, where such templates (and models) read it
-            msg["content"] = f"<think>\n{msg['reasoning']}\n</think>\n\n{msg['content']}"
+            msg["content"] = inline_reasoning(msg["reasoning"], msg["content"])
         msgs.append(plain_message(msg, fmt.reasoning_fields))
     kwargs: dict[str, Any] = {}
     if tools and fmt.takes_tools:
@@ -494,6 +534,10 @@ def thinking_line(thinking: str, thinking_rows: int, scaffold: dict[str, int]) -
     if not scaffold:
         return None
     shown = ", ".join(f"{t!r} ({n} turns)" for t, n in sorted(scaffold.items(), key=lambda x: -x[1])[:3])
+    if thinking == "switch_off":  # asked, but no row could switch (no switch in the template, or rows with reasoning)
+        return (f"thinking: the template writes {shown} before an answer without reasoning; trained with the answer: "
+                "--thinking switch_off moves it into the prompt only for rows without reasoning, where the template "
+                "has a thinking switch (enable_thinking)")
     return (f"thinking: the template writes {shown} before an answer without reasoning; trained with the answer "
             "(--thinking train_empty, the default: the model learns to write it at inference; --thinking "
             "switch_off puts it in the prompt where the template has a thinking switch)")

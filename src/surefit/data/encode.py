@@ -24,6 +24,7 @@ from surefit.data.chat_render import (  # noqa: F401 - re-exported: templates, p
     answer_start,
     chat_format,
     differ,
+    prefilled_turn,
     render_chat,
     row_variables,
     special_texts,
@@ -386,6 +387,11 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
     stable = True
     for k in turns:
         before, upto = r(messages[:k], True), r(messages[: k + 1], False)
+        if not upto.startswith(before) and traits.prefill:
+            # The generation prompt prefills what the template's render of the turn never writes (DeepSeek-R1's
+            # "<think>\n"): the turn is written after that prompt, its reasoning (or an empty block) then the answer.
+            plain = r([*messages[:k], {key: v for key, v in messages[k].items() if key != "reasoning"}], False)
+            upto = prefilled_turn(before, plain, messages[k].get("reasoning") or "", traits) or upto
         if not upto.startswith(before):
             hint = ("; this turn has reasoning, and the template's generation prompt does not let the model write it "
                     "(thinking off): train such rows with the model's thinking template, or without their reasoning"
