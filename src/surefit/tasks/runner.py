@@ -70,7 +70,7 @@ class Prepared:
 # A task's own config class (SFTConfig, ClassifyConfig ...): a task takes its own, so a parameter, contravariant.
 C = TypeVar("C", bound=TrainConfig, contravariant=True)
 # Any task's config, returned as the class it came in.
-AnyConfig = TypeVar("AnyConfig", bound=TrainConfig)
+ConfigT = TypeVar("ConfigT", bound=TrainConfig)
 
 
 class PrepareFn(Protocol[C]):
@@ -315,7 +315,7 @@ def warn_small_validation(data_report: DataSummary, cfg: TrainConfig, say: Say) 
             "--val_data")
 
 
-def gpu_preset_without_gpu(cfg: AnyConfig, say: Say) -> AnyConfig:
+def gpu_preset_without_gpu(cfg: ConfigT, say: Say) -> ConfigT:
     """A preset made for a GPU (it sets --gpu_memory_gb) on a machine without a CUDA GPU: say that the plan is for a
     GPU this machine does not have, and leave off the preset's gradient checkpointing (on a CPU it only slows
     training down) unless the user asked for it themselves."""
