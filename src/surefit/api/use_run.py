@@ -209,10 +209,10 @@ def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: b
 
     ``allow_code``, ``trust_remote_code``: as for :func:`evaluate`.
     """
-    from surefit.run_folder.open_run import _check_destination, export_folder
+    from surefit.run_folder.open_run import check_destination, export_folder
 
     r, task = _open(run, allow_code, trust_remote_code, say)
-    _check_destination(r, Path(to), overwrite)  # the run folder itself: its own message
+    check_destination(r, Path(to), overwrite)  # the run folder itself: its own message
     _check_outputs(r, [Output("--to", Path(to), folder=True)], None)
     what: list[str] = []
     dest = export_folder(r, Path(to), overwrite, lambda tmp: what.append(task.export(r, tmp, merge, say)))
