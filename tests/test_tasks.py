@@ -50,3 +50,32 @@ def test_every_task_config_has_a_task_and_an_unknown_name_is_refused():
     assert set(TASKS) == set(TASK_CONFIGS)
     with pytest.raises(ConfigError, match="unknown task 'dpo2'"):
         get_task("dpo2")
+
+
+def test_inspect_goes_to_the_tasks_that_have_it_and_refuses_the_others():
+    from surefit.tasks import INSPECTS, inspector
+    from surefit.tasks.runner import Inspects
+
+    want = inspect.signature(Inspects.inspect)
+    for name, task in INSPECTS.items():
+        assert inspector(name) is task is TASKS[name]
+        got = inspect.signature(task.inspect)
+        assert [p.name for p in got.parameters.values()] == [p.name for p in want.parameters.values()][1:], name
+    # custom.py imports the stdlib module `inspect`: only a function counts
+    assert set(INSPECTS) == {n for n, t in TASKS.items() if callable(getattr(t, "inspect", None))}
+    with pytest.raises(ConfigError, match="task 'classify' has no supervised spans to inspect"):
+        inspector("classify")
+    with pytest.raises(ConfigError, match="unknown task 'dpo2'"):
+        inspector("dpo2")
+
+
+def test_a_finished_run_config_is_read_as_its_tasks_class_or_refused(tmp_path):
+    from surefit.config import SFTConfig
+    from surefit.config.task_configs import ClassifyConfig
+    from surefit.run_folder.open_run import Run
+
+    cfg = ClassifyConfig(data="d.csv")
+    run = Run(tmp_path, cfg, tmp_path / "final")
+    assert run.config_as(ClassifyConfig) is cfg
+    with pytest.raises(ConfigError, match="is a classify run, not one this command reads as SFTConfig"):
+        run.config_as(SFTConfig)

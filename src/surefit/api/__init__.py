@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 # Using a finished run lives in surefit/api/use_run.py; its names stay importable from here.
@@ -16,7 +17,7 @@ from surefit.config import SFTConfig, TrainConfig
 from surefit.config.aliases import build_with_aliases
 from surefit.config.task_configs import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
-from surefit.tasks import get_task, task_of
+from surefit.tasks import inspector, task_of
 from surefit.tasks.runner import RunResult
 
 
@@ -59,9 +60,14 @@ def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: An
     return run_doctor(cfg, task_of(cfg).prepare)
 
 
-def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2, say=print) -> dict:
-    """What an sft (or dpo) run would supervise: see :func:`surefit.tasks.sft.inspect`."""
-    return get_task(config.task).inspect(config, out, show, say=say)
+def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2,
+                say: Callable[[str], None] = print) -> dict[str, Any]:
+    """What an sft (or dpo) run would supervise: see :func:`surefit.tasks.sft.inspect`.
+
+    Raises:
+        ConfigError: ``config`` is for a task without supervised spans (classify, custom).
+    """
+    return inspector(config.task).inspect(config, out, show, say=say)
 
 
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,

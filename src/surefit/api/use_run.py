@@ -111,7 +111,8 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
     r, task = _open(run, allow_code, trust_remote_code, say)
-    _check_outputs(r, [Output("--out", out), Output("--predictions", predictions)], data)
+    _check_outputs(r, [Output(flag, Path(p)) for flag, p in (("--out", out), ("--predictions", predictions))
+                       if p is not None], data)
     given = _check_fields(r, task, fields or {})
     if data is None and given:
         raise ConfigError([Problem(f"--{k} names a column of --data, and no --data was given (the run's own validation "
@@ -163,7 +164,7 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
 
     _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
     r, task = _open(run, allow_code, trust_remote_code, say)
-    _check_outputs(r, [Output("--out", out)], file)
+    _check_outputs(r, [Output("--out", Path(out))] if out is not None else [], file)
     given = _check_fields(r, task, fields or {})
     batches = task.predict(r, inputs, None if file is None else str(file), batch_size or r.eval_batch_size,
                            max_new_tokens, given, say)  # a task without predictions refuses here

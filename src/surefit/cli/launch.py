@@ -151,7 +151,8 @@ def _output_dir(args: Sequence[str]) -> str | None:
     from surefit.config.task_configs import TASK_CONFIGS
 
     cls = TASK_CONFIGS.get(str(flag("--task") or values.get("task") or "sft"))
-    return None if cls is None else next(f.default for f in dataclasses.fields(cls) if f.name == "output_dir")
+    default = None if cls is None else next(f.default for f in dataclasses.fields(cls) if f.name == "output_dir")
+    return default if isinstance(default, str) else None  # output_dir's default is a plain value, not a factory
 
 
 if __name__ == "__main__":

@@ -8,9 +8,29 @@ import difflib
 import math
 import typing
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 from surefit.errors import Problem
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+
+class ControlSettings(Protocol):
+    """The training-control settings :func:`training_control_problems` reads: every task's config has them
+    (``config/__init__.py``'s ``TrainConfig``, which imports this module, so it is described here, not imported)."""
+
+    task: str
+    val_data: str | None
+    val_fraction: float
+    lr: float
+    min_lr: float
+    warmup: float | None
+    max_steps: int | None
+    eval_every: int
+    log_samples: int
+    early_stopping: str | None
+    keep_best: str | None
 
 EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns clipping off)", "warmup_ratio": "0.05",
              "lora_dropout": "0.05", "val_fraction": "0.1", "warmup": "100 (steps) or 0.05 (of the steps)",
@@ -20,7 +40,7 @@ EXAMPLES = {"lr": "2e-4", "weight_decay": "0.01", "max_grad_norm": "1.0 (0 turns
 NONFINITE = "must be a finite number"
 
 
-def nonfinite_problems(cfg: Any) -> list[Problem]:
+def nonfinite_problems(cfg: DataclassInstance) -> list[Problem]:
     """Every float setting of ``cfg`` that is NaN or infinite, whatever its name: one check over the dataclass's
     fields, so a float setting added later is covered. NaN passes every range check (``nan < 0`` is False), and
     the optimizer or scheduler would raise on it only after the run started."""
@@ -70,7 +90,7 @@ def parse_metric_goal(value: str, flag: str, with_patience: bool) -> tuple[Metri
     return MetricGoal(metric, mode, patience), []
 
 
-def training_control_problems(cfg: Any) -> list[Problem]:
+def training_control_problems(cfg: ControlSettings) -> list[Problem]:
     """Problems of the training-control settings (max_steps, scheduler, warmup, evaluation, best model)."""
     p: list[Problem] = []
     at_least(p, cfg, "max_steps", 1)
@@ -98,7 +118,7 @@ def training_control_problems(cfg: Any) -> list[Problem]:
     return p
 
 
-def at_least(p: list[Problem], cfg: Any, name: str, low: int) -> None:
+def at_least(p: list[Problem], cfg: DataclassInstance | ControlSettings, name: str, low: int) -> None:
     value = getattr(cfg, name)
     if value is not None and value < low:
         p.append(Problem(f"must be >= {low} (got {value})", f"--{name}"))

@@ -64,7 +64,9 @@ def check_tool_calls(calls: Any, turn: int, bad: RowProblems) -> None:
     model would learn to call tools with it."""
     for i, call in enumerate(calls if isinstance(calls, list) else [calls], 1):
         function = call.get("function", call) if isinstance(call, dict) else None
-        args = function.get("arguments") if isinstance(function, dict) else None
+        if not isinstance(function, dict):
+            continue
+        args = function.get("arguments")
         if not isinstance(args, str):
             continue
         try:

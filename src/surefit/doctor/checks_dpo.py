@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from surefit.config.dpo_config import DPOConfig
 from surefit.doctor.core import CODES, Finding, Report
 
 DPO_CODES = {
@@ -46,7 +47,7 @@ def label_findings(examples: list[Any]) -> list[Finding]:
 
 
 def check_pairs(model: Any, tokenizer: Any, examples: list[Any], features: list[dict[str, Any]], collate: Any,
-                loss_fn: Any, accelerator: Any, cfg: Any) -> Report:
+                loss_fn: Any, accelerator: Any, cfg: DPOConfig) -> Report:
     """Every dpo check on the setup training will use (nothing is trained; every change is put back)."""
     import torch
 

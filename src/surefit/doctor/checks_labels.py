@@ -416,7 +416,7 @@ def _pad_by_position(setup: Setup) -> list[Finding] | None:
             f"positions {ps[:3]}{'...' if len(ps) > 3 else ''} of {len(ids_by_row[i])}{eos_note}; padding then "
             "dominates the loss and the model learns to emit it",
             _pad_fix(setup, True, pad is not None and pad == eos), f"train_dataset column 'labels', row {i}")]
-    if batch_hits:
+    if batch_hits and found is not None:  # batch_hits come from found's labels
         key = found[0]
         rows = _batch_rows(setup)
         r, ps = batch_hits[0]

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from surefit.config import TrainConfig
 from surefit.errors import Problem
 
 
@@ -62,7 +63,7 @@ DATA_SETTINGS = frozenset({
 })
 
 
-def code_problems(cfg: Any, where: Callable[[str], str], allow_code: bool, trust_remote_code: bool) -> list[Problem]:
+def code_problems(cfg: TrainConfig, where: Callable[[str], str], allow_code: bool, trust_remote_code: bool) -> list[Problem]:
     """Every setting of ``cfg`` that would import or run code, unless this command line allows it.
 
     Args:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from surefit.config import TrainConfig
 from surefit.errors import ConfigError, Problem, raise_if
 
 # A run folder's folders whose contents only training writes (checkpoint manifests, the final model).
@@ -156,7 +157,7 @@ def path_of(value: Any) -> Path | None:
     return None
 
 
-def config_inputs(cfg: Any) -> list[Input]:
+def config_inputs(cfg: TrainConfig) -> list[Input]:
     """Every file or folder a config's settings name (data, base model, templates, factories ...): a walk over the
     dataclass's fields, so that a setting added later is an input without being listed here."""
     found = []
@@ -173,7 +174,7 @@ def config_inputs(cfg: Any) -> list[Input]:
     return found
 
 
-def run_inputs(folder: Path, cfg: Any = None) -> list[Input]:
+def run_inputs(folder: Path, cfg: TrainConfig | None = None) -> list[Input]:
     """What a command on a finished run reads: the run folder's records, ``final/``, ``checkpoints/`` and the files
     its config names (data, base model, templates)."""
     from surefit.run_folder import CONFIG, LOCK, RUN_FILES
@@ -183,7 +184,7 @@ def run_inputs(folder: Path, cfg: Any = None) -> list[Input]:
     return named + (config_inputs(cfg) if cfg is not None else [])
 
 
-def train_problems(cfg: Any) -> list[Problem]:
+def train_problems(cfg: TrainConfig) -> list[Problem]:
     """``--output_dir`` and the files a run writes in it, against what the run reads (its data, base model, ...)."""
     from surefit.run_folder import CHECKPOINTS, FINAL, LOCK, PREDICTIONS, RUN_FILES
 

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from surefit.config import TrainConfig, build_config
 from surefit.config.task_configs import TASK_CONFIGS
@@ -27,6 +27,8 @@ from surefit.run_folder import (
 )
 
 Say = Callable[[str], None]
+# A task's own config class: what a task's finished-run code reads its run's config as.
+T = TypeVar("T", bound=TrainConfig)
 
 @dataclass
 class Run:
@@ -64,6 +66,14 @@ class Run:
     @property
     def task(self) -> str:
         return self.cfg.task
+
+    def config_as(self, cls: type[T]) -> T:
+        """The run's config as the task's own class (``config.yaml``'s task picked it when the run was opened)."""
+        if not isinstance(self.cfg, cls):
+            raise ConfigError(Problem(f"{self.config_path} is a {self.task} run, not one this command reads as "
+                                      f"{cls.__name__}", self.where("task"),
+                                      f"use the {self.task} task's command on this run folder"))
+        return self.cfg
 
     @property
     def config_path(self) -> Path:

@@ -131,7 +131,7 @@ def _file_hashes(value: str, limit: int = 10_000, remember: bool = True) -> dict
         return None
 
 
-def check_inputs_on_resume(cfg: Any, saved: Path, problems: list[Problem], say: Say) -> None:
+def check_inputs_on_resume(cfg: TrainConfig, saved: Path, problems: list[Problem], say: Say) -> None:
     """``--resume``: the run's data and other input files must be what the run started with, or
     ``--allow_changed_data`` given; then each change is listed, and recorded in ``data_files.json``."""
     changed = changed_data(saved, cfg)

@@ -404,7 +404,7 @@ def load(run: Run, keys: list[str]) -> Loaded:
     """The factory's model with the trained weights, and how surefit calls it (``keys``: the data's arrays)."""
     from safetensors.torch import load_model
 
-    run.require(*final_files(run.cfg))
+    run.require(*final_files(run.config_as(CustomConfig)))
     spec_path = run.final / "surefit_model.json"
     spec = json.loads(spec_path.read_text(encoding="utf-8"))
     try:
@@ -422,18 +422,21 @@ def load(run: Run, keys: list[str]) -> Loaded:
     raise_if(problems, DataError)
     accelerator = make_accelerator(run.precision)
     model.to(accelerator.device).eval()
-    return Loaded(model, None, accelerator, {"caller": Caller(run.cfg, mode, passed)})
+    return Loaded(model, None, accelerator, {"caller": Caller(run.config_as(CustomConfig), mode, passed)})
 
 
 def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | None, fields: dict[str, str],
              say=print) -> tuple[str, int, dict[str, Any], list[dict[str, Any]]]:
     """``surefit eval`` of a custom run: the mean loss on its validation split (re-derived) or on ``data``."""
-    cfg = run.cfg
+    cfg = run.config_as(CustomConfig)
     if data is None:
         run.check_training_data()
         if cfg.val_data:
             source = load_tensor_data(cfg.val_data, cfg.max_memory_gb)
             indices = list(range(len(source)))
+        elif cfg.data is None:
+            raise ConfigError(Problem(f"{run.config_path} names no training data, so there is no validation split to "
+                                      "re-derive", run.where("data"), "pass --data FOLDER to evaluate on other data"))
         else:
             source = load_tensor_data(cfg.data, cfg.max_memory_gb)
             indices = split_indices(len(source), cfg.val_fraction, cfg.seed)[1]
@@ -463,7 +466,7 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     """A copy of ``final/`` (custom models have no adapter to merge)."""
     import shutil
 
-    run.require(*final_files(run.cfg))
+    run.require(*final_files(run.config_as(CustomConfig)))
     shutil.copytree(run.final, folder)
     if merge:
         say(f"--merge: {run.folder} was trained in full (no LoRA adapter); copied the model as it is")

@@ -34,7 +34,7 @@ from surefit.training.processes import is_main_process, on_main
 from surefit.training.trackers import MetricsLog
 from surefit.training.work import Evaluation, TrainingWork
 
-__all__ = ["Evaluation", "Prepared", "RunResult", "Task", "doctor", "render_columns", "train"]
+__all__ = ["Evaluation", "Inspects", "Prepared", "RunResult", "Task", "doctor", "render_columns", "train"]
 
 Say = Callable[[str], None]
 
@@ -69,6 +69,8 @@ class Prepared:
 
 # A task's own config class (SFTConfig, ClassifyConfig ...): a task takes its own, so a parameter, contravariant.
 C = TypeVar("C", bound=TrainConfig, contravariant=True)
+# Any task's config, returned as the class it came in.
+ConfigT = TypeVar("ConfigT", bound=TrainConfig)
 
 
 class PrepareFn(Protocol[C]):
@@ -115,6 +117,16 @@ class Task(Protocol[C]):
 
     def export(self, run: Run, folder: Path, merge: bool, say: Say = ...) -> str:
         """``surefit export``: write the run's model into ``folder``; returns what was written, in words."""
+        ...
+
+
+class Inspects(Protocol[C]):
+    """A task that can show what training would supervise without training (``surefit inspect``): sft and dpo. Not
+    every task can (classify and custom have no supervised spans), so it is apart from :class:`Task`."""
+
+    def inspect(self, cfg: C, out: str | None = ..., show: int = ..., color: bool | None = ...,
+                say: Say = ...) -> dict[str, Any]:
+        """Encode every row as training would, print the first ``show`` with supervised spans marked; the counts."""
         ...
 
 
@@ -279,8 +291,9 @@ def log_samples(folder: RunFolder, log: MetricsLog, records: list[dict[str, Any]
                 "prompt": r.get("input", r.get("text")), "reference": r.get("gold"), "prediction": r.get("prediction")}
                for i, r in enumerate(records)]
     folder.write_samples(step, samples)
-    if is_main_process() and getattr(log, "trackers", None) is not None:
-        log.trackers.log_text({f"samples/{s['sample']}": f"**prompt**: {s['prompt']}\n\n**reference**: "
+    trackers = log.trackers if is_main_process() else None
+    if trackers is not None:
+        trackers.log_text({f"samples/{s['sample']}": f"**prompt**: {s['prompt']}\n\n**reference**: "
                                f"{s['reference']}\n\n**prediction**: {s['prediction']}" for s in samples}, step)
     for s in samples:
         folder.say(f"  sample {s['sample']} at step {step}: {str(s['prompt'])[:60]!r} -> {str(s['prediction'])[:80]!r} "
@@ -302,7 +315,7 @@ def warn_small_validation(data_report: DataSummary, cfg: TrainConfig, say: Say) 
             "--val_data")
 
 
-def gpu_preset_without_gpu(cfg: TrainConfig, say: Say) -> TrainConfig:
+def gpu_preset_without_gpu(cfg: ConfigT, say: Say) -> ConfigT:
     """A preset made for a GPU (it sets --gpu_memory_gb) on a machine without a CUDA GPU: say that the plan is for a
     GPU this machine does not have, and leave off the preset's gradient checkpointing (on a CPU it only slows
     training down) unless the user asked for it themselves."""

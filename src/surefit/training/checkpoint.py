@@ -188,7 +188,7 @@ class States:
 
 def save_checkpoint(folder: str | Path, *, model: torch.nn.Module, states: States | None = None,
                     state: TrainerState | None = None, export: Callable[[Path], None] | None = None,
-                    before_commit: Callable[[Path], None] | None = None) -> Path:
+                    before_commit: Callable[[Path], object] | None = None) -> Path:
     """Write a checkpoint atomically; on a failed write, the previous checkpoints are untouched.
 
     Args:

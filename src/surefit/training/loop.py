@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -551,7 +552,7 @@ class _Fit:
             ck.folder / name, model=self.model if self.sharded else acc.unwrap_model(self.model),
             # fp16 loss scaling state (None otherwise)
             states=States(self.optimizer, self.scheduler, getattr(acc, "scaler", None), optimizer_state),
-            state=state, export=(lambda d: ck.export(self.model, d)) if export and ck.export else None,
+            state=state, export=partial(ck.export, self.model) if export and ck.export else None,
             before_commit=ck.before_commit,
         )
         best = self.selection.best

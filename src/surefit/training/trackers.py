@@ -59,14 +59,11 @@ def tracker_values(record: dict[str, Any]) -> tuple[dict[str, float], int]:
     return values, int(record.get("step") or 0)
 
 
-def _hparams(config: TrainConfig) -> dict[str, Any]:
+def _hparams(config: TrainConfig | dict[str, Any] | None) -> dict[str, Any]:
     """The resolved config as the flat scalar mapping trackers store (TensorBoard hparams, W&B config)."""
     if config is None:
         return {}
-    if dataclasses.is_dataclass(config) and not isinstance(config, type):
-        values = dataclasses.asdict(config)
-    else:
-        values = dict(config)
+    values = dict(config) if isinstance(config, dict) else dataclasses.asdict(config)
     return {k: v if v is None or isinstance(v, bool | int | float | str) else str(v) for k, v in values.items()}
 
 
@@ -79,7 +76,7 @@ class Trackers:
         run_dir: the run folder; W&B's local files go there, named after it.
     """
 
-    def __init__(self, accelerator: Any, config: TrainConfig, run_dir: str | Path):
+    def __init__(self, accelerator: Any, config: TrainConfig | dict[str, Any], run_dir: str | Path):
         self.accelerator = accelerator
         self.config = config
         self.run_dir = Path(run_dir)

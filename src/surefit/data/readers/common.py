@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from surefit.data.rows import Row
 from surefit.errors import Problem
@@ -70,6 +70,10 @@ class Rejected:
         return {"where": self.where, "reason": self.reason, "raw": self.raw}
 
 
+@overload
+def clip_raw(raw: str) -> str: ...
+@overload
+def clip_raw(raw: None) -> None: ...
 def clip_raw(raw: str | None) -> str | None:
     return raw if raw is None or len(raw) <= MAX_RAW_CHARS else raw[:MAX_RAW_CHARS]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import csv
-from typing import Any
+from typing import Any, Literal
 
 from surefit.data.readers.common import (
     ICONV_FIX,
@@ -26,16 +26,18 @@ def read_delimited(
     limit: int | None = None,
 ) -> list[Row] | None:
     trial: list[Problem] = []
-    trial_rejects: list[Rejected] | None = [] if rejects is not None else None
-    rows, issues = _parse_delimited(decoded, source, delimiter, csv.QUOTE_MINIMAL, trial, trial_rejects, limit)
+    collect = rejects is not None  # skip mode: rejected rows are kept, each parse into its own list first
+    trial_rejects: list[Rejected] = []
+    rows, issues = _parse_delimited(decoded, source, delimiter, csv.QUOTE_MINIMAL, trial,
+                                    trial_rejects if collect else None, limit)
     if issues and delimiter == "\t":
         # Many TSVs (GLUE among them) never quote, and a sentence opening with '"' is text, not a quoted field.
         # If the file only parses as unquoted, it was written unquoted. Both modes decide alike: rows rejected for
         # their bytes are rejected either way, so only the parse's own complaints count.
         unquoted: list[Problem] = []
-        unquoted_rejects: list[Rejected] | None = [] if rejects is not None else None
+        unquoted_rejects: list[Rejected] = []
         plain, unquoted_issues = _parse_delimited(
-            decoded, source, delimiter, csv.QUOTE_NONE, unquoted, unquoted_rejects, limit
+            decoded, source, delimiter, csv.QUOTE_NONE, unquoted, unquoted_rejects if collect else None, limit
         )
         if not unquoted_issues:
             if rejects is not None:
@@ -51,7 +53,7 @@ def _parse_delimited(
     decoded: TextFile,
     source: str,
     delimiter: str,
-    quoting: int,
+    quoting: Literal[0, 1, 2, 3],  # csv.QUOTE_MINIMAL or csv.QUOTE_NONE
     problems: list[Problem],
     rejects: list[Rejected] | None,
     limit: int | None = None,
@@ -123,6 +125,7 @@ def _parse_delimited(
                 continue
             if bad_at is not None:
                 reason, raw_line = decoded.bad_lines[bad_at]
+                assert rejects is not None  # bad_lines is only filled in skip mode, which collects rejects
                 if bad_at != first_line:
                     reason += f" (line {bad_at}, inside this record)"
                 rejects.append(Rejected(where, reason, str(raw) if first_line != last_line else raw_line))

@@ -97,6 +97,7 @@ def read_jsonl(
                 return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
         if n in decoded.bad_lines:
             reason, raw = decoded.bad_lines[n]
+            assert rejects is not None  # bad_lines is only filled in skip mode, which collects rejects
             rejects.append(Rejected(where, reason, raw))  # bad_lines is only filled in skip mode
             continue
         if n in decoded.oversized:

@@ -21,11 +21,11 @@ def read_parquet(source: str, problems: list[Problem]) -> list[Row] | None:
                 f"cannot read {source} as Parquet: {e}", fix="check the file is a complete Parquet file (re-export it)"
             )
         )
-        return None
+        return []  # the problem says why; read_rows returns a list either way
     return [Row(fields=r, where=f"{source} row {i}", index=i - 1) for i, r in enumerate(records, 1)]
 
 
-def read_dataset_folder(source: str, problems: list[Problem]) -> list[Row] | None:
+def read_dataset_folder(source: str, problems: list[Problem]) -> list[Row]:
     import datasets  # deferred: importing datasets costs about a second
 
     try:
@@ -37,7 +37,7 @@ def read_dataset_folder(source: str, problems: list[Problem]) -> list[Row] | Non
                 fix="re-save it with Dataset.save_to_disk, or export it to JSONL/Parquet",
             )
         )
-        return None
+        return []  # the problem says why; read_rows returns a list either way
     if isinstance(ds, datasets.DatasetDict):
         problems.append(
             Problem(
@@ -45,5 +45,5 @@ def read_dataset_folder(source: str, problems: list[Problem]) -> list[Row] | Non
                 fix=f"point --data at one split, e.g. {Path(source) / next(iter(ds), 'train')}",
             )
         )
-        return None
+        return []  # the problem says why; read_rows returns a list either way
     return [Row(fields=r, where=f"{source} row {i}", index=i - 1) for i, r in enumerate(ds.to_list(), 1)]

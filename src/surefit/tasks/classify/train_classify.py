@@ -72,6 +72,7 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
         ``(train_rows, val_rows, fields, label_spec, summary)``.
     """
     problems = list(problems or [])
+    assert cfg.data is not None  # required: the config's checks say so first
     found: list[Rejected] = []
     report = DataSummary(notes=[], rejected=found)
     notes = report.notes
@@ -450,6 +451,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         except ConfigError as e:
             early += e.problems
     train_rows, val_rows, fields, spec, report = load_data(cfg, say, early)
+    assert source is not None and path is not None  # a model problem was raised above, with the data's
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from surefit.config.task_configs import ClassifyConfig
 from surefit.data.classes import Fields, LabelSpec
 from surefit.data.collate import PadCollator
 from surefit.data.readers import field_not_found, read_checked
@@ -52,13 +53,14 @@ def label_spec(run: Run, label_field: str | None = None) -> LabelSpec:
     if ptype is None:
         saved = _saved_label_config(run)
         ptype, label2id = saved.get("problem_type"), saved.get("label2id")
-    if ptype is None:
+    if ptype is None or (ptype != "regression" and label2id is None):
         raise SurefitError(Problem(f"cannot tell the labels of {run.folder}: data_report.json has no problem_type and "
                                    "the saved model has no label mapping", "--run",
                                    "the run folder is incomplete; train the run again"))
-    names = [] if ptype == "regression" else [n for n, _ in sorted(label2id.items(), key=lambda kv: kv[1])]
+    names = [] if ptype == "regression" or label2id is None else [
+        n for n, _ in sorted(label2id.items(), key=lambda kv: kv[1])]
     fields = report.get("fields") or {}
-    label = label_field or fields.get("label") or run.cfg.label_field or "label"
+    label = label_field or fields.get("label") or run.config_as(ClassifyConfig).label_field or "label"
     return LabelSpec(problem_type=ptype, field=label, names=names, kind="str", how=f"the labels of {run.folder}")
 
 
@@ -84,8 +86,8 @@ def load(run: Run, spec: LabelSpec, say: Say = print, as_trained: bool = True) -
     """The classifier as it was trained: a transformers classifier (full or base + adapter) or backbone + head."""
     from transformers import AutoTokenizer
 
-    run.require(*final_files(run.cfg))
-    cfg = run.cfg
+    run.require(*final_files(run.config_as(ClassifyConfig)))
+    cfg = run.config_as(ClassifyConfig)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(run.final), trust_remote_code=cfg.trust_remote_code)
     except Exception as e:  # noqa: BLE001
@@ -127,9 +129,9 @@ def load(run: Run, spec: LabelSpec, say: Say = print, as_trained: bool = True) -
 def _run_fields(run: Run, fields: dict[str, str], texts_given: bool = False) -> Fields:
     """The columns the run was trained on (flags override): data_report.json, else the run's columns.json."""
     saved = run.report.get("fields") or _fields_from_columns(run.folder / COLUMNS)
-    text = fields.get("text_field") or saved.get("text") or run.cfg.text_field
-    pair = fields.get("text_pair_field") or saved.get("pair") or run.cfg.text_pair_field
-    label = fields.get("label_field") or saved.get("label") or run.cfg.label_field
+    text = fields.get("text_field") or saved.get("text") or run.config_as(ClassifyConfig).text_field
+    pair = fields.get("text_pair_field") or saved.get("pair") or run.config_as(ClassifyConfig).text_pair_field
+    label = fields.get("label_field") or saved.get("label") or run.config_as(ClassifyConfig).label_field
     if text is None and texts_given:
         text = "text"  # --input texts are not read from a column: any name will do
     if text is None:
@@ -183,7 +185,7 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     Returns:
         ``(what was evaluated, rows, metrics, prediction records)``.
     """
-    cfg = run.cfg
+    cfg = run.config_as(ClassifyConfig)
     if data is None:
         run.check_training_data()
         _, rows, flds, spec, _ = load_data(cfg, say=lambda _: None)
@@ -216,10 +218,10 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
     for part in chunks(rows, batch_size):
         feats, rep = tokenize(part, loaded.tokenizer, flds, max_len, loaded.extra["keys"], "predict")
         say_truncated(rep, max_len, say)
-        logits, _ = shrink_on_oom(
-            lambda b, feats=feats: predict_logits(loaded.model, feats, collate, b, loaded.accelerator,
-                                                  spec.problem_type),
-            batch_size, "prediction", say)
+        def logits_of(b: int, feats: list[dict[str, Any]] = feats) -> Any:
+            return predict_logits(loaded.model, feats, collate, b, loaded.accelerator, spec.problem_type)
+
+        logits, _ = shrink_on_oom(logits_of, batch_size, "prediction", say)
         batch = []
         for row, lg in zip(part, logits, strict=True):
             rec: dict[str, Any] = {"where": row.where, "text": str(row.fields[flds.text])}
@@ -243,8 +245,8 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     """Write the run's model into ``folder`` (new); with ``merge``, a LoRA adapter folded into the base weights: a
     plain sequence classifier with label2id/id2label in its config, or (with a custom head) backbone/ merged plus
     the head's files. Returns what was written, in words."""
-    run.require(*final_files(run.cfg))
-    lora_dir = run.final / "backbone" if run.cfg.head else run.final
+    run.require(*final_files(run.config_as(ClassifyConfig)))
+    lora_dir = run.final / "backbone" if run.config_as(ClassifyConfig).head else run.final
     lora = (lora_dir / "adapter_config.json").is_file()
     if not (merge and lora):
         shutil.copytree(run.final, folder)
@@ -254,7 +256,7 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
     folder.mkdir(parents=True)
     loaded = load(run, label_spec(run), say, as_trained=False)
     model = loaded.model
-    if run.cfg.head:
+    if run.config_as(ClassifyConfig).head:
         from safetensors.torch import save_file
 
         model.backbone.merge_and_unload().save_pretrained(folder / "backbone", safe_serialization=True)

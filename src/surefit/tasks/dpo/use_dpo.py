@@ -35,7 +35,7 @@ def evaluate(run: Any, data: str | None, batch_size: int, max_new_tokens: int | 
     Returns:
         ``(what was evaluated, pairs, metrics, per-pair records)``.
     """
-    cfg: DPOConfig = run.cfg
+    cfg = run.config_as(DPOConfig)
     if data is None:
         run.check_training_data()
         _, rows, _ = load_pairs(cfg, say=_quiet)

@@ -132,9 +132,10 @@ def load_data(cfg: SFTConfig, say: Say = print,
     problems = list(problems or [])
     assert cfg.data is not None  # required: the config's checks say so first
     rejects: list[Rejected] = []
-    report = DataSummary(notes=[], rejected=rejects)
+    read_notes: list[str] = []  # the summary's notes, added to as the data is read
+    report = DataSummary(notes=read_notes, rejected=rejects)
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects if cfg.on_bad_rows == "skip" else None,
-                         report.notes)
+                         read_notes)
     choice: FormatChoice | None = None
     table: list[dict[str, str]] = []
     how = read_settings(cfg)
@@ -145,7 +146,7 @@ def load_data(cfg: SFTConfig, say: Say = print,
             loaded[name], found, notes = read_formatted(raw, how, str(path), problems,
                                                        rejects if cfg.on_bad_rows == "skip" else None,
                                                        choice.name if choice else None)
-            report.notes += notes
+            read_notes += notes
             if found is not None and choice is None:
                 choice = found
                 named = tuple(template_fields(cfg.template)) if cfg.template else ()
@@ -164,18 +165,18 @@ def load_data(cfg: SFTConfig, say: Say = print,
     key = lambda r: conversation_key(r, cfg.input_field)  # noqa: E731
     train_rows, val, notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction, cfg.seed,
                                             key, "conversation" if choice.conversational else "input")
-    report.notes += notes
+    read_notes += notes
     # Augment AFTER the split and only the training side: a variant of a validation row in training is a leak.
     if choice.conversational:
         train_rows, stats = augment_conversations(train_rows, cfg.augmentation_factor, cfg.seed)
     else:
         train_rows, stats = augment_rows(train_rows, cfg.augmentation_factor, cfg.seed, cfg.input_field)
-    report.notes.append(stats.summary())
+    read_notes.append(stats.summary())
     if not cfg.val_data:
         assert not leaked(train_rows, val, key), "split/augment invariant broken: a validation row leaked into training"
     report.train_rows, report.val_rows = len(train_rows), len(val)
     report.details["augmentation"] = stats.__dict__
-    for note in report.notes:
+    for note in read_notes:
         say(note)
     return train_rows, val, report
 

@@ -70,7 +70,7 @@ def load(run: Run, say: Say = print, as_trained: bool = True, merge_dtype: str |
     import torch
 
     run.require(*FINAL_FILES)
-    cfg = run.cfg
+    cfg = run.config_as(SFTConfig)
     final_source = ModelSource("folder", str(run.final), str(run.final))
     tokenizer, _ = load_tokenizer(str(run.final), final_source, cfg.trust_remote_code)
     if (run.final / "adapter_config.json").is_file():
@@ -111,7 +111,7 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     Returns:
         ``(what was evaluated, rows, metrics, prediction records)``.
     """
-    cfg = run.cfg
+    cfg = run.config_as(SFTConfig)
     input_field = fields.get("input_field") or cfg.input_field
     target_field = fields.get("target_field") or cfg.target_field
     train_rows = None
@@ -152,8 +152,8 @@ def _max_new_tokens(run: Run, given: int | None, loaded: Loaded, train_rows: lis
     """Generation length as training chose it: --max_new_tokens, else the longest training target + 4."""
     if given:
         return given
-    if run.cfg.max_new_tokens:
-        return run.cfg.max_new_tokens
+    if (configured := run.config_as(SFTConfig).max_new_tokens):
+        return configured
     longest = ((run.report.get("encoding") or {}).get("train") or {}).get("longest_target")
     if not longest and train_rows is not None:
         longest = loaded.extra["encoder"].encode(train_rows, "train")[1].longest_target
@@ -172,7 +172,7 @@ def _read_run_file(run: Run, path: str, text_fields: list[tuple[str, str]], comp
         return read_checked(path, text_fields)
     problems: list[Problem] = []
     rows = read_rows(path, problems)
-    choice = detect_format(rows, str(path), "auto", text_fields[0][0], "target", parse_role_map(run.cfg.role_map)[0])
+    choice = detect_format(rows, str(path), "auto", text_fields[0][0], "target", parse_role_map(run.config_as(SFTConfig).role_map)[0])
     if isinstance(choice, Problem):
         problems.append(choice)
     elif choice.conversational:
@@ -194,7 +194,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
 
     A conversation (``messages`` / ``conversations`` row) is continued with the next assistant turn; generation
     stops at every end-of-turn id of the template and the generation config."""
-    input_field = fields.get("input_field") or run.cfg.input_field
+    input_field = fields.get("input_field") or run.config_as(SFTConfig).input_field
     text_fields = [(input_field, "--input_field")]
     conversational = bool(run.report.get("format_conversational"))
     if file is not None:
@@ -204,10 +204,11 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
         if conversational:
             rows = [r.with_fields(messages=[{"role": "user", "content": r.fields[input_field]}], tools=None)
                     for r in rows]
-    cfg = run.cfg
-    if prerendered(cfg) and not conversational:
-        names = template_fields(cfg.template)
-        rows = [r.with_fields(**{input_field: fill_template(cfg.template, {
+    cfg = run.config_as(SFTConfig)
+    template = cfg.template
+    if template is not None and prerendered(cfg) and not conversational:  # prerendered: a --template was given
+        names = template_fields(template)
+        rows = [r.with_fields(**{input_field: fill_template(template, {
             n: r.fields.get(input_field if n == "input" else n) for n in names})}) for r in rows]
     with phase("loading the run's model"):
         loaded = load(run, say)
@@ -253,7 +254,7 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
         import torch
 
         folder.mkdir(parents=True)
-        quantized = getattr(run.cfg, "quantize", "none") != "none"
+        quantized = getattr(run.config_as(SFTConfig), "quantize", "none") != "none"
         # A quantised run merges into a 16-bit copy of the unquantised base: folding an adapter into 4-bit (or
         # 8-bit) weights would round it away into the quantisation grid, and the result would need bitsandbytes.
         dtype = (run.frozen_dtype or "bf16") if quantized else None
@@ -261,8 +262,8 @@ def export(run: Run, folder: Path, merge: bool, say: Say = print) -> str:
         merged = loaded.model.merge_and_unload()
         if dtype:
             merged.to({"bf16": torch.bfloat16, "fp16": torch.float16}[dtype])
-            bits = run.cfg.quantize.replace("bit", "-bit")
-            say(f"--merge: {run.folder} trained on a {bits} base (--quantize {run.cfg.quantize}); the adapter is merged "
+            bits = run.config_as(SFTConfig).quantize.replace("bit", "-bit")
+            say(f"--merge: {run.folder} trained on a {bits} base (--quantize {run.config_as(SFTConfig).quantize}); the adapter is merged "
                 f"into a {dtype} copy of the unquantised base, never into the {bits} weights")
         merged.save_pretrained(folder, safe_serialization=True)
         loaded.tokenizer.save_pretrained(folder)
@@ -320,15 +321,16 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
               "turns": roles, "shortened": len(getattr(rep, "rows_shortened", [])), "excluded": len(rep.excluded)}
     say(f"{rep.encoded}/{rep.rows} rows encoded; {rep.tokens} tokens, {rep.supervised_tokens} supervised "
         f"({100.0 * rep.supervised_tokens / max(rep.tokens, 1):.1f}%)")
-    if getattr(rep, "split_rows", 0):
-        say(f"{rep.split_rows} conversations became {rep.split_examples} examples: the template rewrites earlier "
+    chat_rep = rep if isinstance(rep, ChatReport) else None
+    if chat_rep and chat_rep.split_rows:
+        say(f"{chat_rep.split_rows} conversations became {chat_rep.split_examples} examples: the template rewrites earlier "
             "turns (e.g. drops their reasoning), so each trained turn is its own example, rendered as at inference")
-    if getattr(rep, "reasoning_turns", 0):
-        say(f"reasoning: {rep.reasoning_turns} assistant turns carry reasoning, trained with their answer")
+    if chat_rep and chat_rep.reasoning_turns:
+        say(f"reasoning: {chat_rep.reasoning_turns} assistant turns carry reasoning, trained with their answer")
     if (line := getattr(rep, "thinking_line", lambda: None)()):
         say(line)
-    if getattr(rep, "system_folded", 0):
-        say(f"system turns: {rep.system_folded} written at the start of the first user turn (the template rejects "
+    if chat_rep and chat_rep.system_folded:
+        say(f"system turns: {chat_rep.system_folded} written at the start of the first user turn (the template rejects "
             "the system role; --system_turn refuse keeps its error)")
     if roles:
         trained = "every assistant turn" if cfg.train_on == "all_assistant" else "the last assistant turn"
