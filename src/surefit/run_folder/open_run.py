@@ -183,7 +183,7 @@ def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path],
     """Write an export of ``run`` to ``dest`` atomically: ``write(tmp)`` fills a temporary folder beside ``dest``,
     which then replaces it. ``dest`` may not be a file, the run itself, a folder holding it or anything inside it,
     and a non-empty ``dest`` is refused unless ``overwrite``."""
-    _check_destination(run, dest, overwrite)
+    check_destination(run, dest, overwrite)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.parent / f".{dest.name}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -197,7 +197,8 @@ def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path],
     return dest
 
 
-def _check_destination(run: Run, dest: Path, overwrite: bool) -> None:
+def check_destination(run: Run, dest: Path, overwrite: bool) -> None:
+    """Refuse an export destination that is a file, the run itself, inside it or holding it, or not empty."""
     if dest.exists() and not dest.is_dir():
         raise SurefitError(Problem(f"{dest} is a file", "--to", "pass a folder path (new or empty)"))
     resolved, folder = dest.resolve(), run.folder.resolve()
