@@ -82,14 +82,13 @@ def run_finished_run_command(command: str, ns: argparse.Namespace) -> int:
     names = ("input_field", "target_field", "text_field", "text_pair_field", "label_field")
     fields = {k: getattr(ns, k) for k in names if getattr(ns, k, None) is not None}
     code = {"allow_code": ns.allow_code, "trust_remote_code": ns.trust_remote_code}
-    reading = {k: getattr(ns, k, None) for k in ("batch_size", "max_new_tokens")}  # export has neither
     if command == "eval":
         api.evaluate(ns.run, ns.data, out=ns.out, predictions=ns.predictions, say=err, **code,
-                     options=api.UseOptions(**reading, fields=fields, show="json" if ns.json else "table"))
+                     options=api.UseOptions(ns.batch_size, ns.max_new_tokens, fields, "json" if ns.json else "table"))
     elif command == "predict":
         api.predict(ns.run, ns.input, ns.file, out=ns.out, say=err, **code,
-                    options=api.UseOptions(**reading, fields=fields, stream=None if ns.out else sys.stdout,
-                                           collect=False))
+                    options=api.UseOptions(ns.batch_size, ns.max_new_tokens, fields,
+                                           stream=None if ns.out else sys.stdout, collect=False))
     else:
         api.export(ns.run, ns.to, merge=ns.merge, overwrite=ns.overwrite, say=err, **code)
     return 0
