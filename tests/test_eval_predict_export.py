@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 import surefit
 from conftest import qa_rows, sentiment_rows, write_tsv
 from surefit.cli import main
-from surefit.errors import SurefitError
+from surefit.errors import ConfigError, SurefitError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,8 +92,8 @@ def test_sft_predict_streams_json_lines_with_the_run_prompt(sft_run, tmp_path, c
     out = surefit.predict(sft_run, val[0]["input"], say=lambda *_: None)
     assert out[0]["where"] == "--input" and out[0]["prediction"] == lines[0]["prediction"]
     # --out: the same records in a file, one per line; collect=False keeps nothing in memory.
-    assert surefit.predict(sft_run, [val[0]["input"], val[1]["input"]], out=tmp_path / "o/p.jsonl", collect=False,
-                           say=lambda *_: None) == []
+    assert surefit.predict(sft_run, [val[0]["input"], val[1]["input"]], out=tmp_path / "o/p.jsonl",
+                           say=lambda *_: None, options=surefit.UseOptions(collect=False)) == []
     written = [json.loads(x) for x in (tmp_path / "o/p.jsonl").read_text().splitlines()]
     assert [r["where"] for r in written] == ["--input #1", "--input #2"]
     assert written[0]["prediction"] == lines[0]["prediction"]
@@ -164,6 +165,12 @@ def test_classify_eval_matches_training_and_predict_gives_probabilities(cls_run,
     assert m["eval_macro_f1"] == pytest.approx(last["eval_macro_f1"])
     assert m["eval_per_class_f1"] == pytest.approx(last["eval_per_class_f1"])
     assert m["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-6)
+    # A setting of the other command would be ignored: refused, by name, before anything loads.
+    with pytest.raises(ConfigError, match=r"UseOptions.stream applies to predict only") as e:
+        surefit.evaluate(cls_run, options=surefit.UseOptions(stream=sys.stdout, batch_size=2))
+    assert e.value.problems[0].where == "options.stream"
+    with pytest.raises(ConfigError, match=r"UseOptions.show applies to evaluate only"):
+        surefit.predict(cls_run, "x", options=surefit.UseOptions(show="json"))
 
     capsys.readouterr()
     assert main(["predict", "--run", str(cls_run), "--input", "the movie was very great", "--input",

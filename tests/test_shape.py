@@ -9,16 +9,6 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "surefit"
 MOST = 8
 
-# Still wider than MOST, each with why it waits; the list may only shrink (issue 30).
-WAITING = {
-    # Public Python API of a finished run (docs/outputs.md shows the keywords users pass); was finished.py.
-    "api/use_run.py:evaluate", "api/use_run.py:predict",
-    # The doctor's entry points take a Trainer's objects by their Trainer names (doctor/ is another helper's area).
-    "doctor/__init__.py:explain", "doctor/core.py:Setup.__init__",
-    # Readers' private helpers (data/readers and data/shards are being changed for input limits).
-    "data/shards.py:_header_piece",
-}
-
 
 def _functions(root: Path = SRC) -> dict[str, int]:
     """``path:[Class.]name`` -> its parameters (``self``/``cls`` not counted; ``*args`` and ``**kwargs`` count one)."""
@@ -43,8 +33,7 @@ def test_fit_takes_at_most_four_arguments():
 def test_no_function_takes_more_than_eight_parameters():
     functions = _functions()
     wide = {k: n for k, n in functions.items() if n > MOST}
-    assert not {k: n for k, n in wide.items() if k not in WAITING}, "bundle these into a record or settings object"
-    assert set(WAITING) == set(wide), f"no longer wider than {MOST}: drop from WAITING: {set(WAITING) - set(wide)}"
+    assert not wide, "bundle these into a record or settings object"
 
 
 def test_the_count_sees_keyword_only_and_variadic_parameters_and_methods(tmp_path):

@@ -10,8 +10,17 @@ Python API::
 from surefit.errors import ConfigError, DataError, Problem, SurefitError
 
 __version__ = "0.1.0"
-__all__ = ["train", "evaluate", "predict", "export", "ConfigError", "DataError", "Problem", "SurefitError",
-           "__version__"]
+__all__ = ["train", "evaluate", "predict", "export", "UseOptions", "ConfigError", "DataError", "Problem",
+           "SurefitError", "__version__"]
+
+
+def __getattr__(name: str) -> type:
+    """``surefit.UseOptions``, imported on first use so that `import surefit` stays fast."""
+    if name == "UseOptions":
+        from surefit.api.use_run import UseOptions
+
+        return UseOptions
+    raise AttributeError(f"module 'surefit' has no attribute {name!r}")
 
 
 def train(config=None, /, **settings):  # noqa: ANN001 - re-exported, documented in surefit.api.train
@@ -25,14 +34,16 @@ def train(config=None, /, **settings):  # noqa: ANN001 - re-exported, documented
 
 
 def evaluate(run, data=None, **options):  # noqa: ANN001, ANN201 - documented in surefit.api.evaluate
-    """Evaluate a finished run (its validation split, or ``data``); see :func:`surefit.api.evaluate`."""
+    """Evaluate a finished run (its validation split, or ``data``); see :func:`surefit.api.evaluate` (its rarely
+    changed settings: ``options=surefit.UseOptions(...)``)."""
     from surefit.api import evaluate as _evaluate
 
     return _evaluate(run, data, **options)
 
 
 def predict(run, inputs=None, file=None, **options):  # noqa: ANN001, ANN201 - documented in surefit.api.predict
-    """Predict with a finished sft or classify run; see :func:`surefit.api.predict`."""
+    """Predict with a finished sft or classify run; see :func:`surefit.api.predict` (its rarely changed settings:
+    ``options=surefit.UseOptions(...)``)."""
     from surefit.api import predict as _predict
 
     return _predict(run, inputs, file, **options)

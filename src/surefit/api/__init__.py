@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 # Using a finished run lives in surefit/api/use_run.py; its names stay importable from here.
-from surefit.api.use_run import evaluate, export, predict, report
+from surefit.api.use_run import UseOptions, evaluate, export, predict, report
 from surefit.config import SFTConfig, TrainConfig
 from surefit.config.aliases import build_with_aliases
 from surefit.config.task_configs import TASK_CONFIGS
@@ -84,4 +84,4 @@ def inspect_data(data: str, model: str | None = None, model_args: str | None = N
     return text
 
 
-__all__ = ["RunResult", "doctor", "evaluate", "export", "inspect_data", "inspect_sft", "predict", "report", "train"]
+__all__ = ["RunResult", "UseOptions", "doctor", "evaluate", "export", "inspect_data", "inspect_sft", "predict", "report", "train"]

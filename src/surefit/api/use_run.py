@@ -6,6 +6,7 @@ its task module. Training is ``api/__init__.py``; these names are importable fro
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -76,10 +77,42 @@ def _check_fields(run: Any, task: Any, fields: dict[str, str | None]) -> dict[st
     return {k: v for k, v in fields.items() if v is not None}
 
 
+@dataclass(frozen=True)
+class UseOptions:
+    """The rarely changed settings of :func:`evaluate` and :func:`predict`; the defaults reproduce the run's own
+    evaluation. ``show`` applies to ``evaluate`` only, ``stream`` and ``collect`` to ``predict`` only.
+
+    Attributes:
+        batch_size: rows per batch (default: the run's evaluation batch, so the numbers match its last epoch).
+        max_new_tokens: sft generation length (default: the run's).
+        fields: column names for the rows read: ``input_field``/``target_field`` (sft), ``text_field``,
+            ``text_pair_field``, ``label_field`` (classify).
+        show: ``"table"`` or ``"json"``: print the evaluation that way (to stdout); ``None`` prints nothing.
+        stream: write each prediction to this text stream (e.g. ``sys.stdout``) as soon as its batch is done.
+        collect: also return the predictions (``False`` for inputs too large to hold).
+    """
+
+    batch_size: int | None = None
+    max_new_tokens: int | None = None
+    fields: dict[str, str | None] | None = None
+    show: str | None = None
+    stream: TextIO | None = None
+    collect: bool = True
+
+
+def _check_options(o: UseOptions, command: str) -> None:
+    """Counts >= 1, and no setting of the other command (it would be ignored)."""
+    other = ({"stream": o.stream is not None, "collect": not o.collect} if command == "evaluate" else
+             {"show": o.show is not None})
+    raise_if([Problem(f"UseOptions.{k} applies to {'predict' if command == 'evaluate' else 'evaluate'} only",
+                      f"options.{k}", f"drop it from the options of {command}()") for k, v in other.items() if v],
+             ConfigError)
+    _check_counts(batch_size=o.batch_size, max_new_tokens=o.max_new_tokens)
+
+
 def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None = None,
-             show: str | None = None, say=print, batch_size: int | None = None, max_new_tokens: int | None = None,
-             predictions: str | Path | None = None, fields: dict[str, str | None] | None = None,
-             allow_code: bool = False, trust_remote_code: bool = False) -> dict[str, Any]:
+             predictions: str | Path | None = None, say=print, allow_code: bool = False,
+             trust_remote_code: bool = False, options: UseOptions | None = None) -> dict[str, Any]:
     """Evaluate a finished run on its validation split, re-derived exactly as training did, or on ``data``.
 
     sft: eval loss, SQuAD F1 and exact match of greedy generations; classify: accuracy, macro-F1, per-class F1 and
@@ -90,16 +123,13 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
         run: the run folder (``--output_dir`` of ``surefit train``).
         data: evaluate on this file (sft, classify) or tensor folder (custom) instead.
         out: also write the result as JSON to this file.
-        show: ``"table"`` or ``"json"``: print the result that way (to stdout); ``None`` prints nothing.
-        say: where progress and notes go.
-        batch_size: evaluation batch (default: the run's, so that the numbers match its last epoch exactly).
-        max_new_tokens: sft generation length (default: the run's).
         predictions: write one JSON line per example (input, gold, prediction) to this file.
-        fields: column overrides for ``data``: ``input_field``/``target_field`` (sft), ``text_field``,
-            ``text_pair_field``, ``label_field`` (classify).
+        say: where progress and notes go.
         allow_code: run the code the run's config.yaml names (a ``head``, a ``model`` or ``data`` factory, remote
             code); without it such a run is refused (a run folder is data). trust_remote_code: allow only the
             latter.
+        options: the rarely changed settings (:class:`UseOptions`: ``batch_size``, ``max_new_tokens``, ``fields``
+            for ``data``'s columns, ``show``), e.g. ``options=UseOptions(batch_size=8)``.
 
     Returns:
         ``{"run", "task", "data", "rows", "metrics", "training"}``; ``training`` holds the last epoch's values of the
@@ -109,17 +139,18 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
 
     from surefit.run_folder.report import render_eval
 
-    _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    o = options or UseOptions()
+    _check_options(o, "evaluate")
     r, task = _open(run, allow_code, trust_remote_code, say)
     _check_outputs(r, [Output(flag, Path(p)) for flag, p in (("--out", out), ("--predictions", predictions))
                        if p is not None], data)
-    given = _check_fields(r, task, fields or {})
+    given = _check_fields(r, task, o.fields or {})
     if data is None and given:
         raise ConfigError([Problem(f"--{k} names a column of --data, and no --data was given (the run's own validation "
                                    "data is read with the run's fields)", f"--{k}", "pass --data FILE, or drop it")
                            for k in given])
-    described, n, metrics, records = task.evaluate(r, data, batch_size or r.eval_batch_size, max_new_tokens, given,
-                                                   say)
+    described, n, metrics, records = task.evaluate(r, data, o.batch_size or r.eval_batch_size, o.max_new_tokens,
+                                                   given, say)
     if predictions is not None:
         with atomic_file(predictions) as fh:
             fh.writelines(_json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in records)
@@ -132,18 +163,16 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     if out is not None:
         with atomic_file(out) as fh:
             fh.write(_json.dumps(result, indent=2) + "\n")
-    if show == "json":
+    if o.show == "json":
         print(_json.dumps(result, indent=2))
-    elif show == "table":
+    elif o.show == "table":
         print(render_eval(result))
     return result
 
 
 def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None, *,
-            out: str | Path | None = None, stream: TextIO | None = None, collect: bool = True,
-            batch_size: int | None = None, max_new_tokens: int | None = None,
-            fields: dict[str, str | None] | None = None, say=print, allow_code: bool = False,
-            trust_remote_code: bool = False) -> list[dict[str, Any]]:
+            out: str | Path | None = None, say=print, allow_code: bool = False, trust_remote_code: bool = False,
+            options: UseOptions | None = None) -> list[dict[str, Any]]:
     """Predict with a finished sft or classify run: one record per input, in input order.
 
     sft records hold the generated ``prediction`` (the run's prompt format, greedy, stopped at EOS); classify records
@@ -153,21 +182,21 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
         run: the run folder. inputs: one text or a list of texts. file: rows (JSONL, JSON, CSV, TSV, Parquet) holding
             the run's input field (sft) or text field(s) (classify); every bad row is reported, with its line, before
             anything is predicted.
-        out: write the records as JSON lines to this file. stream: write each record to this text stream (e.g.
-            ``sys.stdout``) as soon as its batch is done. collect: also return the records (``False`` for files too
-            large to hold).
-        batch_size: rows per batch (default: the run's evaluation batch). max_new_tokens: sft generation length.
-        fields: ``input_field`` (sft) or ``text_field``/``text_pair_field`` (classify) to read from ``file``.
-        allow_code, trust_remote_code: as for :func:`evaluate`.
+        out: write the records as JSON lines to this file.
+        say, allow_code, trust_remote_code: as for :func:`evaluate`.
+        options: the rarely changed settings (:class:`UseOptions`: ``batch_size``, ``max_new_tokens``, ``fields``
+            (``input_field`` for sft, ``text_field``/``text_pair_field`` for classify, read from ``file``),
+            ``stream``, ``collect``), e.g. ``options=UseOptions(stream=sys.stdout, collect=False)``.
     """
     import json as _json
 
-    _check_counts(batch_size=batch_size, max_new_tokens=max_new_tokens)
+    o = options or UseOptions()
+    _check_options(o, "predict")
     r, task = _open(run, allow_code, trust_remote_code, say)
     _check_outputs(r, [Output("--out", Path(out))] if out is not None else [], file)
-    given = _check_fields(r, task, fields or {})
-    batches = task.predict(r, inputs, None if file is None else str(file), batch_size or r.eval_batch_size,
-                           max_new_tokens, given, say)  # a task without predictions refuses here
+    given = _check_fields(r, task, o.fields or {})
+    batches = task.predict(r, inputs, None if file is None else str(file), o.batch_size or r.eval_batch_size,
+                           o.max_new_tokens, given, say)  # a task without predictions refuses here
     if (inputs is None) == (file is None):
         raise ConfigError(Problem("give either --input TEXT or --file ROWS" if inputs is None else
                                   "both --input and --file given", "--input", "use one of them"))
@@ -178,7 +207,7 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
     count = 0
     with atomic_file(out) if out is not None else nullcontext() as fh:  # renamed into place once all are written
         for batch in batches:
-            sinks = [s for s in (fh, stream) if s is not None]
+            sinks = [s for s in (fh, o.stream) if s is not None]
             for rec in batch:
                 line = _json.dumps(rec, ensure_ascii=False) + "\n"
                 for sink in sinks:
@@ -186,7 +215,7 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
             for sink in sinks:
                 sink.flush()
             count += len(batch)
-            if collect:
+            if o.collect:
                 records += batch
     if out is not None:
         say(f"wrote {count} prediction{'s' if count != 1 else ''} to {out}")

@@ -83,11 +83,12 @@ def run_finished_run_command(command: str, ns: argparse.Namespace) -> int:
     fields = {k: getattr(ns, k) for k in names if getattr(ns, k, None) is not None}
     code = {"allow_code": ns.allow_code, "trust_remote_code": ns.trust_remote_code}
     if command == "eval":
-        api.evaluate(ns.run, ns.data, out=ns.out, show="json" if ns.json else "table", say=err, fields=fields,
-                     batch_size=ns.batch_size, max_new_tokens=ns.max_new_tokens, predictions=ns.predictions, **code)
+        api.evaluate(ns.run, ns.data, out=ns.out, predictions=ns.predictions, say=err, **code,
+                     options=api.UseOptions(ns.batch_size, ns.max_new_tokens, fields, "json" if ns.json else "table"))
     elif command == "predict":
-        api.predict(ns.run, ns.input, ns.file, out=ns.out, stream=None if ns.out else sys.stdout, collect=False,
-                    batch_size=ns.batch_size, max_new_tokens=ns.max_new_tokens, fields=fields, say=err, **code)
+        api.predict(ns.run, ns.input, ns.file, out=ns.out, say=err, **code,
+                    options=api.UseOptions(ns.batch_size, ns.max_new_tokens, fields,
+                                           stream=None if ns.out else sys.stdout, collect=False))
     else:
         api.export(ns.run, ns.to, merge=ns.merge, overwrite=ns.overwrite, say=err, **code)
     return 0

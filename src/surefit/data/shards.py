@@ -728,9 +728,19 @@ def _check_totals(arrays: dict[str, ArrayInfo], pieces: dict[str, list[_Piece]],
     return n
 
 
-def _header_piece(name: str, fname: str, path: str, shape: tuple[int, ...], fortran: bool, dtype: np.dtype,
-                  data_bytes: int, offset: int | None, problems: list[Problem], *, streamed: bool) -> _Piece | None:
+@dataclass(frozen=True)
+class _Header:
+    """What an array's .npy header says (numpy's ``read_array_header_*`` triple)."""
+
+    shape: tuple[int, ...]
+    fortran: bool
+    dtype: np.dtype
+
+
+def _header_piece(name: str, fname: str, path: str, header: _Header, data_bytes: int, offset: int | None,
+                  problems: list[Problem], *, streamed: bool) -> _Piece | None:
     """Check one array's .npy header (in a .npy or .npz) and describe it, or add a problem."""
+    shape, fortran, dtype = header.shape, header.fortran, header.dtype
     what = f"{name} in {fname}" if fname != name + ".npy" else name
     if dtype.hasobject:
         problems.append(Problem(
@@ -761,16 +771,17 @@ def _header_piece(name: str, fname: str, path: str, shape: tuple[int, ...], fort
     return _Piece(path, tuple(shape), torch_dtype, offset, None if dtype.isnative or dtype.itemsize == 1 else dtype)
 
 
-def _read_npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+def _read_npy_header(f: Any) -> _Header:
     version = np.lib.format.read_magic(f)
     if version == (1, 0):
-        return np.lib.format.read_array_header_1_0(f)
+        return _Header(*np.lib.format.read_array_header_1_0(f))
     if version == (2, 0):
-        return np.lib.format.read_array_header_2_0(f)
+        return _Header(*np.lib.format.read_array_header_2_0(f))
     if version == (3, 0):  # as 2.0 with a UTF-8 header; numpy has no public reader for it
         length = int.from_bytes(f.read(4), "little")
         header = ast.literal_eval(f.read(length).decode("utf-8"))
-        return tuple(header["shape"]), bool(header["fortran_order"]), np.lib.format.descr_to_dtype(header["descr"])
+        return _Header(tuple(header["shape"]), bool(header["fortran_order"]),
+                       np.lib.format.descr_to_dtype(header["descr"]))
     raise ValueError(f"unknown .npy format version {version}")
 
 
@@ -787,13 +798,13 @@ def _scan_npy(f: Path, problems: list[Problem]) -> _Piece | None:
     try:
         size = f.stat().st_size
         with open(f, "rb") as fh:
-            shape, fortran, dtype = _read_npy_header(fh)
+            header = _read_npy_header(fh)
             offset = fh.tell()
     except _HEADER_ERRORS as e:
         problems.append(Problem(f"not a readable .npy file ({type(e).__name__}: {e})", where=path,
                                 fix=_RESAVE_FIX + " with numpy.save"))
         return None
-    return _header_piece(name, f.name, path, shape, fortran, dtype, size - offset, offset, problems, streamed=True)
+    return _header_piece(name, f.name, path, header, size - offset, offset, problems, streamed=True)
 
 
 def _scan_safetensors(f: Path, problems: list[Problem]) -> dict[str, _Piece] | None:
@@ -872,10 +883,9 @@ def _scan_npz(f: Path, problems: list[Problem]) -> dict[str, _Piece] | None:
                     continue
                 name = info.filename[: -len(".npy")]
                 with z.open(info) as member:
-                    shape, fortran, dtype = _read_npy_header(member)
+                    header = _read_npy_header(member)
                     data_bytes = info.file_size - member.tell()  # file_size is the uncompressed size
-                piece = _header_piece(name, f.name, path, shape, fortran, dtype, data_bytes, None, problems,
-                                      streamed=False)
+                piece = _header_piece(name, f.name, path, header, data_bytes, None, problems, streamed=False)
                 if piece is None:
                     ok = False
                 else:
@@ -1052,8 +1062,8 @@ def _wrap_dict(result: Mapping, path: str, max_memory_gb: float | None) -> Tenso
     where = f"dataset factory {path}"
     for name, v in result.items():
         if isinstance(v, np.ndarray):
-            piece = _header_piece(str(name), str(name), where, v.shape, False, v.dtype, v.nbytes, None, problems,
-                                  streamed=False)
+            piece = _header_piece(str(name), str(name), where, _Header(v.shape, False, v.dtype), v.nbytes, None,
+                                  problems, streamed=False)
             if piece is not None:
                 tensors[str(name)] = _to_torch(v)
         elif isinstance(v, torch.Tensor) and v.dim() > 0:

@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 # Importing the check modules registers their checks (core.register).
 from surefit.doctor import (  # noqa: F401
@@ -73,12 +73,25 @@ def check_trainer(trainer: Any) -> Report:
 _DRY_RUN_FAILURES = ("forward-failed", "collate-failed", "dataset-item-failed")
 
 
-def explain(exc: BaseException, model: Any = None, tokenizer: Any = None, train_dataset: Any = None,
-            eval_dataset: Any = None, data_collator: Any = None, args: Any = None, peft_config: Any = None,
-            task: str | None = None) -> Finding:
+class SetupObjects(TypedDict, total=False):
+    """:func:`check`'s parameters by name: what :func:`explain` takes as keywords (a type checker sees typos)."""
+
+    model: Any
+    tokenizer: Any
+    train_dataset: Any
+    eval_dataset: Any
+    data_collator: Any
+    args: Any
+    peft_config: Any
+    task: str | None
+
+
+def explain(exc: BaseException, *setup: Any, **named: Unpack[SetupObjects]) -> Finding:
     """The finding that explains a raw exception from a failed run.
 
-    With a setup (``model`` and the rest), the checks run on it and what the dry run confirmed wins:
+    ``setup``, ``named``: the setup exactly as :func:`check` takes it (``model``, ``tokenizer``, ``train_dataset``,
+    ``eval_dataset``, ``data_collator``, ``args``, ``peft_config``, ``task``; by position or by name), or nothing.
+    With a setup, the checks run on it and what the dry run confirmed wins:
 
     * a finding whose code the error's text points at (it names the object at fault);
     * else another error the checks found: the text and the setup disagree, and the message says so;
@@ -92,14 +105,14 @@ def explain(exc: BaseException, model: Any = None, tokenizer: Any = None, train_
     found = codes_in(text)
     candidates = found[0] if found else ()
     usual = "; or ".join(f"[{c}] {CODES[c]}" for c in candidates)
-    if model is None:
+    if (setup[0] if setup else named.get("model")) is None:
         if candidates:
             return Finding(candidates[0], "error", f"{first} — this error usually means: {usual} (not confirmed: "
                            "no setup was given)", "pass the model, datasets and collator to explain() to confirm "
                            "the cause; surefit.doctor.check() lists every problem of the setup")
         return Finding("forward-failed", "error", f"unknown cause: no known pattern matches the raw error: {first}",
                        "run surefit.doctor.check() on the setup for its findings")
-    report = check(model, tokenizer, train_dataset, eval_dataset, data_collator, args, peft_config, task)
+    report = check(*setup, **named)
     for code in candidates:
         for f in report.findings:
             if f.code == code and f.severity != "info":

@@ -13,7 +13,7 @@ import inspect
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 Severity = Literal["error", "warning", "info"]
 
@@ -175,27 +175,35 @@ def normalise_args(args: Any) -> dict[str, Any]:
     return out
 
 
+@dataclass(eq=False)
 class Setup:
-    """What the checks read: the user's objects, plus lazily computed samples, batch and forward pass.
+    """What the checks read: the user's objects under their Trainer names, plus lazily computed samples, batch and
+    forward pass (compared by identity).
 
     Attributes:
         model, tokenizer, train_dataset, eval_dataset, data_collator, peft_config, task: as given.
         args: normalised settings (see :func:`normalise_args`).
+        signature_columns: the columns a Trainer keeps (its own ``_signature_columns`` when a trainer was given);
+            ``None``: derived from the model.
     """
 
-    SAMPLE = 4  # items in the dry run: the first few plus the longest
+    SAMPLE: ClassVar[int] = 4  # items in the dry run: the first few plus the longest
 
-    def __init__(self, model: Any, tokenizer: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
-                 data_collator: Callable | None = None, args: Any = None, peft_config: Any = None,
-                 task: str | None = None, signature_columns: Sequence[str] | None = None):
-        self.model, self.tokenizer = model, tokenizer
-        # the columns a Trainer keeps (its own `_signature_columns` when a trainer was given), else derived
-        self.signature_columns = list(signature_columns) if signature_columns is not None else None
-        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.data_collator = data_collator
-        self.args = normalise_args(args)
-        self.peft_config, self.task = peft_config, task
-        self._cache: dict[str, Any] = {}
+    model: Any
+    tokenizer: Any = None
+    train_dataset: Any = None
+    eval_dataset: Any = None
+    data_collator: Callable | None = None
+    args: Any = None
+    peft_config: Any = None
+    task: str | None = None
+    signature_columns: Sequence[str] | None = None
+    _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.args = normalise_args(self.args)
+        if self.signature_columns is not None:
+            self.signature_columns = list(self.signature_columns)
 
     # -- basic facts
     @property

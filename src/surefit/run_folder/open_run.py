@@ -208,6 +208,7 @@ def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path],
 
 
 def check_destination(run: Run, dest: Path, overwrite: bool) -> None:
+    """Refuse an export destination that is a file, the run itself, inside it or holding it, or not empty."""
     if dest.exists() and not dest.is_dir():
         raise SurefitError(Problem(f"{dest} is a file", "--to", "pass a folder path (new or empty)"))
     resolved, folder = dest.resolve(), run.folder.resolve()
