@@ -32,14 +32,14 @@ def test_a_best_checkpoint_corrupted_on_disk_is_never_copied_into_final(tiny_lm_
     real = common.final_model
     corrupted = []
 
-    def corrupt_then_choose(out, history, export_last, say):
+    def corrupt_then_choose(folder, history, export_last):
         best = [r for r in history if r.get("best_checkpoint")][-1]["best_checkpoint"]
-        weights = out / "checkpoints" / best / "model" / "adapter_model.safetensors"
+        weights = folder.checkpoint_model(best) / "adapter_model.safetensors"
         data = bytearray(weights.read_bytes())
         data[-8:] = b"\xff" * 8  # same size, other bytes: only the checksum can tell
         weights.write_bytes(bytes(data))
         corrupted.append(weights)
-        return real(out, history, export_last, say)
+        return real(folder, history, export_last)
 
     monkeypatch.setattr(common, "final_model", corrupt_then_choose)
     capsys.readouterr()

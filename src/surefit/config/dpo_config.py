@@ -41,11 +41,7 @@ class DPOConfig(SFTConfig):
     output_dir: str = opt("runs/dpo", "Where the config, metrics, checkpoints and final model go.")
 
     def problems(self) -> list[Problem]:
-        p = super().problems()
-        for name in ("beta", "gamma", "orpo_lambda"):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value)):
-                p.append(Problem(f"must be a finite number (got {value})", f"--{name}"))
+        p = super().problems()  # every float setting finite, beta and gamma included (one walk over the fields)
         if math.isfinite(self.beta) and self.beta <= 0:
             p.append(Problem(f"must be > 0 (got {self.beta})", "--beta", "e.g. --beta 0.1 (TRL's default)"))
         if self.template:
