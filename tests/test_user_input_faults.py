@@ -81,14 +81,14 @@ def test_a_startup_cache_path_that_is_a_file_turns_the_cache_off_with_a_note(tmp
 
 
 def test_a_warmup_longer_than_the_run_is_said_with_a_fix():
-    from surefit.training.schedule import plan_schedule
+    from surefit.training.schedule import Warmup, plan_schedule
 
-    plan = plan_schedule(n_examples=32, batch_size=4, epochs=1, lr=2e-4, warmup=50)
+    plan = plan_schedule(n_examples=32, batch_size=4, epochs=1, lr=2e-4, warmup=Warmup(50))
     assert plan.warmup_steps == 8 and plan.warmup_asked == 50
     assert ("warning: --warmup 50 is longer than the run (8 optimizer steps), so the learning rate only rises, to "
             "0.000175 at the last step (--lr 0.0002 is never reached) (fix: --warmup 1, or a ratio such as "
             "--warmup 0.1)") in plan.describe()
-    assert "warning" not in plan_schedule(n_examples=32, batch_size=4, epochs=1, lr=2e-4, warmup=8).describe()
+    assert "warning" not in plan_schedule(n_examples=32, batch_size=4, epochs=1, lr=2e-4, warmup=Warmup(8)).describe()
 
 
 def _conversation(arguments: str) -> dict:

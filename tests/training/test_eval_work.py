@@ -31,7 +31,7 @@ def _evaluate_counting(tmp_path, tiny_lm_dir, train_rows: int) -> tuple[int, int
     handle = inner.register_forward_pre_hook(lambda _m, args, kw: calls.append(
         int((kw.get("input_ids") if kw.get("input_ids") is not None else args[0]).shape[0])), with_kwargs=True)
     try:
-        metrics = p.evaluate(p.model, 0, 4).metrics
+        metrics = p.work.evaluate(p.model, 0, 4).metrics
     finally:
         handle.remove()
     return len(calls), sum(calls), metrics

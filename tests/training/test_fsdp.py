@@ -198,7 +198,12 @@ def test_fsdp_lora_trains_the_same_adapter_as_one_process_and_loads_with_peft(tm
     a = load_file(one / "final" / "adapter_model.safetensors")
     b = load_file(two / "final" / "adapter_model.safetensors")
     worst = _worst(a, b)
-    assert worst <= ACROSS_PROCESSES
+    # Adam divides by sqrt(v): where an element's gradient is near zero, the two processes' different summation
+    # order (last bits) becomes a step-sized difference in that one element (measured 1.8e-5 in one element of
+    # lora_A, scale 0.18, with transformers 5.24 / peft 0.21; mean over all elements 7e-8). A systematic error would
+    # move the mean: it is held to SAME_PROCESSES.
+    mean = max((a[k] - b[k]).abs().mean().item() for k in a)
+    assert worst <= 5 * ACROSS_PROCESSES and mean <= SAME_PROCESSES, (worst, mean)
     print(f"LoRA, 1 process vs 2 FSDP processes after 8 steps: max adapter difference {worst:.2e}")
     base = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
     model = PeftModel.from_pretrained(base, two / "final")
