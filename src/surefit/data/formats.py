@@ -85,6 +85,17 @@ def parse_role_map(text: str | None) -> tuple[dict[str, str], list[Problem]]:
     return out, problems
 
 
+def field_counts(rows: list[Row]) -> tuple[dict[str, int], Callable[..., bool]]:
+    """How many rows have each field, and ``has(*names)``: whether more than half the rows have every one of them
+    (a shape is the majority's, so a few odd rows do not decide it)."""
+    keys: dict[str, int] = {}
+    for r in rows:
+        for k in r.fields:
+            keys[k] = keys.get(k, 0) + 1
+    n = max(len(rows), 1)
+    return keys, lambda *names: all(keys.get(k, 0) * 2 > n for k in names)
+
+
 def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_field: str = "input",
                   target_field: str = "target", role_map: dict[str, str] | None = None,
                   needs_input: bool = True) -> FormatChoice | Problem:
@@ -94,14 +105,7 @@ def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_fiel
 
     Returns a :class:`Problem` (naming the fields found and the known shapes) when no shape fits.
     """
-    keys: dict[str, int] = {}
-    for r in rows:
-        for k in r.fields:
-            keys[k] = keys.get(k, 0) + 1
-    n = max(len(rows), 1)
-
-    def has(*names: str) -> bool:
-        return all(keys.get(k, 0) * 2 > n for k in names)
+    keys, has = field_counts(rows)
 
     name = wanted
     if wanted == "auto":

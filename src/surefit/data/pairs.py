@@ -31,7 +31,7 @@ from surefit.data.conversation_shapes import (
     parse_tools,
 )
 from surefit.data.encode import ChatFormat, Labelled, TemplateProblem, label_conversation, leading_special_ids
-from surefit.data.formats import MAX_WHERES, SHAREGPT_ROLES, FormatChoice, check_messages
+from surefit.data.formats import MAX_WHERES, SHAREGPT_ROLES, FormatChoice, check_messages, field_counts
 from surefit.data.readers import SKIP_HINT, Rejected
 from surefit.data.rows import Row
 from surefit.errors import Problem
@@ -42,14 +42,7 @@ HH_HUMAN, HH_ASSISTANT = "\n\nHuman:", "\n\nAssistant:"
 
 def detect_pair_format(rows: list[Row], source: str) -> FormatChoice | Problem:
     """The pair shape most rows have (see the module's docstring), or a Problem naming the fields found."""
-    keys: dict[str, int] = {}
-    for r in rows:
-        for k in r.fields:
-            keys[k] = keys.get(k, 0) + 1
-    n = max(len(rows), 1)
-
-    def has(*names: str) -> bool:
-        return all(keys.get(k, 0) * 2 > n for k in names)
+    keys, has = field_counts(rows)
 
     used = ("chosen", "rejected")
     if not has(*used):
