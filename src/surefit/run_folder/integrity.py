@@ -95,12 +95,25 @@ def write_failure(e: BaseException, what: str, where: Path, needed: int | None =
 # ------------------------------------------------------------------------------------------------------------ manifests
 
 
-def write_manifest(folder: Path, required: list[str] | None = None) -> None:
-    """``folder/manifest.json``: every file under ``folder`` with its size and sha256 (``required``: all of them)."""
+def write_manifest(folder: Path, required: list[str] | None = None,
+                   hashed: dict[str, dict[str, Any]] | None = None) -> None:
+    """``folder/manifest.json``: every file under ``folder`` with its size and sha256 (``required``: all of them).
+
+    ``hashed``: entries (:func:`file_entry`) already computed by whoever wrote those files (each process hashes its
+    own checkpoint shard); every file not in it is hashed here, and an entry for a file not there is refused."""
     files = sorted(p for p in Path(folder).rglob("*") if p.is_file() and p.name != MANIFEST)
-    entries = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    known: dict[str, dict[str, Any] | None] = dict(hashed or {})
+    entries = {str(p.relative_to(folder)): known.pop(str(p.relative_to(folder)), None) or file_entry(p)
+               for p in files}
+    if known:
+        raise FileNotFoundError(f"{sorted(known)[0]} was hashed by the process that wrote it, but is not in {folder}")
     manifest = {"format": 2, "required": sorted(entries) if required is None else required, "files": entries}
     (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """A manifest's entry for one file: ``{"bytes", "sha256"}``."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
 
 
 def _sha256(path: Path) -> str:

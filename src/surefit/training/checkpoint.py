@@ -9,6 +9,9 @@ A checkpoint folder holds:
 - ``trainer_state.json``: epoch, step within the epoch, global step, the metrics so far, the length of
   ``metrics.jsonl`` when it was written.
 - ``model/`` (epoch ends and the final save): the model or adapter in its ecosystem format (safetensors).
+- ``sharded/`` instead of ``trainable.safetensors`` and ``optimizer.pt`` under ``--sharding fsdp``: each process's
+  shard of the trainable weights, buffers and optimizer state, written by torch.distributed.checkpoint (one
+  ``__RANK_0.distcp`` per process and a ``.metadata``); it loads into any number of processes (resharded).
 - ``manifest.json``: ``{"format": 2, "required": [...], "files": {name: {"bytes", "sha256"}}}``: the files the
   checkpoint requires to resume (weights, optimizer, scheduler, scaler, RNG, state) and the size and sha256 of every
   file above. Written last; a folder without a valid manifest is not a checkpoint, and one whose required file is
@@ -19,7 +22,8 @@ Retention (:func:`prune`) only counts checkpoints that verify, and never removes
 newer one verifies.
 
 It is written into a temporary folder, fsynced, then renamed into place, so a reader sees a complete checkpoint or
-none; a crash mid-write leaves a ``.tmp`` folder that the next save removes.
+none; a crash mid-write leaves a ``.tmp`` folder that the next save removes. A sharded checkpoint is renamed by the
+main process once every process has written and fsynced its shard and the manifest covers every shard file.
 """
 
 from __future__ import annotations
@@ -45,6 +49,10 @@ WEIGHTS = "trainable.safetensors"
 RNG = "rng.pt"
 # Every checkpoint needs these to resume; optimizer, scheduler and scaler files are required when they were saved.
 ALWAYS_REQUIRED = (WEIGHTS, RNG, STATE)
+# --sharding fsdp: the weights and optimizer state as torch.distributed.checkpoint shards, one file per process.
+SHARDS = "sharded"
+SHARDS_METADATA = f"{SHARDS}/.metadata"
+SHARDED_REQUIRED = (SHARDS_METADATA, RNG, STATE)
 
 
 class CheckpointError(SurefitError):
@@ -174,16 +182,12 @@ class TrainerState:
 
 @dataclass
 class States:
-    """The training objects a checkpoint saves by ``state_dict()`` besides the weights (``None``: not in this run).
-
-    ``optimizer_state`` is written instead of ``optimizer.state_dict()``: a sharded run's whole state, gathered from
-    every process in the unsharded layout (the checkpoint is then the same files as an unsharded run's).
-    """
+    """The training objects a checkpoint saves by ``state_dict()`` besides the weights (``None``: not in this run);
+    a sharded checkpoint saves the optimizer's shards instead (:func:`save_sharded_checkpoint`)."""
 
     optimizer: Any = None
     scheduler: Any = None
     scaler: Any = None
-    optimizer_state: dict[str, Any] | None = None
 
 
 def save_checkpoint(folder: str | Path, *, model: torch.nn.Module, states: States | None = None,
@@ -206,54 +210,175 @@ def save_checkpoint(folder: str | Path, *, model: torch.nn.Module, states: State
 
     folder = Path(folder)
     states = states or States()
-    optimizer, scheduler, scaler, optimizer_state = states.optimizer, states.scheduler, states.scaler, \
-        states.optimizer_state
+    optimizer = states.optimizer
     tmp = folder.with_name(folder.name + ".tmp")
     try:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         save_file(trainable_state(model), tmp / "trainable.safetensors")
         if optimizer is not None:
-            torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), tmp / "optimizer.pt")
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        if scaler is not None:
-            torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        torch.save(capture_rng(), tmp / "rng.pt")
-        (tmp / STATE).write_text(json.dumps(state.to_json() if state else {}, indent=2), encoding="utf-8")
-        if export is not None:
-            export(tmp / "model")
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        integrity.write_manifest(tmp, [*ALWAYS_REQUIRED] + [name for obj, name in ((optimizer, "optimizer.pt"),
-                                                  (scheduler, "scheduler.pt"), (scaler, "scaler.pt")) if obj is not None])
-        for p in files + [tmp / MANIFEST]:
-            _fsync(p)
-        if before_commit is not None:
-            before_commit(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-        _fsync(folder.parent)  # the rename itself must reach the disk
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        _write_rest(tmp, states, state, export)
+        _commit(tmp, folder, [*ALWAYS_REQUIRED, *_saved_states(states, with_optimizer=True)], before_commit)
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
         if not integrity.is_write_failure(e):
             raise
-        previous = latest_checkpoint(folder.parent, say=lambda *_: None)
-        keep = f"; the previous checkpoint {previous} is intact" if previous else "; no earlier checkpoint exists"
-        raise CheckpointError(integrity.write_failure(e, f"checkpoint {folder}", folder.parent,
-                                            checkpoint_bytes(model, optimizer, export is not None, optimizer_state),
-                                            keep)) from e
+        raise _write_error(e, folder, checkpoint_bytes(model, optimizer, export is not None)) from e
     return folder
 
 
-def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: bool = False,
-                     optimizer_state: dict[str, Any] | None = None) -> int:
+def _saved_states(states: States, with_optimizer: bool) -> list[str]:
+    return [name for obj, name in ((states.optimizer, "optimizer.pt"), (states.scheduler, "scheduler.pt"),
+                                   (states.scaler, "scaler.pt")) if obj is not None and (with_optimizer or
+                                                                                         name != "optimizer.pt")]
+
+
+def _write_rest(tmp: Path, states: States, state: TrainerState | None,
+                export: Callable[[Path], None] | None) -> None:
+    """The files besides the weights and optimizer state: scheduler, scaler, RNG, trainer state, ``model/``."""
+    if states.scheduler is not None:
+        torch.save(states.scheduler.state_dict(), tmp / "scheduler.pt")
+    if states.scaler is not None:
+        torch.save(states.scaler.state_dict(), tmp / "scaler.pt")
+    torch.save(capture_rng(), tmp / "rng.pt")
+    (tmp / STATE).write_text(json.dumps(state.to_json() if state else {}, indent=2), encoding="utf-8")
+    if export is not None:
+        export(tmp / "model")
+
+
+def _commit(tmp: Path, folder: Path, required: list[str], before_commit: Callable[[Path], object] | None,
+            hashed: dict[str, dict[str, Any]] | None = None) -> None:
+    """The manifest (``hashed``: entries already computed), fsync, then the rename that makes the checkpoint exist."""
+    files = sorted(p for p in tmp.rglob("*") if p.is_file())
+    integrity.write_manifest(tmp, required, hashed)
+    for p in files + [tmp / MANIFEST]:
+        if str(p.relative_to(tmp)) not in (hashed or {}):  # the processes that wrote those fsynced them
+            _fsync(p)
+    if before_commit is not None:
+        before_commit(tmp)
+    if folder.exists():
+        shutil.rmtree(folder)
+    os.replace(tmp, folder)
+    _fsync(folder.parent)  # the rename itself must reach the disk
+
+
+def _write_error(e: BaseException, folder: Path, needed: int | None) -> CheckpointError:
+    previous = latest_checkpoint(folder.parent, say=lambda *_: None)
+    keep = f"; the previous checkpoint {previous} is intact" if previous else "; no earlier checkpoint exists"
+    return CheckpointError(integrity.write_failure(e, f"checkpoint {folder}", folder.parent, needed, keep))
+
+
+def _dcp_failure(e: BaseException) -> BaseException:
+    """The first process's own exception inside torch.distributed.checkpoint's ``CheckpointException``."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
+def save_sharded_checkpoint(folder: str | Path, *, model: torch.nn.Module, states: States | None = None,
+                            state: TrainerState | None = None, export: Callable[[Path], None] | None = None,
+                            before_commit: Callable[[Path], object] | None = None) -> Path:
+    """:func:`save_checkpoint` for a model sharded with ``--sharding fsdp``; every process calls it (collectives).
+
+    Each process writes its shard of the trainable weights and optimizer state into ``sharded/`` (DCP) and hashes
+    it; the main process writes the other files (``state`` and ``export`` are only used there), the manifest
+    covering every shard, and renames the folder into place once all of them have written. Only ``model/`` (epoch
+    checkpoints) needs the whole weights, gathered on the main process; the optimizer state is never gathered.
+
+    Raises:
+        CheckpointError: on every process, when any process's part failed; the previous checkpoints are untouched.
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from surefit.training.distributed import gather_json, gathered, save_sharded
+    from surefit.training.processes import is_main_process, sum_over_processes, world_size
+    from surefit.training.processes import state as process_state
+
+    folder = Path(folder)
+    states = states or States()
+    tmp = folder.with_name(folder.name + ".tmp")
+    main = is_main_process()
+    device = process_state().device if world_size() > 1 else "cpu"
+    needed = _sharded_bytes(model, states.optimizer is not None, export is not None)
+
+    def together(error: BaseException | None) -> None:
+        """Every process learns whether any process's part failed, and all of them stop if one did."""
+        failed = int(sum_over_processes([float(error is not None)], device)[0])
+        if not failed:
+            return
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
+        if error is not None and not integrity.is_write_failure(error):
+            raise error
+        if error is not None:
+            raise _write_error(error, folder, needed) from error
+        raise CheckpointError(Problem(
+            f"could not write checkpoint {folder}: {failed} other process{'es' if failed > 1 else ''} failed to write "
+            "its part (its own message says why)", str(folder.parent),
+            "free disk space (or fix the folder's permissions), then resume with --resume; the previous checkpoint "
+            "is intact"))
+
+    error: BaseException | None = None
+    if main:
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            (tmp / SHARDS).mkdir(parents=True)
+        except Exception as e:
+            error = e
+    together(error)
+    hashed: dict[str, dict[str, Any]] = {}
+    try:
+        written = save_sharded(model, states.optimizer, tmp / SHARDS)
+        # Each process hashes the shard it wrote (in parallel), the main process gathers the entries.
+        mine = {f"{SHARDS}/{name}": integrity.file_entry(tmp / SHARDS / name) for name in written}
+        for entries in gather_json(mine):
+            hashed.update(entries)
+    except CheckpointException as e:  # DCP raises it on every process when any process's write failed
+        error = _dcp_failure(e)
+    except Exception as e:
+        error = e
+    together(error)
+    if export is not None:
+        with gathered(model):  # the exported model/ (epoch ends) needs the whole weights, on the main process only
+            if main:
+                try:
+                    export(tmp / "model")
+                except Exception as e:
+                    error = e
+        together(error)
+    if main:
+        try:
+            _write_rest(tmp, states, state, None)
+            shards = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDS).iterdir() if p.is_file())
+            _commit(tmp, folder, [*SHARDED_REQUIRED, *shards, *_saved_states(states, with_optimizer=False)],
+                    before_commit, hashed)
+        except Exception as e:
+            error = e
+    together(error)  # the others return once the checkpoint is complete
+    return folder
+
+
+def _sharded_bytes(model: torch.nn.Module, with_optimizer: bool, with_model: bool) -> int:
+    """About what a sharded checkpoint takes on disk, over all processes (AdamW: two fp32 states per value; a
+    sharded parameter's ``numel()`` is the whole tensor's)."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    values = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return trainable + (values * 8 if with_optimizer else 0) + (total if with_model else 0) + (1 << 16)
+
+
+def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: bool = False) -> int:
     """About what a checkpoint takes on disk: the trainable weights, the optimizer's tensors, and the exported model
     (its trainable part: an adapter, or the whole model when everything trains)."""
     weights = sum(t.numel() * t.element_size() for t in trainable_state(model).values())
     states = 0
     if optimizer is not None:
-        for per_param in (optimizer_state or optimizer.state_dict()).get("state", {}).values():
+        for per_param in optimizer.state_dict().get("state", {}).values():
             states += sum(v.numel() * v.element_size() for v in per_param.values() if isinstance(v, torch.Tensor))
     return weights * (2 if with_model else 1) + states + (1 << 16)  # RNG, state and manifest files
 
@@ -261,10 +386,29 @@ def checkpoint_bytes(model: torch.nn.Module, optimizer: Any = None, with_model: 
 # ------------------------------------------------------------------------------------------------------------ load
 
 
+def is_sharded_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` holds its weights as the shards of a ``--sharding fsdp`` run (``sharded/``), by its files
+    or by its manifest (so a checkpoint whose ``sharded/`` was deleted is still judged as one)."""
+    folder = Path(folder)
+    if (folder / SHARDS).is_dir():
+        return True
+    manifest, _ = integrity.read_manifest(folder)
+    return manifest is not None and SHARDS_METADATA in manifest["required"]
+
+
 def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
     """``None`` if the checkpoint is complete (every file it requires, ``required`` and the weights, RNG and state
-    every checkpoint holds) and unmodified, else what is wrong with it."""
-    return integrity.verify(folder, required, ALWAYS_REQUIRED)
+    every checkpoint holds) and unmodified, else what is wrong with it.
+
+    A sharded checkpoint requires its shards' metadata and every shard file its manifest lists (a shard's loss is
+    named with what it means); its optimizer state is in the shards, so ``optimizer.pt`` is not asked of it."""
+    if not is_sharded_checkpoint(folder):
+        return integrity.verify(folder, required, ALWAYS_REQUIRED)
+    reason = integrity.verify(folder, tuple(r for r in required if r != "optimizer.pt"), SHARDED_REQUIRED)
+    if reason and reason.startswith(f"{SHARDS}/"):
+        reason += (" (a --sharding fsdp checkpoint needs the shard of every process that wrote it, whatever the "
+                   "number of processes resuming: the others do not hold that part of the weights and optimizer)")
+    return reason
 
 
 def _global_step(folder: Path) -> int:
@@ -288,13 +432,29 @@ def latest_checkpoint(checkpoints: str | Path, say: Callable[[str], None] = prin
     return None
 
 
-def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
-                    scaler: Any = None, set_weights: Callable[[dict[str, torch.Tensor]], None] | None = None,
-                    set_optimizer: Callable[[dict[str, Any]], None] | None = None) -> TrainerState:
-    """Restore everything :func:`save_checkpoint` wrote (RNG last) and return the trainer state.
+@dataclass
+class ShardedLoad:
+    """How a ``--sharding fsdp`` run takes up a checkpoint (every process calls :func:`load_checkpoint`).
 
-    ``set_weights`` and ``set_optimizer`` replace loading the weights into ``model`` and ``optimizer.load_state_dict``
-    (a sharded run: each process keeps its shard of the whole tensors and states).
+    Attributes:
+        set_weights, set_optimizer: load whole tensors and a whole optimizer state (a checkpoint an unsharded run
+            wrote, ``trainable.safetensors`` and ``optimizer.pt``): each process keeps its shard of them.
+        load_shards: load a sharded checkpoint's ``sharded/`` folder (any number of processes wrote it) into this
+            run's shards of the weights and optimizer.
+    """
+
+    set_weights: Callable[[dict[str, torch.Tensor]], None]
+    set_optimizer: Callable[[dict[str, Any]], None]
+    load_shards: Callable[[Path], None]
+
+
+def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = None, scheduler: Any = None,
+                    scaler: Any = None, sharded: ShardedLoad | None = None) -> TrainerState:
+    """Restore everything :func:`save_checkpoint` or :func:`save_sharded_checkpoint` wrote (RNG last) and return the
+    trainer state.
+
+    ``sharded``: the run's model is sharded (``--sharding fsdp``), see :class:`ShardedLoad`. A sharded checkpoint
+    is only taken up by a sharded run (with any number of processes).
 
     Raises:
         CheckpointError: the checkpoint does not verify, lacks a state that this run has (an optimizer, scheduler or
@@ -311,17 +471,32 @@ def load_checkpoint(folder: Path, *, model: torch.nn.Module, optimizer: Any = No
         raise CheckpointError(Problem(f"cannot resume from {folder}: {reason}", "--resume",
                                       "resume from another checkpoint (--resume alone picks the newest usable one), "
                                       "or start the run again"))
-    current = "trainable.safetensors"
+    shards = is_sharded_checkpoint(folder)
+    if shards and sharded is None:
+        raise CheckpointError(Problem(f"cannot resume from {folder}: it holds the weights and optimizer state as the "
+                                      "shards of a --sharding fsdp run, and this run is not sharded", "--resume",
+                                      "resume with --sharding fsdp (any number of processes), or from a checkpoint "
+                                      "of an unsharded run"))
+    current = SHARDS if shards else WEIGHTS
     try:
-        tensors = load_file(folder / WEIGHTS)
-        load_trainable_state(model, tensors, check_only=set_weights is not None)
-        if set_weights is not None:
-            set_weights(tensors)
+        if shards:
+            assert sharded is not None
+            try:
+                sharded.load_shards(folder / SHARDS)
+            except BaseException as e:
+                if type(e).__name__ != "CheckpointException":  # torch.distributed.checkpoint's, on every process
+                    raise
+                raise RuntimeError(str(_dcp_failure(e))) from e
+        else:
+            tensors = load_file(folder / WEIGHTS)
+            load_trainable_state(model, tensors, check_only=sharded is not None)
+            if sharded is not None:
+                sharded.set_weights(tensors)
         for obj, name in ((optimizer, "optimizer.pt"), (scheduler, "scheduler.pt"), (scaler, "scaler.pt")):
-            if obj is not None:
+            if obj is not None and not (shards and obj is optimizer):
                 current = name
                 loaded = torch.load(folder / name, weights_only=True, map_location="cpu")
-                (set_optimizer if obj is optimizer and set_optimizer is not None else obj.load_state_dict)(loaded)
+                (sharded.set_optimizer if obj is optimizer and sharded is not None else obj.load_state_dict)(loaded)
         current = STATE
         state = TrainerState.from_json(json.loads((folder / STATE).read_text(encoding="utf-8")))
         current = RNG

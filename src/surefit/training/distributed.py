@@ -20,7 +20,8 @@ from surefit.training.processes import is_main_process, quiet
 # to the whole model, rather than through accelerate's FSDP plugin, which switches itself off on a CPU (it reports
 # MULTI_CPU): a CPU run over gloo and a GPU run over NCCL take the same code. Each process then holds 1/N of every
 # parameter, gradient and optimizer state; a block's full parameters exist only during its forward and backward.
-# What needs the whole model (evaluation and generation, checkpoints, the final save) goes through :func:`gathered`.
+# What needs the whole model (evaluation and generation, an epoch checkpoint's model/, the final save) goes through
+# :func:`gathered`; checkpoints are written shard by shard (:func:`save_sharded`).
 
 
 def fsdp_blocks(model: Any) -> list[Any]:
@@ -167,31 +168,9 @@ def clip_grad_norm(params: list[Any], max_norm: float) -> float:
     return float(total)
 
 
-def full_optimizer_state(model: Any, optimizer: Any) -> dict[str, Any]:
-    """The optimizer's whole state on the main process, in the layout ``optimizer.state_dict()`` has in an unsharded
-    run (parameters numbered in order): a checkpoint of a sharded run is the same files as any other, so it resumes
-    with any number of processes, sharded or not. Every process must call it (a collective); the others get ``{}``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-    osd: dict[str, Any] = get_optimizer_state_dict(
-        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if not is_main_process():
-        return {}
-    index: dict[str, int] = {}
-    groups = []
-    for group in osd["param_groups"]:
-        numbered = []
-        for name in group["params"]:
-            index.setdefault(name, len(index))
-            numbered.append(index[name])
-        groups.append({**group, "params": numbered})
-    return {"state": {index[name]: value for name, value in osd["state"].items()}, "param_groups": groups}
-
-
 def load_full_optimizer_state(model: Any, optimizer: Any, state: dict[str, Any]) -> None:
-    """Give a sharded run's optimizer a whole state saved in the unsharded layout (:func:`full_optimizer_state`);
-    each process keeps its shard of it."""
+    """Give a sharded run's optimizer a whole state saved in the unsharded layout (``optimizer.pt``, numbered
+    parameters; the checkpoints of sharded runs before their sharded layout); each process keeps its shard of it."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_optimizer_state_dict,
@@ -213,6 +192,152 @@ def load_full_weights(model: Any, tensors: dict[str, Any]) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, tensors, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+# ------------------------------------------------------------------------------------------------ sharded checkpoints
+#
+# Under FSDP each process writes its own shard of the weights and optimizer state with torch.distributed.checkpoint
+# (DCP), so no process ever holds the whole optimizer state (nor, for a step checkpoint, the whole model). DCP
+# records which slice of each tensor a file holds, so a checkpoint written by N processes loads into any number.
+# DCP's reader unpickles its ``.metadata`` and its planner ``torch.load``s the non-tensor values with
+# ``weights_only=False``: a run folder is data, so both are replaced by readers that allow plain values and DCP's own
+# metadata classes only.
+
+# What pickle may build from a DCP ``.metadata``: its dataclasses and the values they hold (dtypes, sizes, paths).
+_DCP_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+                                              "StorageMeta", "MetadataIndex"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+def read_dcp_metadata(path: Any) -> Any:
+    """A DCP ``.metadata`` file, unpickled with only DCP's metadata classes and plain values allowed (anything else,
+    such as a function to call, raises ``pickle.UnpicklingError`` naming it)."""
+    import pickle
+
+    import torch
+
+    class Restricted(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if name in _DCP_GLOBALS.get(module, ()):
+                return super().find_class(module, name)
+            if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+                return getattr(torch, name)
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+    with open(path, "rb") as fh:
+        return Restricted(fh).load()
+
+
+def _dcp_reader(folder: Any) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return Reader(folder)
+
+
+def _dcp_planner() -> Any:
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    class Planner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            # Non-tensor values (the optimizer's hyper-parameters) are numbers, tuples and flags: weights_only.
+            loaded = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = loaded
+
+    return Planner()
+
+
+def _sharded_state(model: Any, optimizer: Any) -> dict[str, Any]:
+    """This process's shard of the trainable weights and buffers (frozen weights come from the base model) and of
+    the optimizer state, keyed by parameter names (so any number of processes can read it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(ignore_frozen_params=True)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return {"model": get_model_state_dict(model, options=options)}
+    weights, optim = get_state_dict(model, optimizer, options=options)
+    return {"model": weights, "optimizer": optim}
+
+
+def save_sharded(model: Any, optimizer: Any, folder: Any) -> list[str]:
+    """Every process writes its shard of ``model``'s trainable weights and ``optimizer``'s state into ``folder``
+    (DCP: ``__RANK_0.distcp`` per process, ``.metadata`` by the main one); a collective. Each file is fsynced.
+    Returns the files this process wrote (names in ``folder``)."""
+    from pathlib import Path
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, optimizer), storage_writer=dcp.FileSystemWriter(folder, sync_files=True))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return sorted(p.name for p in Path(folder).glob(f"__{rank}_*.distcp"))
+
+
+def load_sharded(model: Any, optimizer: Any, folder: Any) -> None:
+    """Load a checkpoint :func:`save_sharded` wrote, by any number of processes, into this run's shards (DCP cuts
+    each saved tensor to the slices this process holds); a collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    state = _sharded_state(model, optimizer)  # the targets: DCP loads into them in place
+    dcp.load(state, storage_reader=_dcp_reader(folder), planner=_dcp_planner())
+    options = StateDictOptions(ignore_frozen_params=True)
+    if optimizer is None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(model, state["model"], options=options)
+        return
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                   options=options)
+
+
+def gather_json(value: Any) -> list[Any]:
+    """Every process's ``value`` (anything JSON can hold), in process order, on every process; sent as JSON bytes,
+    never pickled."""
+    import torch
+    import torch.distributed as dist
+
+    from surefit.training.processes import state, world_size
+
+    if world_size() <= 1 or not dist.is_initialized():
+        return [value]
+    device = state().device
+    data = json.dumps(value).encode("utf-8")
+    size = torch.tensor([len(data)], dtype=torch.long, device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX)
+    buf = torch.zeros(int(size.item()) + 8, dtype=torch.uint8, device=device)
+    buf[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+    buf[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, buf)
+    out = []
+    for part in parts:
+        raw = part.cpu().numpy().tobytes()
+        n = int.from_bytes(raw[:8], "little")
+        out.append(json.loads(raw[8:8 + n].decode("utf-8")))
+    return out
 
 
 def plain_architectures(folder: Any) -> None:

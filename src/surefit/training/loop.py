@@ -12,8 +12,8 @@ the main process evaluates, logs and writes checkpoints; ``training/distributed.
 
 ``--sharding fsdp`` (FSDP2, applied by ``training/distributed.shard_model`` rather than accelerate): the same steps,
 with sharded gradients (their norm is summed over processes), every process running the same number of
-micro-batches (every forward is a collective), and evaluation and checkpoints taken on parameters gathered to the main
-process; checkpoints are the files an unsharded run writes, so a run resumes with any number of processes.
+micro-batches (every forward is a collective), and evaluation on parameters gathered to the main process; each
+process writes its own shard of a checkpoint (torch.distributed.checkpoint), which any number of processes resumes.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import (
     clip_grad_norm,
     describe_processes,
-    full_optimizer_state,
     gather_on_main,
     gathered,
     gradient_sync,
     load_full_optimizer_state,
     load_full_weights,
+    load_sharded,
     local,
     process_micro_batches,
     refuse_fsdp_fp16,
@@ -60,6 +60,7 @@ from surefit.training.selection import Selection
 from surefit.training.work import LossFn, TrainingWork
 
 if TYPE_CHECKING:
+    from surefit.training.checkpoint import TrainerState
     from surefit.training.plan import Plan
 
 
@@ -391,7 +392,7 @@ class _Fit:
 
     def start(self) -> None:
         """Resume from the checkpoint named, or evaluate the model before the first step (epoch 0)."""
-        from surefit.training.checkpoint import load_checkpoint
+        from surefit.training.checkpoint import ShardedLoad, load_checkpoint
 
         folder = self.checkpointing.resume_from
         self.say(self.selection.describe())
@@ -403,11 +404,14 @@ class _Fit:
                 self.selection.value(record)  # a metric the task does not report is refused before step 1
             self.record(record)
             return
-        sharded = {"set_weights": lambda t: load_full_weights(self.model, t),
-                   "set_optimizer": lambda s: load_full_optimizer_state(self.model, self.optimizer, s)}
+        # FSDP: a sharded checkpoint (any number of processes wrote it) or an unsharded run's whole tensors.
+        sharded = ShardedLoad(set_weights=lambda t: load_full_weights(self.model, t),
+                              set_optimizer=lambda s: load_full_optimizer_state(self.model, self.optimizer, s),
+                              load_shards=lambda d: load_sharded(self.model, self.optimizer, d))
         state = load_checkpoint(folder, model=self.model if self.sharded else self.accelerator.unwrap_model(self.model),
                                 optimizer=self.optimizer, scheduler=self.scheduler,
-                                scaler=getattr(self.accelerator, "scaler", None), **(sharded if self.sharded else {}))
+                                scaler=getattr(self.accelerator, "scaler", None),
+                                sharded=sharded if self.sharded else None)
         self.history, self.progress = state.history, Progress(**state.position)
         self.guard.load(state.oom)
         self.selection.load(state.selection)  # the best so far and the early-stopping count go on
@@ -525,41 +529,51 @@ class _Fit:
             finite = all(bool(torch.isfinite(q).all()) for q in self.params)
         if not finite:
             raise NonFiniteLoss(self.nonfinite_problem([], float("nan"), None, weights_only=True))
-        # FSDP: the whole optimizer state and the full weights come to the main process, which writes the same files
-        # an unsharded run does (a collective: every process takes part, before the others go their own way).
-        optimizer_state = full_optimizer_state(self.model, self.optimizer) if self.sharded else None
-        with gathered(self.model):
-            return self._save(name, export, counts, optimizer_state)
+        return self._save(name, export, counts)
 
-    def _save(self, name: str, export: bool, counts: dict[str, int] | None,
-              optimizer_state: dict[str, Any] | None) -> Path:
-        from surefit.training.checkpoint import States, TrainerState, prune, save_checkpoint
+    def _save(self, name: str, export: bool, counts: dict[str, int] | None) -> Path:
+        from surefit.training.checkpoint import (
+            States,
+            prune,
+            save_checkpoint,
+            save_sharded_checkpoint,
+        )
 
         ck = self.checkpointing
-        if not self.main:
+        acc = self.accelerator
+        states = States(self.optimizer, self.scheduler, getattr(acc, "scaler", None))  # scaler: fp16 loss scaling
+        how = partial(ck.export, self.model) if export and ck.export else None
+        if self.sharded:  # every process writes its shard; the main process the rest, and renames it into place
+            folder = save_sharded_checkpoint(ck.folder / name, model=self.model, states=states,
+                                             state=self.trainer_state(counts) if self.main else None, export=how,
+                                             before_commit=ck.before_commit)
+        elif not self.main:
             barrier()
             return ck.folder / name
+        else:
+            folder = save_checkpoint(ck.folder / name, model=acc.unwrap_model(self.model), states=states,
+                                     state=self.trainer_state(counts), export=how, before_commit=ck.before_commit)
+        if self.main:
+            best = self.selection.best
+            # The best evaluation's checkpoint becomes final/: --keep_checkpoints never removes it.
+            prune(ck.folder, ck.keep, self.say, protect=ck.resume_from,
+                  keep_names={best["checkpoint"]} if best else set())
+        barrier()
+        return folder
+
+    def trainer_state(self, counts: dict[str, int] | None) -> TrainerState:
+        """Where the run is, for a checkpoint (main process)."""
+        from surefit.training.checkpoint import TrainerState
+
         acc = self.accelerator
         plan = {"batch_size": self.settings.batch_size, "micro_batch_size": self.micro, "grad_accum": self.accum,
                 "mixed_precision": str(acc.mixed_precision), "processes": acc.num_processes,
                 "sharding": self.settings.sharding}
         # Checkpoints are only taken between optimizer steps (mid-accumulation gradients are not state worth saving),
         # so the micro-step of the position is always 0.
-        state = TrainerState(global_step=self.progress.global_step, position=asdict(self.progress),
-                             history=self.history, metrics_bytes=self.log.bytes_written(), plan=plan,
-                             oom=self.guard.state(), counters=counts, selection=self.selection.state())
-        folder = save_checkpoint(
-            ck.folder / name, model=self.model if self.sharded else acc.unwrap_model(self.model),
-            # fp16 loss scaling state (None otherwise)
-            states=States(self.optimizer, self.scheduler, getattr(acc, "scaler", None), optimizer_state),
-            state=state, export=partial(ck.export, self.model) if export and ck.export else None,
-            before_commit=ck.before_commit,
-        )
-        best = self.selection.best
-        # The best evaluation's checkpoint becomes final/: --keep_checkpoints never removes it.
-        prune(ck.folder, ck.keep, self.say, protect=ck.resume_from, keep_names={best["checkpoint"]} if best else set())
-        barrier()
-        return folder
+        return TrainerState(global_step=self.progress.global_step, position=asdict(self.progress),
+                            history=self.history, metrics_bytes=self.log.bytes_written(), plan=plan,
+                            oom=self.guard.state(), counters=counts, selection=self.selection.state())
 
     def interrupted(self, stop: _StopSignal, where: str, folder: Path) -> TrainingInterrupted:
         return TrainingInterrupted(Problem(
