@@ -7,7 +7,11 @@ with the other's collectives):
 - a 1-process run without sharding (the reference);
 - the same run as 2 FSDP processes, uninterrupted;
 - the same run as 2 FSDP processes killed with SIGKILL (the launcher and every training process) right after its
-  checkpoint of step 5, then resumed with 2 processes, and (a copy of it) with 1 process.
+  checkpoint of step 5, then resumed with 2 processes, and (a copy of it) with 1 process; that 1-process run's own
+  checkpoint of step 10 (a group of one, still sharded) is then resumed with 2 processes.
+
+Checkpoints are sharded (torch.distributed.checkpoint): each process writes its part, and a resume with another
+number of processes reshards them.
 
 Tolerances: the 2-process run sums each gradient in another order (each process's part, then the reduce-scatter)
 than the 1-process run, so fp32 rounding differs by about 1e-7 per step, and 20 Adam steps at lr 1e-3 carry that
@@ -125,18 +129,28 @@ def test_two_fsdp_processes_train_the_same_weights_as_one_process(runs):
     print(f"1 process vs 2 FSDP processes after 20 steps: max weight difference {worst:.2e}")
 
 
-def test_fsdp_checkpoints_hold_the_whole_model_and_optimizer(runs):
-    # A checkpoint of a sharded run is the files of an unsharded one: every tensor whole, every parameter's state.
+def test_fsdp_checkpoints_are_written_shard_by_shard(runs):
+    from surefit.training.distributed import read_dcp_metadata
+
     folder = runs["two"] / "checkpoints" / "step-0000005"
-    full = load_file(runs["one"] / "final" / "model.safetensors")
-    saved = load_file(folder / "trainable.safetensors")
-    assert {k: v.shape for k, v in saved.items() if k in full} == {k: v.shape for k, v in full.items()}
-    optimizer = torch.load(folder / "optimizer.pt", weights_only=True)
-    assert sorted(optimizer["state"]) == list(range(len(optimizer["param_groups"][0]["params"])))
-    sizes = sorted(int(s["exp_avg"].numel()) for s in optimizer["state"].values())
-    assert sizes == sorted(int(v.numel()) for k, v in saved.items() if k in full)
+    files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    # Each process wrote its own shard; nothing was gathered into whole-model files.
+    assert files == ["manifest.json", "rng.pt", "scheduler.pt", "sharded/.metadata", "sharded/__0_0.distcp",
+                     "sharded/__1_0.distcp", "trainer_state.json"]
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert {"trainable.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt"} <= set(manifest["required"])
+    assert sorted(manifest["files"]) == [f for f in files if f != "manifest.json"]
+    assert {"sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "scheduler.pt", "rng.pt",
+            "trainer_state.json"} == set(manifest["required"])
+    # The shards together hold every weight whole (and its two AdamW states), as the 1-process run's final/ has it.
+    full = load_file(runs["one"] / "final" / "model.safetensors")
+    saved = read_dcp_metadata(folder / "sharded" / ".metadata").state_dict_metadata
+    weights = {k[len("model."):]: tuple(v.size) for k, v in saved.items() if k.startswith("model.")}
+    assert {k: v for k, v in weights.items() if k in full} == {k: tuple(v.shape) for k, v in full.items()}
+    for name in full:
+        for moment in ("exp_avg", "exp_avg_sq"):
+            assert tuple(saved[f"optimizer.state.{name}.{moment}"].size) == tuple(full[name].shape)
+    # The epoch checkpoint also carries the whole model in its ecosystem format (gathered for that file alone).
+    assert (runs["two"] / "checkpoints" / "epoch-1" / "model" / "model.safetensors").is_file()
 
 
 def test_fsdp_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights(runs):
@@ -165,6 +179,49 @@ def test_fsdp_checkpoint_resumes_with_another_number_of_processes(runs):
     worst = _worst(_weights(runs["two"]), _weights(copy))
     assert worst <= ACROSS_PROCESSES
     print(f"SIGKILL with 2 processes, resumed with 1: max weight difference {worst:.2e}")
+
+    # 1 -> 2: the 1-process run's own checkpoint of step 10 (one shard), taken up by 2 processes.
+    one_to_two = runs["tmp"] / "one-to-two"
+    shutil.copytree(copy, one_to_two)
+    shutil.rmtree(one_to_two / "final")
+    step10 = one_to_two / "checkpoints" / "step-0000010"
+    assert sorted(p.name for p in (step10 / "sharded").iterdir()) == [".metadata", "__0_0.distcp"]
+    assert json.loads((step10 / "trainer_state.json").read_text())["plan"]["processes"] == 1
+    for later in ("step-0000015", "epoch-2", "epoch-3"):
+        shutil.rmtree(one_to_two / "checkpoints" / later)
+    proc = _surefit("train", "--resume", "--output_dir", str(one_to_two), "--num_processes", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {step10}: epoch 2, step 1" in proc.stdout
+    worst = _worst(_weights(runs["two"]), _weights(one_to_two))
+    assert worst <= ACROSS_PROCESSES
+    print(f"checkpoint of 1 FSDP process, resumed with 2: max weight difference {worst:.2e}")
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_refused_naming_the_file(runs, tmp_path, capsys):
+    import surefit.training.checkpoint as ck
+
+    run = tmp_path / "run"
+    shutil.copytree(runs["two"], run)
+    newest = run / "checkpoints" / "epoch-3"  # step 20
+    (newest / "sharded" / "__1_0.distcp").unlink()  # process 1's shard of the weights and optimizer state
+    said = []
+    # --resume alone falls back to the newest checkpoint that is complete, saying why the newer one is not.
+    assert ck.latest_checkpoint(run / "checkpoints", said.append) == run / "checkpoints" / "epoch-2"  # step 18
+    assert said[0].startswith(f"checkpoint {newest} is unusable: sharded/__1_0.distcp is missing (a --sharding fsdp "
+                              "checkpoint needs the shard of every process that wrote it")
+    # Named as the checkpoint to resume from, it is refused before any training, with the file and the fix.
+    code = main(["train", "--config", str(run / "config.yaml"), "--output_dir", str(run), "--resume", str(newest)])
+    out = capsys.readouterr()
+    assert code != 0
+    text = out.out + out.err
+    assert f"cannot resume from {newest}: sharded/__1_0.distcp is missing" in text
+    assert "use --resume alone to pick the newest usable checkpoint" in text
+    # A shard changed on disk (same size) does not match its checksum.
+    shard = run / "checkpoints" / "epoch-2" / "sharded" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert ck.verify(shard.parents[1]).startswith("sharded/__0_0.distcp does not match its checksum (corrupted)")
 
 
 def test_export_of_an_fsdp_run_loads_with_plain_transformers(runs, tmp_path):

@@ -355,8 +355,8 @@ def save_sharded_checkpoint(folder: str | Path, *, model: torch.nn.Module, state
         try:
             _write_rest(tmp, states, state, None)
             shards = sorted(str(p.relative_to(tmp)) for p in (tmp / SHARDS).iterdir() if p.is_file())
-            _commit(tmp, folder, [*SHARDED_REQUIRED, *shards, *_saved_states(states, with_optimizer=False)],
-                    before_commit, hashed)
+            required = dict.fromkeys([*SHARDED_REQUIRED, *shards, *_saved_states(states, with_optimizer=False)])
+            _commit(tmp, folder, list(required), before_commit, hashed)
         except Exception as e:
             error = e
     together(error)  # the others return once the checkpoint is complete
