@@ -63,6 +63,24 @@ def test_planner_keeps_the_effective_batch_at_every_budget(tiny):
     assert len(seen) >= 3  # the budgets really moved the plan
 
 
+def test_fsdp_plan_counts_one_process_shard_of_weights_and_adamw_states(tiny):
+    from surefit.training.distributed import fsdp_blocks
+
+    plain = _plan(copy.deepcopy(tiny), None, processes=2)
+    sharded = _plan(copy.deepcopy(tiny), None, processes=2, sharding="fsdp")
+    block = max(sum(p.numel() * p.element_size() for p in b.parameters()) for b in fsdp_blocks(tiny))
+    assert block > 0
+    assert sharded.estimate["AdamW states"] == plain.estimate["AdamW states"] // 2
+    # Half the weights, plus two blocks gathered whole (the one computing and the next one fetched ahead).
+    assert sharded.estimate["weights"] == plain.estimate["weights"] // 2 + 2 * block
+    assert sharded.estimate["gradients"] == plain.estimate["gradients"]  # unsharded while they accumulate
+    # Writing a checkpoint: the main process holds its shard, not a copy of the whole state.
+    assert sharded.checkpoint_host_bytes == plain.checkpoint_host_bytes // 2 > 0
+    text = sharded.render()
+    assert "per process (1/2 of the weights and AdamW states)" in text
+    assert "each process writes its own shard of the weights and AdamW states" in text
+
+
 def test_planner_turns_on_checkpointing_when_that_keeps_a_larger_micro_batch(tiny):
     fp_plan = _plan(copy.deepcopy(tiny), None)
     parts = fp_plan.estimate

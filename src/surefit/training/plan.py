@@ -69,6 +69,10 @@ class Plan:
     saved_activations: str | None = None
     # "4bit" / "8bit": the frozen Linear weights were quantised by bitsandbytes while loading (--quantize).
     quantized: str | None = None
+    # "fsdp": the estimate is one process's shard; checkpoint_host_bytes: host RAM the main process needs to write a
+    # step checkpoint (its shard under fsdp; an epoch checkpoint's model/ also gathers the whole weights there).
+    sharding: str = "none"
+    checkpoint_host_bytes: int = 0
 
     @property
     def estimated_bytes(self) -> int:
@@ -102,7 +106,13 @@ class Plan:
         lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
                      f"{self.precision}{stored}; evaluation batch {self.eval_batch_size}")
         parts = " + ".join(f"{k} {human_bytes(v)}" for k, v in self.estimate.items() if v)
-        lines.append(f"  estimate {human_bytes(self.estimated_bytes)} = {parts}")
+        per = f" per process (1/{self.processes} of the weights and AdamW states)" if self.sharding == "fsdp" else ""
+        lines.append(f"  estimate {human_bytes(self.estimated_bytes)}{per} = {parts}")
+        if self.checkpoint_host_bytes:
+            how = ("each process writes its own shard of the weights and AdamW states" if self.sharding == "fsdp"
+                   else "a copy of the trainable weights and the AdamW states")
+            lines.append(f"  checkpoint save: about {human_bytes(self.checkpoint_host_bytes)} of host RAM on the main "
+                         f"process ({how})")
         if self.measured:
             m = self.measured
             lines.append(f"  measured: {m['how']}")
@@ -164,15 +174,27 @@ class Footprint:
     act_source: str
     layers: int = 0
     kv_width: int = 0  # key (or value) width per layer, for the generation cache
+    # --sharding fsdp over this many processes (1: not sharded); block: the largest sharded block's weights.
+    shards: int = 1
+    block: int = 0
 
     def at(self, micro: int, seq: int, supervised: int, ckpt: bool) -> dict[str, int]:
-        weights = self.weights
+        # FSDP: each process keeps 1/N of the weights and AdamW states; a block's full weights exist during its
+        # forward and backward (two blocks: the next one is gathered ahead). Gradients are counted whole: under
+        # accumulation they stay unsharded until the step's last micro-batch.
+        weights = self.weights // self.shards + (2 * self.block if self.shards > 1 else 0)
         acts = micro * seq * (self.ckpt_per_token if ckpt else self.act_per_token)
         # Supervised positions only, at most one chunk at a time; fp32 logits, their softmax and its gradient.
         chunk = max(1, CHUNK_VALUES // self.vocab) if self.vocab else 0
         logits = min(supervised, chunk) * self.vocab * 4 * 3 if self.vocab else 0
-        return {"weights": weights, "gradients": self.trainable_bytes, "AdamW states": self.trainable * 8,
+        return {"weights": weights, "gradients": self.trainable_bytes, "AdamW states": self.trainable * 8 // self.shards,
                 "activations": int(acts), "logits": int(logits)}
+
+    def checkpoint_host_bytes(self, processes: int, sharding: str) -> int:
+        """Host RAM the main process needs to write a step checkpoint: unsharded, a CPU copy of the trainable
+        weights and the AdamW states; sharded, its own shard of them (each process writes its part)."""
+        whole = self.trainable_bytes + self.trainable * 8
+        return whole // processes if sharding == "fsdp" else whole
 
 
 def model_dims(model: Any) -> dict[str, int]:
@@ -242,8 +264,9 @@ def measure_saved_bytes(model: Any, run_forward: Callable[[], Any], packer: Any 
     return sum(n for (ptr, _), n in seen.items() if ptr not in params)
 
 
-def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None) -> Footprint:
-    """Sizes of ``model`` as it will train; ``measured_act``: (saved bytes, tokens) of a measured forward."""
+def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None, shards: int = 1) -> Footprint:
+    """Sizes of ``model`` as it will train; ``measured_act``: (saved bytes, tokens) of a measured forward;
+    ``shards``: the processes ``--sharding fsdp`` shards it over (1: not sharded)."""
     params = list(model.parameters())
     weights = sum(p.numel() * p.element_size() for p in params)
     weights += sum(b.numel() * b.element_size() for b in model.buffers())
@@ -264,9 +287,16 @@ def footprint(model: Any, *, mixed: bool, measured_act: tuple[int, int] | None) 
     ckpt = (layers * hidden * (2 if mixed else 4) + per_token / max(layers, 1)) if layers else per_token
     vocab = d.get("vocab", 0) if hasattr(getattr(model, "module", model), "get_output_embeddings") and \
         _has_lm_head(model) else 0
+    block = 0
+    if shards > 1:
+        from surefit.training.distributed import fsdp_blocks
+
+        block = max((sum(p.numel() * p.element_size() for p in b.parameters()) for b in fsdp_blocks(model)),
+                    default=0)
     return Footprint(weights=weights, trainable=n_train, trainable_bytes=n_train * 4, act_per_token=per_token,
                      ckpt_per_token=ckpt, vocab=vocab, act_source=source, layers=layers,
-                     kv_width=hidden * d.get("kv", d.get("heads", 1)) // max(d.get("heads", 1), 1))
+                     kv_width=hidden * d.get("kv", d.get("heads", 1)) // max(d.get("heads", 1), 1), shards=shards,
+                     block=block)
 
 
 def _quant_state_bytes(p: Any) -> int:
@@ -326,6 +356,7 @@ class PlanRequest:
         budget: (GB or None, where it came from), see :func:`resolve_budget`.
         lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
         device: where the model trains.
+        sharding: ``"fsdp"``: weights and AdamW states are sharded over the processes (each holds 1/N).
     """
 
     batch_size: int
@@ -337,6 +368,7 @@ class PlanRequest:
     budget: tuple[float | None, str]
     lora: bool
     device: torch.device
+    sharding: str = "none"
 
 
 def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[[int, bool], int] | None = None,
@@ -385,7 +417,8 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
         measured_act = (measure_saved_bytes(model, lambda: forward([order[0]]), packer),
                         work.lengths[order[0]])
         memo["saved_activations"] = list(measured_act)
-    fp = footprint(model, mixed=mixed, measured_act=measured_act)
+    sharded = request.sharding == "fsdp"
+    fp = footprint(model, mixed=mixed, measured_act=measured_act, shards=processes if sharded else 1)
 
     def sup(micro: int) -> int:
         return sum(sorted(work.supervised, reverse=True)[:micro])
@@ -490,7 +523,8 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
                 frozen_dtype={"bf16": "bf16", "fp16": "fp16"}[precision] if frozen_half else None,
                 eval_batch_size=eval_bs, budget_gb=budget_gb, budget_source=source,
                 estimate=estimate(micro, ckpt), measured=measured, changes=changes,
-                saved_activations="bf16" if pack_saved else None, quantized=quant)
+                saved_activations="bf16" if pack_saved else None, quantized=quant, sharding=request.sharding,
+                checkpoint_host_bytes=fp.checkpoint_host_bytes(processes, request.sharding))
 
 
 def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) -> Callable[[int, bool], int]:
@@ -626,6 +660,6 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
             batch_size=cfg.batch_size, processes=accelerator.num_processes, requested_micro=cfg.micro_batch_size,
             gradient_checkpointing=cfg.gradient_checkpointing, precision=precision_name(accelerator),
             eval_batch_size=cfg.resolved_eval_batch_size, budget=budget, lora=work.plan.lora,
-            device=accelerator.device), memo=memo))
+            device=accelerator.device, sharding=getattr(cfg, "sharding", "none")), memo=memo))
     say(plan.render())
     return plan
