@@ -71,8 +71,8 @@ class TrainConfig:
     gradient_checkpointing: bool = opt(False, "Recompute activations in the backward pass: less memory, ~30% slower.")
     sharding: Literal["none", "fsdp"] = opt(
         "none", "With several processes: 'none' (DDP: each process holds the whole model) or 'fsdp' (FSDP2: "
-        "parameters, gradients and optimizer states sharded over the processes; checkpoints hold the whole state, "
-        "so a run resumes with any number of processes).")
+        "parameters, gradients and optimizer states sharded over the processes; each process writes its shard of a "
+        "checkpoint, and a run resumes with any number of processes).")
     gpu_memory_gb: str | None = opt(
         None,
         "Memory to fit the run in, in GB, or 'auto' (what the GPU has free). The planner then picks the micro-batch, "
