@@ -14,7 +14,11 @@ after step 2, which also exports ``model/`` (the whole weights, in safetensors).
 just before it and read just after, so ``peak`` is that process's own peak during the save and ``growth`` what the
 save added to the RSS it had.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/fsdp_save_rss.py [--only before,after] [--out benchmarks/results/fsdp_save_rss]
+Each variant runs twice, in the order before, after, after, before (the RSS a process has before its first save
+varies by a few hundred MB from run to run with the same code: the allocator's release of the model loaded whole
+before it was sharded; the growth during the save does not).
+
+    PYTHONPATH=src .venv/bin/python benchmarks/fsdp_save_rss.py [--only before,after,after,before] [--out benchmarks/results/fsdp_save_rss]
 """
 
 from __future__ import annotations
@@ -85,8 +89,8 @@ def source_tree(commit: str, into: Path) -> Path:
     return into / "src"
 
 
-def run_variant(name: str, src: Path, work: Path, data: Path) -> dict[str, Any]:
-    out = work / name
+def run_variant(name: str, src: Path, work: Path, data: Path, index: int) -> dict[str, Any]:
+    out = work / f"{index}-{name}"
     out.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src)}
     args = ["--data", str(data), "--output_dir", str(out / "run"), "--lora_r", "0", "--precision", "fp32",
@@ -105,7 +109,7 @@ def run_variant(name: str, src: Path, work: Path, data: Path) -> dict[str, Any]:
     sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in ckpts.iterdir()}
     files = {p.name: sorted(str(f.relative_to(p)) for f in p.rglob("*")
                             if f.is_file() and not str(f.relative_to(p)).startswith("model/")) for p in ckpts.iterdir()}
-    return {"variant": name, "source": str(src), "wall_s": round(time.perf_counter() - t0, 1), "saves": records,
+    return {"variant": name, "run": index, "source": str(src), "wall_s": round(time.perf_counter() - t0, 1), "saves": records,
             "checkpoint_bytes": sizes, "checkpoint_files": files}
 
 
@@ -117,32 +121,30 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "the seconds are noisy, the megabytes are not).", "",
              "`peak`: the process's high-water mark during the save (reset just before it); `growth`: peak minus "
              "the RSS it had just before the save.", "",
-             "| variant | checkpoint | model/ exported | rank | RSS before (MB) | peak (MB) | growth (MB) | s |",
+             "| run: variant | checkpoint | model/ exported | rank | RSS before (MB) | peak (MB) | growth (MB) | s |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         for s in sorted(r["saves"], key=lambda s: (s["checkpoint"], s["rank"])):
-            lines.append(f"| {r['variant']} | {s['checkpoint']} | {'yes' if s['exports_model'] else 'no'} | "
+            lines.append(f"| {r['run']}: {r['variant']} | {s['checkpoint']} | {'yes' if s['exports_model'] else 'no'} | "
                          f"{s['rank']} | {s['rss_before_mb']:.0f} | {s['peak_mb']:.0f} | {s['growth_mb']:.0f} | "
                          f"{s['seconds']:.1f} |")
     lines += ["", "Files of the step checkpoint:", ""]
-    for r in results:
+    for r in {r["variant"]: r for r in results}.values():
         step = next((v for k, v in r["checkpoint_files"].items() if k.startswith("step-")), [])
         lines.append(f"- {r['variant']}: {', '.join(step)}")
-    by = {r["variant"]: {(s["checkpoint"], s["rank"]): s for s in r["saves"]} for r in results}
-    if {"before", "after"} <= by.keys():
-        lines += [""]
-        for key in sorted(by["before"]):
-            if key in by["after"] and key[1] == 0:
-                b, a = by["before"][key], by["after"][key]
-                lines.append(f"- main process, {key[0]}: growth {b['growth_mb']:.0f} MB before -> "
-                             f"{a['growth_mb']:.0f} MB after; peak {b['peak_mb']:.0f} -> {a['peak_mb']:.0f} MB")
+    lines += ["", "The main process's growth during each save, per run:", ""]
+    for variant in dict.fromkeys(r["variant"] for r in results):
+        for name in sorted({s["checkpoint"] for r in results for s in r["saves"]}):
+            growth = [s["growth_mb"] for r in results if r["variant"] == variant for s in r["saves"]
+                      if s["checkpoint"] == name and s["rank"] == 0]
+            lines.append(f"- {variant}, {name}: {' / '.join(f'{g:.0f}' for g in growth)} MB")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--only", default="before,after")
+    ap.add_argument("--only", default="before,after,after,before", help="variants in order (repeats allowed)")
     ap.add_argument("--before_src", default=None, help=f"the source tree of the gather path (default: {BEFORE}'s)")
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--out", default=None, help="write OUT.json and OUT.md")
@@ -158,12 +160,11 @@ def main() -> None:
         write_rows(data, args.rows)
         meta: dict[str, Any] = {"machine": machine_info(), "loadavg_before": loadavg(), "before_commit": BEFORE}
         results = []
-        for name in args.only.split(","):
-            if name == "before":
-                src = Path(args.before_src) if args.before_src else source_tree(BEFORE, work / "before-tree")
-            else:  # a copy: the tree may be edited while the benchmark runs
-                src = Path(shutil.copytree(REPO / "src", work / "after-tree" / "src"))
-            results.append(run_variant(name, src, work, data))
+        trees = {"before": Path(args.before_src) if args.before_src else source_tree(BEFORE, work / "before-tree"),
+                 # a copy: the tree may be edited while the benchmark runs
+                 "after": Path(shutil.copytree(REPO / "src", work / "after-tree" / "src"))}
+        for index, name in enumerate(args.only.split(","), 1):
+            results.append(run_variant(name, trees[name], work, data, index))
             print(json.dumps(results[-1]["saves"]), flush=True)
         meta["loadavg_after"] = loadavg()
     text = report(results, meta)

@@ -216,6 +216,13 @@ def test_a_sharded_checkpoint_missing_a_shard_is_refused_naming_the_file(runs, t
     text = out.out + out.err
     assert f"cannot resume from {newest}: sharded/__1_0.distcp is missing" in text
     assert "use --resume alone to pick the newest usable checkpoint" in text
+    # Deleted with its entries taken out of the manifest too, it is still found: the shards' metadata names it.
+    manifest = json.loads((newest / "manifest.json").read_text())
+    del manifest["files"]["sharded/__1_0.distcp"]
+    manifest["required"].remove("sharded/__1_0.distcp")
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    assert ck.verify(newest).startswith("sharded/__1_0.distcp is missing from the manifest (sharded/.metadata says "
+                                        "it holds part of the state) (a --sharding fsdp checkpoint needs the shard")
     # A shard changed on disk (same size) does not match its checksum.
     shard = run / "checkpoints" / "epoch-2" / "sharded" / "__0_0.distcp"
     data = bytearray(shard.read_bytes())
@@ -380,3 +387,19 @@ def test_out_of_memory_under_fsdp_stops_with_what_to_change():
     with pytest.raises(OutOfMemoryInSync, match="under --sharding fsdp") as e:
         _linear_step(lockstep=True, micro=3, guard=OOMGuard(inject={1}))
     assert "--grad_accum" in str(e.value) and "--gradient_checkpointing" in str(e.value)
+
+
+def test_shard_metadata_is_read_without_running_what_a_pickle_names(tmp_path):
+    import pickle
+
+    from surefit.training.distributed import read_dcp_metadata
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(Planted()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system is not part of a checkpoint's metadata"):
+        read_dcp_metadata(path)
+    assert not (tmp_path / "ran").exists()

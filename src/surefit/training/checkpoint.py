@@ -405,10 +405,31 @@ def verify(folder: Path, required: tuple[str, ...] = ()) -> str | None:
     if not is_sharded_checkpoint(folder):
         return integrity.verify(folder, required, ALWAYS_REQUIRED)
     reason = integrity.verify(folder, tuple(r for r in required if r != "optimizer.pt"), SHARDED_REQUIRED)
+    reason = reason or _unlisted_shard(Path(folder))
     if reason and reason.startswith(f"{SHARDS}/"):
         reason += (" (a --sharding fsdp checkpoint needs the shard of every process that wrote it, whatever the "
                    "number of processes resuming: the others do not hold that part of the weights and optimizer)")
     return reason
+
+
+def _unlisted_shard(folder: Path) -> str | None:
+    """A shard file the (verified) ``.metadata`` reads from that the manifest does not list, if any: a shard
+    deleted together with its manifest entries is found before the collective load, not in it."""
+    import pickle
+
+    from surefit.training.distributed import read_dcp_metadata
+
+    manifest, _ = integrity.read_manifest(folder)
+    listed = set(manifest["files"]) if manifest else set()
+    try:
+        metadata = read_dcp_metadata(folder / SHARDS_METADATA)
+        paths = {str(getattr(info, "relative_path", "")) for info in (metadata.storage_data or {}).values()}
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as e:
+        return f"{SHARDS_METADATA} could not be read ({type(e).__name__}: {str(e)[:200]})"
+    for path in sorted(paths):
+        if f"{SHARDS}/{path}" not in listed:
+            return f"{SHARDS}/{path} is missing from the manifest ({SHARDS_METADATA} says it holds part of the state)"
+    return None
 
 
 def _global_step(folder: Path) -> int:
