@@ -79,6 +79,7 @@ def test_fsdp_plan_counts_one_process_shard_of_weights_and_adamw_states(tiny):
     text = sharded.render()
     assert "per process (1/2 of the weights and AdamW states)" in text
     assert "each process writes its own shard of the weights and AdamW states" in text
+    assert "checkpoint save" not in plain.render()  # unsharded runs print the plan as before
 
 
 def test_planner_turns_on_checkpointing_when_that_keeps_a_larger_micro_batch(tiny):

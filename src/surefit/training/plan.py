@@ -108,11 +108,9 @@ class Plan:
         parts = " + ".join(f"{k} {human_bytes(v)}" for k, v in self.estimate.items() if v)
         per = f" per process (1/{self.processes} of the weights and AdamW states)" if self.sharding == "fsdp" else ""
         lines.append(f"  estimate {human_bytes(self.estimated_bytes)}{per} = {parts}")
-        if self.checkpoint_host_bytes:
-            how = ("each process writes its own shard of the weights and AdamW states" if self.sharding == "fsdp"
-                   else "a copy of the trainable weights and the AdamW states")
+        if self.sharding == "fsdp" and self.checkpoint_host_bytes:  # unsharded: in memory_plan.json only
             lines.append(f"  checkpoint save: about {human_bytes(self.checkpoint_host_bytes)} of host RAM on the main "
-                         f"process ({how})")
+                         "process (each process writes its own shard of the weights and AdamW states)")
         if self.measured:
             m = self.measured
             lines.append(f"  measured: {m['how']}")
