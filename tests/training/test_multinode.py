@@ -170,8 +170,8 @@ def test_a_lost_node_stops_the_run_naming_it_and_the_resume_command_finishes_it(
     tmp, args = setup
     out, seen, port = tmp_path / "run", tmp_path / "seen", _free_port()
     run_args = [*args, "--save_every", "2"]
-    # Forward 7 of process 1 is in step 4 (2 micro-batches a step): the checkpoint of step 2 is written by then.
-    node0, node1 = _nodes(run_args, out, seen, port, KILL_AT="7")
+    # Each process runs one micro-batch of 2 a step: its 3rd forward is step 3, after the checkpoint of step 2.
+    node0, node1 = _nodes(run_args, out, seen, port, KILL_AT="3")
     victim = seen / "victim.json"
     deadline = time.time() + 600
     while not victim.exists() and time.time() < deadline and node0.poll() is None:

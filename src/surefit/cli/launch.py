@@ -110,13 +110,20 @@ def launch(flags: LaunchFlags, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """torchrun, exiting with the training processes' exit code (the main process's when it failed)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    quiet = "static" in args and "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        # Several nodes: a node not there yet makes torch's C++ store log every failed connection with a stack of
+        # native frames; the failure itself is reported below in the user's terms. Read once, when torch is imported.
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     from surefit.training.lost_worker import lost_by_launcher, never_joined
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]  # the training processes log as usual
     parsed = parse_args(args)
     flags = _flags_of(parsed)
     try:

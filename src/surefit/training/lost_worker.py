@@ -132,6 +132,8 @@ def roll_call(wait_s: float) -> tuple[set[int] | None, dict[int, str]]:
     """
     world = world_size()
     try:
+        # A plain connection first: torch's store client logs every failed attempt with native stack frames.
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=5).close()
         store = _store(5)
         store.set(_ALIVE_KEY.format(process_index()), "1")
         deadline = time.monotonic() + wait_s
@@ -170,7 +172,7 @@ def lost_here(e: BaseException, rank: int, processes: int, output_dir: str | Non
             why = ("its rendezvous store at " f"{flags.master_addr}:{flags.master_port} cannot be reached"
                    if alive is None else "it did not answer the roll call of the surviving processes")
             return WorkerLost(Problem(
-                f"lost {'node' if len(gone) == 1 else 'nodes'} {names}: {why} after a collective failed "
+                f"lost {names}: {why} after a collective failed "
                 f"({first[:200]}); process {rank} of {processes} on {here} stopped the run; {last}",
                 where=f"node {gone[0]}" if len(gone) == 1 else "nodes " + ", ".join(map(str, gone)), fix=fix))
     other = f"process {1 - rank}" if processes == 2 else "another process"
