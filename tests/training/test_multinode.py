@@ -305,3 +305,26 @@ def test_several_nodes_run_on_torchruns_static_rendezvous_keeping_the_node_rank(
 
     parsed = parse_args(cmd[3:])  # torchrun itself reads these flags
     assert (parsed.nnodes, parsed.node_rank, parsed.master_addr, parsed.rdzv_backend) == ("2", 1, "10.0.0.1", "static")
+
+
+def test_the_launcher_of_a_node_names_its_process_killed_by_a_signal(monkeypatch, tmp_path, capsys):
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from surefit.cli.launch import command
+    from surefit.cli.launch import main as launch_main
+
+    def killed(args):
+        raise ChildFailedError("surefit", {1: ProcessFailure(local_rank=0, pid=1, exitcode=-9,
+                                                             error_file="/nonexistent")})
+
+    monkeypatch.setattr(torchrun, "run", killed)
+    flags = LaunchFlags(num_processes=1, nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=29400)
+    out = tmp_path / "run"
+    assert launch_main(command(flags, ["train", "--output_dir", str(out)])[3:]) == 128 + 9
+    err = capsys.readouterr().err
+    assert (f"process 1 on node 1 (host {socket.gethostname()}): training process 1 of 2 was killed by SIGKILL"
+            in err), err
+    assert (f"fix: train again: surefit train ... --output_dir {out} --overwrite --num_processes 1 --nnodes 2 "
+            "--node_rank 1 --master_addr 127.0.0.1 --master_port 29400 (on every node, each with its own "
+            "--node_rank from 0 to 1)") in err

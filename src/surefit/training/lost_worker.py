@@ -194,7 +194,7 @@ def lost_by_launcher(failures: dict[int, int], flags: LaunchFlags, output_dir: s
     last, fix = _recovery(output_dir, flags)
     where = f"process {rank}"
     if flags.multi_node:
-        where = describe_node(flags.node_rank, flags, socket.gethostname()).replace("node", f"process {rank} on node", 1)
+        where = f"process {rank} on node {flags.node_rank} (host {socket.gethostname()})"
     return WorkerLost(Problem(
         f"training process {rank} of {flags.world_size()} {_how(failures[rank])}; the others were stopped; {last}",
         where=where, fix=fix))
