@@ -177,9 +177,11 @@ def main(argv: list[str] | None = None) -> int:
             if flags is not None and flags.launches:
                 return launch(flags, ["train", *rest])
             from surefit.api import train
-            from surefit.training.lost_worker import register_node
 
-            register_node()  # several machines: this node's host, so that a lost node can be named
+            if world_size() > 1:
+                from surefit.training.lost_worker import register_node
+
+                register_node()  # several machines: this node's host, so that a lost node can be named
             try:
                 train(cfg)
             except Exception as e:
