@@ -328,3 +328,39 @@ def test_the_launcher_of_a_node_names_its_process_killed_by_a_signal(monkeypatch
     assert (f"fix: train again: surefit train ... --output_dir {out} --overwrite --num_processes 1 --nnodes 2 "
             "--node_rank 1 --master_addr 127.0.0.1 --master_port 29400 (on every node, each with its own "
             "--node_rank from 0 to 1)") in err
+
+
+def test_global_and_node_local_main_processes_are_told_apart(monkeypatch):
+    from surefit.training import processes
+
+    # Rank 5 of 8 on node 2 of 4, 2 processes a node: the first of its node, not the run's main process.
+    for name, value in {"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                        "GROUP_RANK": "2", "MASTER_ADDR": "gpu01", "MASTER_PORT": "29400"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SUREFIT_SLURM", raising=False)
+    assert not processes.is_main_process() and processes.is_local_main_process()
+    assert (processes.node_count(), processes.node_index(), processes.node_of(7), processes.node_of(1)) == (4, 2, 3, 0)
+    flags = processes.launched_as()
+    assert flags == LaunchFlags(num_processes=2, nnodes=4, node_rank=2, master_addr="gpu01", master_port=29400)
+    assert flags.relaunch_note() == " (on every node, each with its own --node_rank from 0 to 3)"
+    monkeypatch.setenv("SUREFIT_SLURM", "1")  # surefit's launcher under srun
+    assert processes.launched_as().slurm and processes.launched_as().relaunch_flags() == ""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert not processes.is_local_main_process()
+
+
+def test_srun_over_two_nodes_starts_each_nodes_processes(setup, tmp_path):
+    """`srun surefit train ...` with one task per node, as SLURM sets the environment, on two loopback "nodes"."""
+    tmp, args = setup
+    port = _free_port()
+    slurm = {"SLURM_JOB_ID": "77", "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NUM_TASKS": "2",
+             "SLURM_STEP_NODELIST": "localhost", "MASTER_PORT": str(port)}
+    out = tmp_path / "run"
+    runs = [_surefit([*args, "--epochs", "1", "--output_dir", str(out)], tmp_path / "seen",
+                     **slurm, SLURM_PROCID=str(k), SLURM_NODEID=str(k)) for k in (0, 1)]
+    said = [r.communicate(timeout=600)[0] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], [s[-3000:] for s in said]
+    assert said[0].count("epoch 1/1  avg_train_loss=") == 1 and "epoch 1/1" not in said[1]
+    seen = _seen(tmp_path / "seen")
+    assert sorted(seen) == [0, 1] and sorted(seen[0] + seen[1]) == list(range(N_TRAIN))
+    assert (out / "final" / "model.safetensors").is_file()

@@ -88,6 +88,15 @@ class LaunchFlags:
                 f"--master_addr {self.master_addr} --master_port {self.master_port}")
 
 
+    def relaunch_note(self) -> str:
+        """What to say after a command that starts this run again, when one command line does not fit every node."""
+        if self.slurm:
+            return " (in an allocation of the same shape)"
+        if self.multi_node:
+            return f" (on every node, each with its own --node_rank from 0 to {self.nnodes - 1})"
+        return ""
+
+
 def under_launcher(env: Mapping[str, str]) -> bool:
     """Whether this process was started by a launcher (torchrun, accelerate launch) as one rank of a run."""
     return bool(env.get("RANK")) and bool(env.get("WORLD_SIZE"))

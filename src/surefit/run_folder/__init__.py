@@ -48,7 +48,7 @@ from surefit.run_folder.links import is_previous, remove_previous
 from surefit.run_folder.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
 from surefit.training.loop import Checkpointing
 from surefit.training.plan import Plan
-from surefit.training.processes import barrier, is_main_process, launched_as, relaunch_note
+from surefit.training.processes import barrier, is_main_process, launched_as
 from surefit.training.trackers import MetricsLog
 
 Say = Callable[[str], None]
@@ -240,7 +240,7 @@ class RunFolder:
         """The command that continues this run."""
         flags = launched_as()
         command = f"surefit train --config {self.path / CONFIG} --resume{flags.relaunch_flags()}"
-        return ("srun " if flags.slurm else "") + command + relaunch_note()
+        return ("srun " if flags.slurm else "") + command + flags.relaunch_note()
 
     def metrics_log(self, accelerator: Any) -> MetricsLog:
         """``metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after each epoch."""

@@ -64,12 +64,7 @@ def _recovery(output_dir: str | None, flags: LaunchFlags) -> tuple[str, str]:
     if output_dir:
         folder = latest_checkpoint(Path(output_dir) / "checkpoints", say=lambda _: None)
     out = output_dir or "OUTPUT_DIR"
-    srun = "srun " if flags.slurm else ""
-    note = ""
-    if flags.slurm:
-        note = " (in an allocation of the same shape)"
-    elif flags.multi_node:
-        note = f" (on every node, each with its own --node_rank from 0 to {flags.nnodes - 1})"
+    srun, note = "srun " if flags.slurm else "", flags.relaunch_note()
     if folder is None:
         return ("no checkpoint had been saved yet, so there is nothing to resume",
                 f"train again: {srun}surefit train ... --output_dir {out} --overwrite{flags.relaunch_flags()}{note}")
@@ -117,9 +112,12 @@ def register_node() -> None:
 
     Only a hint for messages: nothing fails if the store cannot be reached.
     """
-    if node_count() <= 1 or not is_local_main_process() or not os.environ.get("MASTER_ADDR"):
+    # Under torchrun the store (its agent's) exists before the processes start; under other launchers it is rank
+    # 0's, created later by the process group: nothing to wait for here.
+    if node_count() <= 1 or not is_local_main_process() or not os.environ.get("TORCHELASTIC_RUN_ID"):
         return
     try:
+        socket.create_connection((os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])), timeout=5).close()
         _store(30).set(_HOST_KEY.format(node_index()), socket.gethostname())
     except Exception:  # noqa: BLE001 - a message hint only
         return

@@ -95,16 +95,6 @@ def launched_as() -> LaunchFlags:
                        master_port=int(os.environ.get("MASTER_PORT") or DEFAULT_PORT), slurm=slurm)
 
 
-def relaunch_note() -> str:
-    """What to add after a ``surefit train ...`` command that starts this run again on several machines."""
-    flags = launched_as()
-    if flags.slurm:
-        return " (under srun, in the same kind of allocation: srun surefit train ...)"
-    if flags.multi_node:
-        return f" (on every node, each with its own --node_rank from 0 to {flags.nnodes - 1})"
-    return ""
-
-
 def on_main(say: Callable[[str], None]) -> Callable[[str], None]:
     """``say`` on the main process, a no-op on the others (a run of N processes prints its report once)."""
     return say if is_main_process() else quiet
