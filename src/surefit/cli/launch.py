@@ -111,7 +111,7 @@ def launch(flags: LaunchFlags, argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """torchrun, exiting with the training processes' exit code (the main process's when it failed)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    quiet = "static" in args and "TORCH_CPP_LOG_LEVEL" not in os.environ
+    quiet = "--rdzv_backend" in args and "static" in args and "TORCH_CPP_LOG_LEVEL" not in os.environ
     if quiet:
         # Several nodes: a node not there yet makes torch's C++ store log every failed connection with a stack of
         # native frames; the failure itself is reported below in the user's terms. Read once, when torch is imported.
