@@ -137,23 +137,28 @@ def test_two_processes_stopped_and_resumed_train_the_same_run_as_one(setup, capf
 
 
 def test_num_processes_flag_is_taken_out_of_the_arguments():
-    from surefit.cli.launch import command, split_num_processes
+    from surefit.cli.launch import command
+    from surefit.config.launch_flags import LaunchFlags, split_launch_flags
     from surefit.errors import ConfigError
 
-    assert split_num_processes(["--data", "x", "--num_processes", "2", "--epochs", "1"]) == (2, [
-        "--data", "x", "--epochs", "1"])
-    assert split_num_processes(["--num-processes=4"]) == (4, [])
-    assert split_num_processes(["--data", "x"]) == (None, ["--data", "x"])
+    def split(argv):
+        flags, rest = split_launch_flags(argv, {})
+        return (None if flags is None else flags.num_processes), rest
+
+    assert split(["--data", "x", "--num_processes", "2", "--epochs", "1"]) == (2, ["--data", "x", "--epochs", "1"])
+    assert split(["--num-processes=4"]) == (4, [])
+    assert split(["--data", "x"]) == (None, ["--data", "x"])
     for bad in (["--num_processes", "0"], ["--num_processes", "two"], ["--num_processes"]):
         with pytest.raises(ConfigError, match="--num_processes"):
-            split_num_processes(bad)
-    cmd = command(2, ["train", "--data", "x"])
+            split(bad)
+    cmd = command(LaunchFlags(num_processes=2), ["train", "--data", "x"])
     assert cmd[1:] == ["-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", "2", "-m", "surefit", "train",
                        "--data", "x"]
 
 
 def test_launcher_passes_a_signal_on_to_its_child_and_returns_the_child_exit_code(tmp_path, monkeypatch):
     import surefit.cli.launch as launch
+    from surefit.config.launch_flags import LaunchFlags
 
     ready = tmp_path / "ready"
     child = textwrap.dedent(f"""
@@ -174,11 +179,12 @@ def test_launcher_passes_a_signal_on_to_its_child_and_returns_the_child_exit_cod
     thread = threading.Thread(target=interrupt)
     thread.start()
     started = time.time()
-    assert launch.launch(2, ["train"]) == 130
+    two = LaunchFlags(num_processes=2)
+    assert launch.launch(two, ["train"]) == 130
     thread.join()
     assert time.time() - started < 30
     monkeypatch.setattr(launch, "command", lambda n, argv: [sys.executable, "-c", "import sys; sys.exit(2)"])
-    assert launch.launch(2, ["train"]) == 2
+    assert launch.launch(two, ["train"]) == 2
 
 
 def test_launcher_exits_with_the_training_processes_exit_code(monkeypatch):

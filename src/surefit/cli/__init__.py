@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(any nn.Module on tensor data); default sft",
     )
     train.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML file of settings; flags override it")
-    train.add_argument("--num_processes", "--num-processes", dest="num_processes", default=argparse.SUPPRESS, metavar="N",
-                       help="train as N processes (DDP through torchrun, one per GPU, or on CPU cores); "
-                       "--batch_size stays the global batch. Under torchrun or accelerate launch, leave it out")
+    from surefit.cli.launch import add_launch_flags  # here, not at the top: `python -m surefit.cli.launch` runs it
+
+    add_launch_flags(train)
     doctor = sub.add_parser("doctor", allow_abbrev=False, help="check a training setup before step 1 (same flags as train)",
                             description="Build the run's setup exactly as `surefit train` would and report every "
                             "problem found; exit code 1 if any is an error. Takes the same flags as `train`.")
@@ -131,7 +131,9 @@ def _pull(argv: list[str], flag: str) -> tuple[list[str], str | None]:
 def parse_train_config(argv: list[str]) -> Any:
     """argv of ``surefit train ...`` (without the command) -> a validated config."""
     ns, unknown = build_parser().parse_known_args(["train", *argv])
-    given = {k: v for k, v in vars(ns).items() if k not in {"command", "config", "num_processes"}}
+    from surefit.cli.launch import LAUNCH_SETTINGS
+
+    given = {k: v for k, v in vars(ns).items() if k not in {"command", "config", *LAUNCH_SETTINGS}}
     # Unknown flags join the other problems (with a did-you-mean) instead of argparse exiting on the first one.
     from surefit.config.aliases import build_with_aliases, unknown_flags
 
@@ -167,21 +169,19 @@ def main(argv: list[str] | None = None) -> int:
     command = argv[0]
     try:
         if command == "train":
-            from surefit.cli.launch import launch, split_num_processes
+            from surefit.cli.launch import launch, split_launch
             from surefit.training.processes import finish, world_size
 
-            processes, rest = split_num_processes(argv[1:])
-            cfg = parse_train_config(rest)  # configuration errors are reported here, before any process starts
-            if processes is not None and world_size() > 1 and processes != world_size():
-                from surefit.errors import ConfigError, Problem
-
-                raise ConfigError(Problem(f"--num_processes {processes} given inside a launcher that started "
-                                          f"{world_size()} processes", "--num_processes",
-                                          "leave --num_processes out under torchrun or accelerate launch"))
-            if processes is not None and processes > 1 and world_size() == 1:
-                return launch(processes, ["train", *rest])
+            flags, rest = split_launch(argv[1:])  # every launch problem, then every config problem, before any start
+            cfg = parse_train_config(rest)
+            if flags is not None and flags.launches:
+                return launch(flags, ["train", *rest])
             from surefit.api import train
 
+            if world_size() > 1:
+                from surefit.training.lost_worker import register_node
+
+                register_node()  # several machines: this node's host, so that a lost node can be named
             try:
                 train(cfg)
             except Exception as e:

@@ -1,4 +1,5 @@
-"""``surefit train --num_processes N``: surefit starts the N processes itself, through torchrun.
+"""``surefit train --num_processes N [--nnodes M --node_rank K --master_addr A --master_port P]``: surefit starts
+this machine's processes itself, through torchrun (``config/launch_flags.py`` reads the flags and SLURM's variables).
 
 The command becomes ``python -m surefit.cli.launch --standalone --nproc_per_node N -m surefit train <the same flags>``
 in a child process: ``surefit.cli.launch`` is torchrun (``torch.distributed.run``) plus one thing torchrun does not do,
@@ -13,63 +14,73 @@ uses. A parent killed with SIGKILL cannot pass anything on: its child then runs 
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from surefit.errors import ConfigError, Problem
+from surefit.config.launch_flags import LAUNCH_FLAGS, LaunchFlags, split_launch_flags
 
-FLAGS = ("--num_processes", "--num-processes")
+# Help for `surefit train --help`; the flags themselves are read by split_launch, before the run's settings.
+_HELP = {
+    "num_processes": ("N", "train as N processes on this machine (DDP through torchrun, one per GPU, or on CPU "
+                      "cores); torchrun's --nproc_per_node is the same. --batch_size stays the global batch. Under "
+                      "torchrun or accelerate launch, leave it out"),
+    "nnodes": ("M", "machines in the run (torchrun's --nnodes); run the same command on each, with its own "
+               "--node_rank. Under srun, read from SLURM"),
+    "node_rank": ("K", "this machine's index, 0 to M-1; node 0 holds the main process, which writes the run folder"),
+    "master_addr": ("HOST", "node 0's host name or IP address, as every machine reaches it"),
+    "master_port": ("PORT", "node 0's port for the rendezvous (default 29500)"),
+    "join_timeout": ("SECONDS", "how long the nodes wait for each other to join (default 600)"),
+}
+LAUNCH_SETTINGS = frozenset(_HELP)
 
 
-def split_num_processes(argv: Sequence[str]) -> tuple[int | None, list[str]]:
-    """``(N, the other arguments)`` from ``surefit train`` arguments; ``N`` is ``None`` when the flag is absent.
+def add_launch_flags(parser: Any) -> None:
+    """Register the launch flags on ``surefit train``'s parser, for ``--help``."""
+    for setting, (metavar, text) in _HELP.items():
+        names = [flag for flag, s in LAUNCH_FLAGS.items() if s == setting]
+        parser.add_argument(*names, dest=setting, default=argparse.SUPPRESS, metavar=metavar, help=text)
+
+
+def split_launch(argv: Sequence[str]) -> tuple[LaunchFlags | None, list[str]]:
+    """``(the launch settings, the other arguments)`` from ``surefit train`` arguments and this process's environment.
 
     Raises:
-        ConfigError: the value is missing, not a whole number, or below 1.
+        ConfigError: every problem with the launch flags or the SLURM environment, together.
     """
-    rest: list[str] = []
-    raw: str | None = None
-    i = 0
-    while i < len(argv):
-        tok = argv[i]
-        name, eq, value = tok.partition("=")
-        if name in FLAGS:
-            if eq:
-                raw = value
-            elif i + 1 < len(argv):
-                raw = argv[i + 1]
-                i += 1
-            else:
-                raw = ""
-        else:
-            rest.append(tok)
-        i += 1
-    if raw is None:
-        return None, rest
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ConfigError(Problem(f"expected a whole number of processes >= 1, got {raw!r}", "--num_processes",
-                                  "e.g. --num_processes 2 (one per GPU; on a CPU, at most the number of cores)"))
-    return n, rest
+    return split_launch_flags(argv, os.environ)
 
 
-def command(n: int, argv: Sequence[str]) -> list[str]:
-    """The child's command line for ``n`` processes running ``surefit <argv>``."""
-    return [sys.executable, "-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", str(n), "-m", "surefit",
-            *argv]
+def command(flags: LaunchFlags, argv: Sequence[str]) -> list[str]:
+    """The child's command line: torchrun for ``flags``, running ``surefit <argv>``.
+
+    One machine: ``--standalone`` (a rendezvous on a free local port). Several: torchrun's static TCP rendezvous at
+    ``--master_addr:--master_port``, which keeps ``--node_rank`` as given (torchrun's c10d rendezvous numbers the
+    nodes in the order they join and ignores ``--node_rank``), so node 0 always holds rank 0, the process that writes
+    the run folder. ``--max_restarts 0``: a lost node stops the run (resumed from its checkpoint) rather than
+    restarting every process from the start of the script.
+    """
+    head = [sys.executable, "-m", "surefit.cli.launch"]
+    if not flags.multi_node:
+        return [*head, "--standalone", "--nproc_per_node", str(flags.num_processes), "-m", "surefit", *argv]
+    return [*head, "--nnodes", str(flags.nnodes), "--node_rank", str(flags.node_rank), "--master_addr",
+            str(flags.master_addr), "--master_port", str(flags.master_port), "--rdzv_backend", "static",
+            "--rdzv_conf", f"timeout={flags.join_timeout}", "--max_restarts", "0",
+            "--nproc_per_node", str(flags.num_processes), "-m", "surefit", *argv]
 
 
-def launch(n: int, argv: Sequence[str]) -> int:
-    """Run ``surefit <argv>`` as ``n`` processes and return their exit code (0 when every one succeeded)."""
+def launch(flags: LaunchFlags, argv: Sequence[str]) -> int:
+    """Run ``surefit <argv>`` as this machine's processes of ``flags`` and return their exit code (0: all succeeded)."""
     env = dict(os.environ)
     # torchrun sets 1 thread per process when this is unset (and says so); share the cores out instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // flags.num_processes)))
+    if flags.slurm:
+        env["SUREFIT_SLURM"] = "1"  # the processes then word the resume command as `srun surefit train ...`
     # A session of its own: Ctrl-C in a terminal reaches this process only, which passes it on exactly once (the
     # training processes would otherwise get it twice, from the terminal and from torchrun, and a second signal
     # means "stop at once").
@@ -87,7 +98,7 @@ def launch(n: int, argv: Sequence[str]) -> int:
 
     old = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        child.append(subprocess.Popen(command(n, argv), env=env, start_new_session=True))
+        child.append(subprocess.Popen(command(flags, argv), env=env, start_new_session=True))
         for signum in pending:
             forward(signum, None)
         code = child[0].wait()
@@ -99,28 +110,57 @@ def launch(n: int, argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """torchrun, exiting with the training processes' exit code (the main process's when it failed)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    quiet = "--rdzv_backend" in args and "static" in args and "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet:
+        # Several nodes: a node not there yet makes torch's C++ store log every failed connection with a stack of
+        # native frames; the failure itself is reported below in the user's terms. Read once, when torch is imported.
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    args = list(sys.argv[1:] if argv is None else argv)
+    from surefit.training.lost_worker import lost_by_launcher, never_joined
+
+    if quiet:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]  # the training processes log as usual
     parsed = parse_args(args)
+    flags = _flags_of(parsed)
     try:
         run(parsed)
     except ChildFailedError as e:
-        from surefit.training.lost_worker import lost_by_launcher
-
-        processes = int(parsed.nproc_per_node) if str(parsed.nproc_per_node).isdigit() else len(e.failures)
-        lost = lost_by_launcher({r: f.exitcode for r, f in e.failures.items()}, processes, _output_dir(args))
+        lost = lost_by_launcher({r: f.exitcode for r, f in e.failures.items()}, flags, _output_dir(args))
         if lost is not None:
             print(lost.render(), file=sys.stderr)  # the exit code stays the processes' own, as below
-        failure = e.failures.get(0) or e.get_first_failure()[1]
-        code = failure.exitcode
+        failure = e.failures.get(min(e.failures)) if e.failures else None
+        code = failure.exitcode if failure is not None else 1
         return 128 - code if code < 0 else code
     except SignalException:
         # The processes were sent the signal and stopped (or were killed after the grace period): "interrupted".
         return 130
+    except RuntimeError as e:  # torch's DistError kinds: the nodes did not meet
+        problem = never_joined(e, flags) if flags.multi_node else None
+        if problem is None:
+            raise
+        print(problem.render(), file=sys.stderr)
+        return problem.exit_code
     return 0
+
+
+def _flags_of(parsed: Any) -> LaunchFlags:
+    """The launch settings torchrun was given (for messages that name nodes and the command to start again)."""
+    from surefit.config.launch_flags import DEFAULT_JOIN_TIMEOUT
+
+    def whole(value: Any, default: int) -> int:
+        return int(value) if str(value).isdigit() else default
+
+    timeout = re.search(r"(?:^|,)timeout=(\d+)", str(parsed.rdzv_conf or ""))
+    nnodes = whole(parsed.nnodes, 1)
+    return LaunchFlags(num_processes=whole(parsed.nproc_per_node, 1), nnodes=nnodes,
+                       node_rank=whole(parsed.node_rank, 0), master_addr=parsed.master_addr if nnodes > 1 else None,
+                       master_port=whole(parsed.master_port, 29500),
+                       join_timeout=int(timeout.group(1)) if timeout else DEFAULT_JOIN_TIMEOUT,
+                       slurm=os.environ.get("SUREFIT_SLURM") == "1")
 
 
 def _output_dir(args: Sequence[str]) -> str | None:

@@ -48,7 +48,7 @@ from surefit.run_folder.links import is_previous, remove_previous
 from surefit.run_folder.run_lock import LOCK, RunLock, RunLocked, lock_run  # noqa: F401 - the run folder's lock
 from surefit.training.loop import Checkpointing
 from surefit.training.plan import Plan
-from surefit.training.processes import barrier, is_main_process, world_size
+from surefit.training.processes import barrier, is_main_process, launched_as
 from surefit.training.trackers import MetricsLog
 
 Say = Callable[[str], None]
@@ -238,8 +238,9 @@ class RunFolder:
 
     def resume_command(self) -> str:
         """The command that continues this run."""
-        processes = f" --num_processes {world_size()}" if world_size() > 1 else ""
-        return f"surefit train --config {self.path / CONFIG} --resume{processes}"
+        flags = launched_as()
+        command = f"surefit train --config {self.path / CONFIG} --resume{flags.relaunch_flags()}"
+        return ("srun " if flags.slurm else "") + command + flags.relaunch_note()
 
     def metrics_log(self, accelerator: Any) -> MetricsLog:
         """``metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after each epoch."""
@@ -366,7 +367,7 @@ def open_metrics_log(cfg: TrainConfig, out: Path, accelerator: Any) -> MetricsLo
         from surefit.run_folder.report import write_curves
 
         after_epoch = lambda: write_curves(out)  # noqa: E731
-    return MetricsLog(out / METRICS, trackers=trackers, after_epoch=after_epoch)
+    return MetricsLog(out / METRICS, trackers=trackers, after_epoch=after_epoch, writes=bool(main))
 
 
 def write_run_report(out: Path, accelerator: Any = None, say: Say = print) -> None:

@@ -14,6 +14,12 @@ they depend on:
 The launchers (``torchrun``, ``accelerate launch``, ``surefit train --num_processes N``) set ``RANK`` and
 ``WORLD_SIZE``; they are read here before any Accelerator exists, so a task knows from its first line which process
 is the main one. The process group is started (by accelerate's ``PartialState``) on first use.
+
+On several machines (``--nnodes``) there are two kinds of "main": the *global* main process (rank 0, on node 0) is
+the only one that prints and writes the run folder, which is shared on a shared filesystem, so a second writer would
+race it; the *local* main process of each node (``LOCAL_RANK`` 0) is the one to fill what each machine keeps for
+itself (a cache under ``$HOME`` or local scratch), since another node's global main cannot write there.
+:func:`is_main_process` is the global one; :func:`is_local_main_process` the per-node one.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ import os
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+from surefit.config.launch_flags import LaunchFlags
 
 # How long a process waits for the others at a barrier or broadcast. The main process evaluates (and, for --task
 # sft, generates) alone while the others wait, so this bounds the evaluation's length; torch's defaults (10 minutes
@@ -41,7 +49,50 @@ def process_index() -> int:
 
 
 def is_main_process() -> bool:
+    """Whether this is the global main process (rank 0): the one that prints and writes the run folder."""
     return process_index() == 0
+
+
+def local_world_size() -> int:
+    """Processes on this machine (torchrun's ``LOCAL_WORLD_SIZE``; every process on one machine otherwise)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or world_size()
+
+
+def local_process_index() -> int:
+    """This process's rank on its machine (``LOCAL_RANK``)."""
+    return int(os.environ.get("LOCAL_RANK", "0") or 0)
+
+
+def is_local_main_process() -> bool:
+    """Whether this is the first process of its machine: the one to write what each machine keeps for itself."""
+    return local_process_index() == 0
+
+
+def node_count() -> int:
+    """Machines in the run (torchrun starts the same number of processes on each)."""
+    return max(1, world_size() // max(1, local_world_size()))
+
+
+def node_index() -> int:
+    """This machine's index (torchrun's ``GROUP_RANK``; node 0 holds the global main process)."""
+    raw = os.environ.get("GROUP_RANK")
+    return int(raw) if raw else process_index() // max(1, local_world_size())
+
+
+def node_of(rank: int) -> int:
+    """The node a global rank runs on: torchrun numbers each node's processes contiguously, node 0's first."""
+    return rank // max(1, local_world_size())
+
+
+def launched_as() -> LaunchFlags:
+    """The launch settings of this run, as this process sees them (to say how to start it again)."""
+    from surefit.config.launch_flags import DEFAULT_PORT
+
+    # Set by surefit's launcher for its processes when SLURM's variables gave the node settings.
+    slurm = os.environ.get("SUREFIT_SLURM") == "1" and node_count() > 1
+    return LaunchFlags(num_processes=local_world_size(), nnodes=node_count(), node_rank=node_index(),
+                       master_addr=os.environ.get("MASTER_ADDR") if node_count() > 1 else None,
+                       master_port=int(os.environ.get("MASTER_PORT") or DEFAULT_PORT), slurm=slurm)
 
 
 def on_main(say: Callable[[str], None]) -> Callable[[str], None]:

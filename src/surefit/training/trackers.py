@@ -15,13 +15,14 @@ TensorBoard event files go to ``OUTPUT/tensorboard/surefit/`` (``tensorboard --l
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from surefit.config import TrainConfig
 
@@ -132,14 +133,20 @@ class MetricsLog:
     """
 
     def __init__(self, path: str | Path, trackers: Trackers | None = None,
-                 after_epoch: Callable[[], object] | None = None):
+                 after_epoch: Callable[[], object] | None = None, writes: bool = True):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        from surefit.run_folder.links import open_own
+        self._fh: TextIO
+        if not writes:
+            # A process other than the main one: it never writes records, and on another machine it must not even
+            # create the file (the run folder belongs to the main process; on a shared filesystem it is shared).
+            self._fh = io.StringIO()
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            from surefit.run_folder.links import open_own
 
-        # appended to, never through a link (a metrics.jsonl planted as a symlink would grow the file it points to)
-        fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the run's metrics log")
-        self._fh = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held for the life of the run
+            # appended to, never through a link (a metrics.jsonl planted as a symlink would grow the file it points to)
+            fd = open_own(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "the run's metrics log")
+            self._fh = open(fd, "a", encoding="utf-8")  # noqa: SIM115 - held for the life of the run
         self._t0 = time.time()
         self.trackers = trackers
         self.after_epoch = after_epoch
