@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import surefit.startup.walltime as walltime
 from surefit.config import TrainConfig
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
@@ -528,7 +529,7 @@ class _Fit:
         # FSDP: the whole optimizer state and the full weights come to the main process, which writes the same files
         # an unsharded run does (a collective: every process takes part, before the others go their own way).
         optimizer_state = full_optimizer_state(self.model, self.optimizer) if self.sharded else None
-        with gathered(self.model):
+        with gathered(self.model), walltime.part("checkpoints"):
             return self._save(name, export, counts, optimizer_state)
 
     def _save(self, name: str, export: bool, counts: dict[str, int] | None,
