@@ -124,11 +124,12 @@ class Profile:
 
     def table(self) -> str:
         """The printout: one line per part with seconds and share, the start-up's phases under it."""
-        width = max(len(k) for k in self.parts) + 2
+        shown = {k: v for k, v in self.startup.items() if v >= 0.05}
+        width = max([len(k) for k in self.parts] + [len(k) + 2 for k in shown]) + 2
         lines = [f"where the run's {self.seconds:.1f} s went (--profile; OUTPUT/profile.json):"]
         for name, seconds in self.parts.items():
             share = 100.0 * seconds / self.seconds if self.seconds > 0 else 0.0
             lines.append(f"  {name.ljust(width)}{seconds:8.1f} s {share:5.1f}%")
-            if name == "start-up":
-                lines += [f"    {k.ljust(width - 2)}{v:8.1f} s" for k, v in self.startup.items() if v >= 0.05]
+            if name == "start-up":  # its phases, indented, the longest first (phases under 0.05 s left out)
+                lines += [f"    {k.ljust(width - 2)}{v:8.1f} s" for k, v in shown.items()]
         return "\n".join(lines)
