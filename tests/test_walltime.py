@@ -183,3 +183,32 @@ def test_a_lora_run_imports_neither_bitsandbytes_nor_trl_nor_datasets(tmp_path, 
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"code": 0, "after_cli": [], "after_run": ["peft"]}
+
+
+def _surefit_process(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """``surefit ARGV`` as the command runs it (``cli.run``), with an exit handler of its own registered first."""
+    script = textwrap.dedent(f"""
+        import atexit, sys
+        atexit.register(lambda: print("exit handler ran", flush=True))
+        sys.argv = ["surefit", *{argv!r}]
+        from surefit.cli import run
+        run()
+    """)
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin",
+                               "SUREFIT_STARTUP_CACHE": str(tmp_path / "cache")})
+
+
+def test_the_command_ends_with_its_exit_code_output_and_exit_handlers(tmp_path, tiny_lm_dir):
+    """``cli.run`` ends the process without the interpreter's teardown: the exit handlers still run, everything
+    printed arrives (stdout is a pipe here, so it is buffered), and the exit code is the command's."""
+    out = tmp_path / "run"
+    done = _surefit_process(tmp_path, _argv(tiny_lm_dir, _data(tmp_path / "train.jsonl"), out, "--epochs", "1"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[-1] == "exit handler ran" and lines[-2] == f"wrote {out / 'curves.png'} and {out / 'report.html'}"
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    refused = _surefit_process(tmp_path, ["train", "--data", str(tmp_path / "missing.jsonl"), "--output_dir",
+                                          str(tmp_path / "r2")])
+    assert refused.returncode not in (0, None) and "missing.jsonl" in refused.stderr
+    assert "Traceback" not in refused.stderr and refused.stdout.splitlines()[-1] == "exit handler ran"
