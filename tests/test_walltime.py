@@ -212,3 +212,26 @@ def test_the_command_ends_with_its_exit_code_output_and_exit_handlers(tmp_path, 
                                           str(tmp_path / "r2")])
     assert refused.returncode not in (0, None) and "missing.jsonl" in refused.stderr
     assert "Traceback" not in refused.stderr and refused.stdout.splitlines()[-1] == "exit handler ran"
+
+
+def test_a_last_checkpoint_that_no_longer_verifies_is_not_copied_and_the_run_says_so(tmp_path):
+    from surefit.run_folder import integrity
+
+    model = torch.nn.Linear(3, 3)
+    checkpoint = tmp_path / "checkpoints" / "epoch-1"
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "model" / "adapter_model.safetensors").write_bytes(b"exported weights")
+    integrity.write_manifest(checkpoint)
+    exported = runner.ExportedModel()
+    exported.note(model, tmp_path / "checkpoints" / "epoch-1.tmp" / "model")
+    (checkpoint / "model" / "adapter_model.safetensors").write_bytes(b"changed weights!")  # same size, other bytes
+    said: list[str] = []
+    written: list[Path] = []
+    exported.final(model, written.append, said.append)(tmp_path / "final.tmp")
+    assert written == [tmp_path / "final.tmp"] and not (tmp_path / "final.tmp").exists()
+    assert len(said) == 1 and said[0].startswith("note: final/ written afresh") and "adapter_model" in said[0]
+    # unchanged, it is the copy that is written, and nothing is said
+    (checkpoint / "model" / "adapter_model.safetensors").write_bytes(b"exported weights")
+    exported.final(model, written.append, said.append)(tmp_path / "final2.tmp")
+    assert len(written) == 1 and len(said) == 1
+    assert (tmp_path / "final2.tmp" / "adapter_model.safetensors").read_bytes() == b"exported weights"

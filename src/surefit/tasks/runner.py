@@ -233,7 +233,7 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, tim
     loop_end = time.time()
     times.recording = True  # a run that took no step (resumed at its end) has its final save and report timed too
     with times.part("final save"):
-        final = folder.save_final(final_model(folder, history, exported.final(p.model, lambda d: export(p.model, d))))
+        final = folder.save_final(final_model(folder, history, exported.final(p.model, lambda d: export(p.model, d), say)))
     say(f"saved {p.saved} to {final}")
     with times.part("report"):
         folder.write_report(acc)
@@ -265,16 +265,20 @@ class ExportedModel:
             self.folder = into.parent.with_name(into.parent.name.removesuffix(".tmp")) / into.name
             self.versions = self._versions(model)
 
-    def final(self, model: Any, export: Callable[[Path], None]) -> Callable[[Path], None]:
+    def final(self, model: Any, export: Callable[[Path], None], say: Say = print) -> Callable[[Path], None]:
         """What writes ``final/`` as the last state: a verified copy of the last export when the weights are the
-        ones it exported, else ``export``."""
+        ones it exported, else ``export`` (and said why, when the copy did not verify)."""
 
         def write(dest: Path) -> None:
             from surefit.run_folder.verified import copy_exported_model
 
-            unchanged = self.folder is not None and self.versions == self._versions(model)
-            if not (unchanged and self.folder is not None and self.folder.is_dir()
-                    and copy_exported_model(self.folder.parent, dest) is None):
+            if self.folder is None or self.versions != self._versions(model) or not self.folder.is_dir():
+                export(dest)
+                return
+            problem = copy_exported_model(self.folder.parent, dest)
+            if problem is not None:
+                say(f"note: final/ written afresh from the model in memory: the copy of {self.folder} did not "
+                    f"verify ({problem})")
                 export(dest)
 
         return write
@@ -304,11 +308,11 @@ def _evaluation(folder: RunFolder, p: Prepared, log: MetricsLog, settings: LoopS
         # epoch 0 is start-up; after step 1 --profile counts the loss and generation inside it apart
         with startup.phase("evaluation before training"), walltime.part("evaluation (other)"):
             result = evaluate(model, epoch, batch_size)
-        if result.records is not None:
-            folder.write_predictions(int(epoch), result.records, step)
-            if cfg.log_samples:
-                at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
-                log_samples(folder, log, result.records[: cfg.log_samples], epoch, at)
+            if result.records is not None:
+                folder.write_predictions(int(epoch), result.records, step)
+                if cfg.log_samples:
+                    at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
+                    log_samples(folder, log, result.records[: cfg.log_samples], epoch, at)
         return result.metrics
 
     return run
