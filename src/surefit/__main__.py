@@ -1,5 +1,3 @@
-import sys
+from surefit.cli import run
 
-from surefit.cli import main
-
-sys.exit(main())
+run()  # main(), then the end of the process without the interpreter's teardown (cli.run says why)

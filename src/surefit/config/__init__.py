@@ -122,6 +122,9 @@ class TrainConfig:
     no_cache: bool = opt(False, "Re-run the doctor's dry run and the memory planner's measurements instead of reusing "
                          "those of an identical earlier start (model files, data, settings and code unchanged; "
                          "docs/startup.md).")
+    profile: bool = opt(False, "At the end, print where the run's wall time went (start-up phases, training steps, "
+                        "evaluation loss, generation, checkpoints, final save, report) and write it to "
+                        "OUTPUT/profile.json (docs/performance.md).")
     on_nonfinite: Literal["stop", "skip_step"] = opt(
         "stop", "A non-finite loss or gradient norm: 'stop' the run there (nothing non-finite is applied or saved; "
         "the last good checkpoint stays), or 'skip_step': skip that optimizer step (each skip is counted and reported)."

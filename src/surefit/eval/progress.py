@@ -19,6 +19,8 @@ import threading
 import time
 from typing import IO, Any
 
+import surefit.startup.walltime as walltime
+
 SHOW_AFTER_S = 1.0  # a terminal draws a phase only once it has run this long (short phases stay silent)
 LINE_AFTER_S = 2.0  # a log file gets a phase's line only when it took at least this long
 _SPIN = "|/-\\"
@@ -65,11 +67,15 @@ class Progress:
         self._drawn = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._part: list[Any] | None = None
 
     # ------------------------------------------------------------------------------------------------ the context
 
     def __enter__(self) -> Progress:
         self.started = time.perf_counter()
+        # --profile: generation and the evaluation loss are parts of the run's wall time (startup/walltime.py)
+        self._part = walltime.enter(walltime.PROGRESS_PARTS[self.what]) if self.what in walltime.PROGRESS_PARTS \
+            else None
         if self.enabled:
             with _lock:
                 if _active and _active[-1].tty:
@@ -85,6 +91,8 @@ class Progress:
 
     def close(self, failed: bool = False) -> None:
         """End the phase: clear the bar (terminal) or write its one line (file), unless it was short."""
+        walltime.leave(self._part)
+        self._part = None
         if not self.enabled or self not in _active:
             return
         self._stop.set()

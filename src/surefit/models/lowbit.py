@@ -40,32 +40,47 @@ def keep_4bit_trainable(model: Any) -> int:
     return n
 
 
-# Why an installed bitsandbytes could not be imported (hidden from peft by import_peft), or None.
-_BROKEN_BNB: list[str] = []
+# True while import_peft keeps bitsandbytes hidden (None in sys.modules); require_bitsandbytes brings it back.
+_HIDDEN_BNB: list[bool] = []
 
 
 def import_peft() -> Any:
-    """``import peft``. peft imports bitsandbytes whenever it is installed, so a bitsandbytes that is installed but
-    cannot load (no backend or library for this machine) would break every LoRA command with its traceback. Such a
-    bitsandbytes is hidden from peft (as if not installed): runs that do not quantise work, and those that do are
-    refused by :func:`require_bitsandbytes` with the reason."""
-    import importlib.util
+    """``import peft``, without bitsandbytes unless a quantised model was loaded.
+
+    peft imports bitsandbytes whenever it is installed (``peft.helpers``, and its layer dispatch at every
+    ``get_peft_model``). That costs about a second of every start (bitsandbytes pulls in torch's compiler), and a
+    bitsandbytes installed but unable to load (no backend for this machine) would break every LoRA command with its
+    traceback. A quantised model is only ever loaded through :func:`require_bitsandbytes`, which imports it first;
+    when it is not imported yet, no layer of any model here can be a bitsandbytes layer, so it is hidden from peft (as
+    if not installed) until :func:`require_bitsandbytes` needs it.
+    """
     import sys
 
     if "bitsandbytes" not in sys.modules:
-        try:
-            found = importlib.util.find_spec("bitsandbytes") is not None
-        except (ImportError, ValueError):
-            found = False
-        if found:
-            try:
-                import bitsandbytes  # noqa: F401
-            except Exception as e:  # noqa: BLE001 - a broken install raises OSError, RuntimeError, ImportError ...
-                _BROKEN_BNB.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+        sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+        _HIDDEN_BNB.append(True)
     import peft
 
     return peft
+
+
+def reveal_bitsandbytes() -> None:
+    """Undo :func:`import_peft`'s hiding (only its own: a ``None`` someone else put there stays)."""
+    import sys
+
+    if _HIDDEN_BNB and "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None:
+        del sys.modules["bitsandbytes"]
+    _HIDDEN_BNB.clear()
+
+
+def bitsandbytes_installed() -> bool:
+    """Whether a bitsandbytes package is there to import (``None`` in sys.modules says it is not)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("bitsandbytes") is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def require_bitsandbytes(quantize: str) -> Any:
@@ -75,19 +90,21 @@ def require_bitsandbytes(quantize: str) -> Any:
         ConfigError: naming what to install, or what the backend said.
     """
     import logging
+    import sys
     import warnings
 
     import torch
 
     # On a CPU without the optional `kernels` package bitsandbytes logs a warning at import and uses its own kernel.
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    reveal_bitsandbytes()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             import bitsandbytes as bnb
     except Exception as e:  # noqa: BLE001 - not installed (ImportError), or installed and broken (OSError ...)
-        if _BROKEN_BNB or not isinstance(e, ImportError):
-            why = _BROKEN_BNB[0] if _BROKEN_BNB else f"{type(e).__name__}: {e}"
+        if not isinstance(e, ImportError) or bitsandbytes_installed():
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             raise ConfigError(Problem(f"--quantize {quantize} needs bitsandbytes, which is installed but cannot be "
                                       f"loaded on this machine ({why})", "--quantize",
                                       f"reinstall it: {QUANTIZE_INSTALL}")) from e
@@ -105,6 +122,10 @@ def require_bitsandbytes(quantize: str) -> Any:
             f"this machine ({device}): {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}", "--quantize",
             f"install a bitsandbytes with a backend for this {device} ({QUANTIZE_INSTALL}; bitsandbytes >= 0.48 "
             "runs on CPUs), or drop --quantize")) from e
+    helpers = sys.modules.get("peft.helpers")
+    if helpers is not None and getattr(helpers, "bnb", False) is None:
+        # peft imported while bitsandbytes was hidden: its dequantising helpers see it now
+        setattr(helpers, "bnb", bnb)  # noqa: B010
     return bnb
 
 

@@ -13,6 +13,7 @@ Layout (every name a run writes; a previous run's copies are only replaced with 
     doctor.json          the doctor's findings before step 1
     memory_plan.json     micro-batch, accumulation, precision and the memory estimate
     startup.json         seconds from the command to step 1, per phase, and what the start-up cache reused
+    profile.json         with --profile: where the whole run's wall time went (startup/walltime.py)
     predictions/         epoch_N.jsonl: every validation row's prediction after epoch N
     checkpoints/         step-NNNNNNN/ and epoch-N/ (training/checkpoint.py)
     final/               the trained model in its ecosystem format (written by the task's ``save``)
@@ -69,6 +70,7 @@ COLUMNS = "columns.json"
 DOCTOR = "doctor.json"
 MEMORY_PLAN = "memory_plan.json"
 STARTUP = "startup.json"
+PROFILE = "profile.json"
 DATA_FILES = "data_files.json"
 PREDICTIONS = "predictions"
 CHECKPOINTS = "checkpoints"
@@ -76,11 +78,11 @@ FINAL = "final"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
 RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
-             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP, SHORTENED)
+             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP, PROFILE, SHORTENED)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_changed_data", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
-                     "report_to",
+                     "report_to", "profile",
                      # the memory plan changes how a step is cut, never the update (training/plan.py)
                      "gpu_memory_gb", "grad_accum", "gradient_checkpointing",
                      # what to do about a non-finite loss only matters once one happens
@@ -216,6 +218,12 @@ class RunFolder:
     def write_startup(self, record: dict[str, Any]) -> None:
         """Seconds from the command to step 1, per phase (``startup.json``)."""
         self.write_json(STARTUP, record)
+
+    def write_profile(self, record: dict[str, Any]) -> None:
+        """``--profile``: where the whole run's wall time went (``profile.json``; ``startup/walltime.py``). It comes
+        after the report, whose time it counts, so the page is written again to show it (the curves are kept)."""
+        self.write_json(PROFILE, record)
+        write_run_report(self.path, None, say=lambda _: None)
 
     def write_predictions(self, epoch: int, records: list[dict[str, Any]], step: int | None = None) -> None:
         """Every validation row's prediction: ``predictions/epoch_N.jsonl`` (``step_N.jsonl`` between epoch ends)."""
@@ -371,13 +379,14 @@ def open_metrics_log(cfg: TrainConfig, out: Path, accelerator: Any) -> MetricsLo
 
 
 def write_run_report(out: Path, accelerator: Any = None, say: Say = print) -> None:
-    """At the end of a run: ``curves.png`` and ``report.html`` (main process only; ``surefit report`` rebuilds them)."""
+    """At the end of a run: ``curves.png`` (unless the last epoch has just drawn it) and ``report.html`` (main
+    process only; ``surefit report`` rebuilds them)."""
     if accelerator is not None and not getattr(accelerator, "is_main_process", True):
         return
     from surefit.run_folder.report import write_report
 
     try:
-        write_report(out, say=say)
+        write_report(out, say=say, redraw=False)
     except Exception as e:  # noqa: BLE001 - the model is saved; a page that cannot be drawn must not fail the run
         say(f"warning: could not write {out / 'report.html'}: {type(e).__name__}: {e} "
             f"(retry with: surefit report --run {out})")

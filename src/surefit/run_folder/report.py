@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from surefit.config.yaml_files import load_yaml_text
+from surefit.startup.walltime import Profile
 from surefit.units import human_bytes
 
 CURVES = "curves.png"
@@ -319,6 +320,31 @@ def _doctor_section(run_dir: Path) -> str:
     return head + _table(cols, [[f.get(c, "") for c in cols] for f in findings])
 
 
+def _time_section(run_dir: Path) -> str:
+    """``profile.json`` (``--profile``: the whole run) or else ``startup.json`` (the command to step 1)."""
+    data = _read_json(run_dir / "profile.json")
+    if isinstance(data, dict):
+        try:
+            profile = Profile.from_json(data)
+        except (KeyError, TypeError, ValueError) as e:
+            return _note(f"profile.json is not a profile ({type(e).__name__}: {e})")
+        rows = [[k, f"{v:.1f}", f"{100 * v / profile.seconds:.1f}%" if profile.seconds > 0 else "-"]
+                for k, v in profile.parts.items()]
+        return (_note(f"from profile.json (--profile): {profile.seconds:.1f} s from the command to the end of the run")
+                + _table(["part", "seconds", "share"], rows)
+                + _note("the start-up, by phase") + _table(["phase", "seconds"],
+                                                           [[k, f"{v:.2f}"] for k, v in profile.startup.items()]))
+    data = _read_json(run_dir / "startup.json")
+    if isinstance(data, dict) and isinstance(data.get("phases"), dict):
+        rows = [[k, f"{_num(v) or 0.0:.2f}"] for k, v in data["phases"].items()]
+        cache = data.get("cache") if isinstance(data.get("cache"), dict) else {}
+        cached = "; start-up cache: " + ", ".join(f"{k} {v}" for k, v in cache.items()) if cache else ""
+        return (_note(f"from startup.json: {_num(data.get('seconds')) or 0.0:.1f} s from the command to step 1"
+                      f"{cached} (the whole run's split: surefit train --profile)")
+                + _table(["phase", "seconds"], rows))
+    return _note("no startup.json or profile.json in this run folder (the run stopped before step 1)")
+
+
 def _metrics_section(epochs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> str:
     if not epochs:
         return _note("no epoch record in metrics.jsonl yet")
@@ -426,7 +452,8 @@ nav a{margin-right:14px;font-size:14px}.cols{display:flex;flex-wrap:wrap;gap:0 1
 """
 
 SECTIONS = (("config", "Configuration"), ("memory-plan", "Memory plan"), ("doctor", "Doctor findings"),
-            ("metrics", "Metrics"), ("curves", "Curves"), ("predictions", "Sample predictions"))
+            ("metrics", "Metrics"), ("curves", "Curves"), ("predictions", "Sample predictions"),
+            ("time", "Where the time went"))
 
 
 def render_report(run_dir: str | Path) -> str:
@@ -467,19 +494,33 @@ def render_report(run_dir: str | Path) -> str:
         body = _note("no curves.png (run `surefit report --run` on this folder to draw it)")
     parts.append(_section("curves", "Curves", body))
     parts.append(_section("predictions", "Sample predictions", _samples_section(run_dir) + _predictions_section(run_dir)))
+    parts.append(_section("time", "Where the time went", _time_section(run_dir)))
     parts.append("</body></html>\n")
     return "\n".join(parts)
 
 
-def write_report(run_dir: str | Path, say: Any = None) -> Path:
+def curves_current(run_dir: Path) -> bool:
+    """Whether ``curves.png`` was drawn after the last change to what it shows (metrics.jsonl, schedule.json)."""
+    try:
+        drawn = (run_dir / CURVES).stat().st_mtime_ns
+    except OSError:
+        return False
+    sources = [run_dir / "metrics.jsonl", run_dir / SCHEDULE]
+    return all(drawn >= f.stat().st_mtime_ns for f in sources if f.is_file())
+
+
+def write_report(run_dir: str | Path, say: Any = None, redraw: bool = True) -> Path:
     """(Re)build ``curves.png`` and ``report.html`` in a run folder; returns the page's path.
 
     Args:
         run_dir: a run's ``--output_dir`` (finished, interrupted or still training).
         say: where to print the one-line summary (``None``: silent).
+        redraw: ``False``: keep a ``curves.png`` drawn after the last metrics were written (the end of a run, whose
+            last epoch has just drawn it; drawing it again cost about half a second).
     """
     run_dir = Path(run_dir)
-    write_curves(run_dir)
+    if redraw or not curves_current(run_dir):
+        write_curves(run_dir)
     target = run_dir / REPORT
     tmp = run_dir / f".{REPORT}.tmp"
     tmp.unlink(missing_ok=True)

@@ -42,3 +42,25 @@ def copy_checkpoint_model(checkpoint: Path, dest: Path, what: str = "the best ev
     if reason:
         raise CheckpointError(Problem(f"the copy of {checkpoint / MODEL} for final/ does not match the checkpoint's "
                                       f"manifest: {reason}", str(checkpoint), fix))
+
+
+def copy_exported_model(checkpoint: Path, dest: Path) -> str | None:
+    """``final/`` from the model the last checkpoint exported, when the weights have not changed since: the model is
+    serialised once per run. Only ``model/``'s files are copied, with the checkpoint's manifest entries for them,
+    and the copy is checked against those (not the optimizer state: nothing of it goes into ``final/``).
+
+    Returns:
+        ``None`` when ``dest`` holds the verified copy, else why not (``dest`` is then removed: export afresh).
+    """
+    manifest, problem = integrity.read_manifest(checkpoint)
+    files = {name[len(MODEL) + 1:]: meta for name, meta in (manifest or {}).get("files", {}).items()
+             if name.startswith(f"{MODEL}/")}
+    reason = problem or (None if files else f"its manifest lists no {MODEL}/ files")
+    if reason is None:
+        shutil.copytree(checkpoint / MODEL, dest)
+        (dest / integrity.MANIFEST).write_text(json.dumps({"format": 2, "required": sorted(files), "files": files},
+                                                           indent=2), encoding="utf-8")
+        reason = integrity.verify(dest)
+    if reason is not None:
+        shutil.rmtree(dest, ignore_errors=True)
+    return reason

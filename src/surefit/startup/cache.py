@@ -227,7 +227,7 @@ class StartupCache:
 # Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
 # one still finds the cached work. Every other setting is part of the key.
 NOT_IN_KEY = {"output_dir", "overwrite", "allow_changed_data", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
-              "report_to", "log_samples", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "warmup",
+              "report_to", "log_samples", "profile", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "warmup",
               "min_lr", "lr_scheduler", "max_grad_norm", "eval_every", "early_stopping", "keep_best", "on_nonfinite"}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any, Protocol, TypeVar
 
 import surefit.startup as startup
 import surefit.startup.cache as startup_cache
+import surefit.startup.walltime as walltime
 from surefit.config import TrainConfig
 from surefit.data.summary import DataSummary
 from surefit.doctor.core import Report
@@ -30,7 +32,7 @@ from surefit.run_folder.open_run import Run
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
-from surefit.training.processes import is_main_process, on_main
+from surefit.training.processes import is_main_process, on_main, world_size
 from surefit.training.trackers import MetricsLog
 from surefit.training.work import Evaluation, TrainingWork
 
@@ -154,15 +156,16 @@ class RunResult:
 def train(cfg: C, prepare: PrepareFn[C], say: Say = print) -> RunResult:
     """Prepare the run, start its folder, run the doctor, plan the memory, train, and save ``final/``."""
     say = on_main(say)  # several processes: the main one reports and writes files, the others wait where needed
-    clock = startup.Clock()
+    clock, times = startup.Clock(), walltime.WallTimes()
     # Before the lock: its file must not be created among the data or in the base model's folder either.
     raise_if(train_problems(cfg), ConfigError)
     folder = RunFolder(cfg, say)
-    with startup.timing(clock), folder.locked():  # one run at a time in --output_dir (run_folder.RunLock)
-        return _train(folder, prepare, clock)
+    # one run at a time in --output_dir (run_folder.RunLock)
+    with startup.timing(clock), walltime.recording(times), folder.locked():
+        return _train(folder, prepare, clock, times)
 
 
-def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock) -> RunResult:
+def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, times: walltime.WallTimes) -> RunResult:
     from accelerate.utils import set_seed
 
     say = folder.say
@@ -208,9 +211,12 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock) -> 
     with clock.phase("metrics log and trackers"):
         log = folder.metrics_log(acc)
 
+    exported = ExportedModel()
+
     def export(model: Any, into: Path) -> None:
         p.save(acc.unwrap_model(model), into)
         plain_architectures(into)  # --sharding fsdp: the model's own class, not FSDP<Class>
+        exported.note(model, into)
 
     evaluates = has_validation(cfg) and p.work.evaluate is not None
     if not has_validation(cfg):
@@ -219,23 +225,72 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock) -> 
     hooks = LoopHooks(accelerator=acc, checkpointing=folder.checkpointing(export, resume_from), log=log, say=say,
                       evaluate=_evaluation(folder, p, log, settings, plan.eval_batch_size) if evaluates else None)
     clock.begin("loop setup")  # until step 1: the optimizer, accelerate's prepare, the sampler
-    work = dataclasses.replace(p.work, loss_fn=_starting(clock, folder, p.work.loss_fn))
+    work = dataclasses.replace(p.work, loss_fn=_starting(clock, folder, p.work.loss_fn, times))
     try:
         history = fit(p.model, work, settings, hooks)
     finally:
         log.close()
-    final = folder.save_final(final_model(folder, history, lambda d: export(p.model, d)))
+    loop_end = time.time()
+    times.recording = True  # a run that took no step (resumed at its end) has its final save and report timed too
+    with times.part("final save"):
+        final = folder.save_final(final_model(folder, history, exported.final(p.model, lambda d: export(p.model, d), say)))
     say(f"saved {p.saved} to {final}")
-    folder.write_report(acc)
+    with times.part("report"):
+        folder.write_report(acc)
+    if cfg.profile and is_main_process():
+        startup_s = clock.stop()
+        loop_s = loop_end - clock.step1_at if clock.step1_at is not None else 0.0
+        profile = walltime.Profile.build(time.time() - clock.started, startup_s, clock.split(), loop_s, times)
+        folder.write_profile(profile.to_json())
+        say(profile.table())
     return RunResult(folder.path, final, history, p.found.data_report.to_json())
 
 
-def _starting(clock: startup.Clock, folder: RunFolder, loss_fn: Any) -> Any:
+class ExportedModel:
+    """The last model a checkpoint exported, so that ``final/`` is copied from it rather than serialised a second
+    time when the weights have not changed since (every parameter's in-place version counter is the same)."""
+
+    def __init__(self) -> None:
+        self.folder: Path | None = None
+        self.versions: list[int] = []
+
+    @staticmethod
+    def _versions(model: Any) -> list[int]:
+        return [q._version for q in model.parameters()]
+
+    def note(self, model: Any, into: Path) -> None:
+        """``model`` was exported into ``into``: a checkpoint's ``NAME.tmp/model``, renamed to ``NAME/model``."""
+        self.folder = None
+        if into.parent.name.endswith(".tmp") and world_size() == 1:
+            self.folder = into.parent.with_name(into.parent.name.removesuffix(".tmp")) / into.name
+            self.versions = self._versions(model)
+
+    def final(self, model: Any, export: Callable[[Path], None], say: Say = print) -> Callable[[Path], None]:
+        """What writes ``final/`` as the last state: a verified copy of the last export when the weights are the
+        ones it exported, else ``export`` (and said why, when the copy did not verify)."""
+
+        def write(dest: Path) -> None:
+            from surefit.run_folder.verified import copy_exported_model
+
+            if self.folder is None or self.versions != self._versions(model) or not self.folder.is_dir():
+                export(dest)
+                return
+            problem = copy_exported_model(self.folder.parent, dest)
+            if problem is not None:
+                say(f"note: final/ written afresh from the model in memory: the copy of {self.folder} did not "
+                    f"verify ({problem})")
+                export(dest)
+
+        return write
+
+
+def _starting(clock: startup.Clock, folder: RunFolder, loss_fn: Any, times: walltime.WallTimes) -> Any:
     """The loss function, stopping the start-up clock at the first training forward (step 1 begins there)."""
 
     def started(model: Any, batch: dict[str, Any]) -> Any:
         if clock.total is None:
             end_startup(clock, folder)
+            times.recording = True  # --profile's parts count from here
         return loss_fn(model, batch)
 
     return started
@@ -250,13 +305,14 @@ def _evaluation(folder: RunFolder, p: Prepared, log: MetricsLog, settings: LoopS
 
     def run(model: Any, epoch: int | float, step: int | None = None) -> dict[str, Any]:
         # ``step``: an --eval_every evaluation inside an epoch (``epoch`` is then the fractional epoch reached).
-        with startup.phase("evaluation before training"):  # epoch 0 (nothing after step 1)
+        # epoch 0 is start-up; after step 1 --profile counts the loss and generation inside it apart
+        with startup.phase("evaluation before training"), walltime.part("evaluation (other)"):
             result = evaluate(model, epoch, batch_size)
-        if result.records is not None:
-            folder.write_predictions(int(epoch), result.records, step)
-            if cfg.log_samples:
-                at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
-                log_samples(folder, log, result.records[: cfg.log_samples], epoch, at)
+            if result.records is not None:
+                folder.write_predictions(int(epoch), result.records, step)
+                if cfg.log_samples:
+                    at = step if step is not None else min(int(epoch) * schedule.steps_per_epoch, schedule.total_steps)
+                    log_samples(folder, log, result.records[: cfg.log_samples], epoch, at)
         return result.metrics
 
     return run

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import surefit.startup.walltime as walltime
 from surefit.config import TrainConfig
 from surefit.data.sampling import deal, micro_batches, step_batches
 from surefit.errors import Problem, SurefitError
@@ -529,7 +530,8 @@ class _Fit:
             finite = all(bool(torch.isfinite(q).all()) for q in self.params)
         if not finite:
             raise NonFiniteLoss(self.nonfinite_problem([], float("nan"), None, weights_only=True))
-        return self._save(name, export, counts)
+        with walltime.part("checkpoints"):
+            return self._save(name, export, counts)
 
     def _save(self, name: str, export: bool, counts: dict[str, int] | None) -> Path:
         from surefit.training.checkpoint import (
