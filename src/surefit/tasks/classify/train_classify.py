@@ -26,7 +26,7 @@ from surefit.data.collate import PadCollator
 from surefit.data.readers import Rejected, check_text_fields, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
-from surefit.data.summary import DataSummary
+from surefit.data.summary import ClassifyFacts, DataSummary
 from surefit.doctor import check
 from surefit.errors import (
     ConfigError,
@@ -114,9 +114,9 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
         assert spec is not None
     notes += [spec.how, spec.summary()]
     report.train_rows, report.val_rows = len(train_rows), len(val)
-    report.details.update(problem_type=spec.problem_type,
-                          label2id=spec.label2id if spec.problem_type != "regression" else None,
-                          fields={"text": fields.text, "pair": fields.pair, "label": fields.label})
+    report.facts = ClassifyFacts(problem_type=spec.problem_type,
+                                 label2id=spec.label2id if spec.problem_type != "regression" else None,
+                                 text_field=fields.text, pair_field=fields.pair, label_field=fields.label)
     for note in notes:
         say(note)
     return train_rows, val, fields, spec, report
