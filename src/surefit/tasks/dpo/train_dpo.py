@@ -36,7 +36,7 @@ from surefit.training.dropout import seed_dropout
 from surefit.training.memory import enable_gradient_checkpointing
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.preference import PreferenceLoss, Reference, compute_reference
-from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
 from surefit.training.work import PlanInputs, TrainingWork
 
 Say = Callable[[str], None]
@@ -251,7 +251,8 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     # A pair is one example of the loop: it counts 1 in the loss, and its two sequences are its length.
     work = TrainingWork(features=features, lengths=[e.tokens for e in train_ex], counts=[1] * len(train_ex),
                         collate=collate, loss_fn=loss_fn, evaluate=evaluate, where=lambda i: train_ex[i].row.where,
-                        plan=PlanInputs(eval_lengths=[e.tokens for e in val_ex], lora=cfg.lora_r > 0))
+                        plan=PlanInputs(eval_lengths=[e.tokens for e in val_ex], lora=cfg.lora_r > 0),
+                        activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: check_pairs(model, tokenizer, train_ex, features, collate, loss_fn, accelerator, cfg),

@@ -71,12 +71,13 @@ from surefit.run_folder import EXCLUDED, SHORTENED, Found
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
-from surefit.training.loss import causal_lm_loss_sum, why_not_fused
+from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
 from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
-from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups import fused_head
+from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
 from surefit.training.work import PlanInputs, Switches, TrainingWork
@@ -450,8 +451,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             return Evaluation(metrics, None)
         return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
 
-    base_loss = functools.partial(causal_lm_loss_sum, fused=cfg.fused_cross_entropy)
-    if cfg.fused_cross_entropy and (why_unfused := why_not_fused(model)):
+    base_loss = functools.partial(causal_lm_loss_sum, fused=fused_head if cfg.fused_cross_entropy else None)
+    if cfg.fused_cross_entropy and (why_unfused := fused_head.why_not_fused(model)):
         say(f"fused LM head + cross-entropy: off, because {why_unfused}; the head's logits for a batch's supervised "
             "tokens are computed at once")
     sharing, train_loss = None, base_loss
@@ -489,7 +490,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         where=lambda i: train_ex[i].row.where,
         plan=PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
                         generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
-                        loss_fn=base_loss))  # the planner measures with the plain loss: a shared layout is never larger
+                        loss_fn=base_loss),  # the planner measures with the plain loss: a shared layout is never larger
+        activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
@@ -642,7 +644,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accel
             [e.features() for e in examples],
             [len(e.input_ids) for e in examples],
             loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
-                                      fused=switches.fused_cross_entropy),
+                                      fused=fused_head if switches.fused_cross_entropy else None),
             collate=collate,
             batch_size=batch_size,
             accelerator=accelerator,
