@@ -207,7 +207,7 @@ def chunk_sweep(tokens: int, repeats: int) -> tuple[dict[str, Any], list[str]]:
     import torch
     import torch.nn.functional as F
 
-    from surefit.training.loss import fused_linear_cross_entropy
+    from surefit.training.speedups.fused_head import fused_linear_cross_entropy
 
     vocab, hidden = 49152, 576  # SmolLM2-135M's head
     g = torch.Generator().manual_seed(0)

@@ -5,6 +5,7 @@ from pathlib import Path
 
 from conftest import sentiment_rows, write_tsv
 from surefit.config.task_configs import ClassifyConfig
+from surefit.data.summary import ClassifyFacts
 from surefit.errors import DataError
 from surefit.tasks.classify import load_data
 
@@ -24,7 +25,7 @@ def test_label2id_comes_from_the_training_split(tmp_path: Path):
             outcomes.add("held out")
             continue
         assert any(r.fields["label"] == "rare" for r in train)
-        assert report.details["label2id"] == {"neg": 0, "pos": 1, "rare": 2}
+        assert report.facts_as(ClassifyFacts).label2id == {"neg": 0, "pos": 1, "rare": 2}
         outcomes.add("trained")
     assert outcomes == {"held out", "trained"}  # both ways the split can fall were seen
 
@@ -33,4 +34,4 @@ def test_without_the_rare_class_nothing_changes(tmp_path: Path):
     data = write_tsv(tmp_path / "train.tsv", sentiment_rows(40))
     cfg = ClassifyConfig(data=str(data), val_fraction=0.25, output_dir=str(tmp_path / "o"))
     _, _, _, spec, report = load_data(cfg, say=lambda _: None)
-    assert report.details["label2id"] == {"neg": 0, "pos": 1}
+    assert report.facts_as(ClassifyFacts).label2id == {"neg": 0, "pos": 1}

@@ -121,6 +121,23 @@ def test_the_import_graph_has_no_cycles():
     assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
 
 
+# Speed-ups are optional: a task chooses them and hands them in (the fused head to the loss, the activation store to
+# the loop and the planner); nothing else imports them. The one import left: the planner counts what the store keeps
+# with lora_fast's own packing types (Packed, keep_saved), which move into the core with that store's memory work.
+SPEEDUPS = "surefit.training.speedups"
+CHOOSERS = ("surefit.tasks",)
+STILL_IMPORTED = {"surefit.training.plan -> surefit.training.speedups.lora_fast"}
+
+
+def test_only_the_tasks_import_the_speedups():
+    graph = _graph()
+    found = {f"{m} -> {d}" for m, deps in graph.items() for d in deps
+             if (d == SPEEDUPS or d.startswith(SPEEDUPS + ".")) and not m.startswith((SPEEDUPS, *CHOOSERS))}
+    # Equal, not a subset: an import removed must leave this list too, so that it cannot come back unseen.
+    assert found == STILL_IMPORTED, "modules that import a speed-up instead of being handed it:\n" + "\n".join(
+        sorted(found ^ STILL_IMPORTED))
+
+
 def test_the_checks_see_the_imports_they_claim(tmp_path):
     """The reader itself: a lazy import inside a function and a ``from package import module`` both count."""
     f = tmp_path / "m.py"

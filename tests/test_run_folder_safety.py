@@ -153,6 +153,12 @@ def _flip(path: Path) -> None:
      "(what happened to the data) is not valid JSON"),
     (lambda r: (r / "data_report.json").write_text('{"encoding": "x"}'), "data_report.json 'encoding'",
      "'encoding' is 'x' (str); expected dict"),
+    (lambda r: (r / "data_report.json").write_text('{"stop_ids": [2, "eos"]}'), "data_report.json 'stop_ids'",
+     "'stop_ids' is [2, 'eos'] (list); expected a list of int"),
+    (lambda r: (r / "data_report.json").write_text('{"version": 2}'), "data_report.json 'version'",
+     "is version 2; this surefit reads version 1"),
+    (lambda r: (r / "memory_plan.json").write_text('{"frozen_dtype": "fp8"}'), "memory_plan.json 'frozen_dtype'",
+     "'frozen_dtype' is 'fp8' (str); expected bf16, fp16 or null"),
 ])
 def test_a_tampered_run_folder_is_refused_naming_the_file(run_copy, capsys, tamper, where, expected):
     tamper(run_copy)

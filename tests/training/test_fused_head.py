@@ -1,6 +1,6 @@
-"""The fused LM head + cross-entropy (training/loss.py): the same loss and gradients as the unfused head, with no full
-logits tensor; taken by default, off with the switch, and refused (falling back) where it would compute something
-else."""
+"""The fused LM head + cross-entropy (training/speedups/fused_head.py, handed to training/loss.py): the same loss and
+gradients as the unfused head, with no full logits tensor; taken by default in a run, off with the switch, and refused
+(falling back) where it would compute something else."""
 
 import copy
 
@@ -10,8 +10,9 @@ import torch.nn.functional as F
 
 from conftest import tiny_llama
 from surefit.data.collate import IGNORE_INDEX, PadCollator
-from surefit.training.loss import HEAD_PATHS, causal_lm_loss_sum, fused_linear_cross_entropy, why_not_fused
+from surefit.training.loss import HEAD_PATHS, causal_lm_loss_sum
 from surefit.training.speedups import fused_head as head_mod
+from surefit.training.speedups.fused_head import fused_linear_cross_entropy, why_not_fused
 
 N, H, V = 29, 16, 50  # 29 rows: a prime, so no chunk size above 1 divides it
 
@@ -163,9 +164,9 @@ def test_full_fine_tuning_fused_equals_unfused(tied, chunk_tokens):
     model = _llama(tied)
     batch = _batch()
     before = HEAD_PATHS["fused"]
-    lf, gf = _loss_and_grads(copy.deepcopy(model), batch, fused_chunk_values=64 * chunk_tokens)
+    lf, gf = _loss_and_grads(copy.deepcopy(model), batch, fused=head_mod, fused_chunk_values=64 * chunk_tokens)
     assert HEAD_PATHS["fused"] == before + 1
-    lu, gu = _loss_and_grads(copy.deepcopy(model), batch, fused=False)
+    lu, gu = _loss_and_grads(copy.deepcopy(model), batch, fused=None)
     assert torch.allclose(lf, lu, rtol=1e-6, atol=0)
     assert gf.keys() == gu.keys() and any("lm_head" in k or "embed" in k for k in gf)
     for k in gf:
@@ -182,8 +183,8 @@ def test_lora_fused_equals_unfused_and_the_head_stays_frozen():
     model = get_peft_model(tiny_llama(), lora)
     fuse_lora(model)
     assert why_not_fused(model) is None
-    lf, gf = _loss_and_grads(copy.deepcopy(model), batch, fused_chunk_values=64 * 9)
-    lu, gu = _loss_and_grads(copy.deepcopy(model), batch, fused=False)
+    lf, gf = _loss_and_grads(copy.deepcopy(model), batch, fused=head_mod, fused_chunk_values=64 * 9)
+    lu, gu = _loss_and_grads(copy.deepcopy(model), batch, fused=None)
     assert torch.allclose(lf, lu, rtol=1e-6, atol=0)
     assert gf.keys() == gu.keys() and gf and all("lora_" in k for k in gf)
     for k in gf:
@@ -201,9 +202,9 @@ def test_gemma2_soft_capped_logits_are_fused_with_the_cap():
     batch = _batch()
     assert why_not_fused(model) is None
     before = HEAD_PATHS["fused"]
-    lf, gf = _loss_and_grads(copy.deepcopy(model), batch, fused_chunk_values=64 * 8)
+    lf, gf = _loss_and_grads(copy.deepcopy(model), batch, fused=head_mod, fused_chunk_values=64 * 8)
     assert HEAD_PATHS["fused"] == before + 1 and why_not_fused(model) is None
-    lu, gu = _loss_and_grads(copy.deepcopy(model), batch, fused=False)
+    lu, gu = _loss_and_grads(copy.deepcopy(model), batch, fused=None)
     hf = model(**batch).loss * int((batch["labels"][:, 1:] != -100).sum())
     assert torch.allclose(lf, lu, rtol=1e-6, atol=0) and torch.allclose(lf, hf, rtol=1e-5)
     for k in gf:
@@ -222,7 +223,7 @@ def test_a_lora_wrapped_head_and_scaled_logits_take_the_unfused_path():
     assert "logit_scale=0.25" in why_not_fused(cohere)
     batch = _batch()
     before = dict(HEAD_PATHS)
-    loss, n = causal_lm_loss_sum(cohere, batch)
+    loss, n = causal_lm_loss_sum(cohere, batch, fused=head_mod)
     assert HEAD_PATHS["fused"] == before.get("fused", 0) and HEAD_PATHS["unfused"] == before.get("unfused", 0) + 1
     assert torch.allclose(loss / n, cohere(**batch).loss, rtol=1e-5)
 
@@ -243,7 +244,7 @@ def test_an_unknown_transform_of_the_logits_is_found_and_falls_back():
     batch = _batch()
     assert why_not_fused(model) is None
     with pytest.warns(UserWarning, match="fused LM head"):
-        loss, n = causal_lm_loss_sum(model, batch)
+        loss, n = causal_lm_loss_sum(model, batch, fused=head_mod)
     assert "differs from the head's output" in why_not_fused(model)
     logits = model(**batch).logits[:, :-1].float()
     want = F.cross_entropy(logits.reshape(-1, 64), batch["labels"][:, 1:].reshape(-1), reduction="sum")
@@ -298,7 +299,8 @@ def _ddp_worker(rank, fused, port, out):
         batch = _batch(seed=rank, n=3)  # each process its own rows
         for _ in range(2):  # the reducer is used again in a second step
             model.zero_grad()
-            loss, n = causal_lm_loss_sum(model, batch, fused=fused, fused_chunk_values=64 * 8)
+            loss, n = causal_lm_loss_sum(model, batch, fused=head_mod if fused else None,
+                                         fused_chunk_values=64 * 8)
             (loss / n).backward()
         if rank == 0:
             torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)

@@ -389,7 +389,8 @@ def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch
     fuse_lora(model)
     feats = _feats(n=2)
     lengths, counts = [len(f["input_ids"]) for f in feats], [len(f["input_ids"]) - 6 for f in feats]
-    work = TrainingWork(feats, lengths, counts, collate=PadCollator(pad_token_id=0), loss_fn=causal_lm_loss_sum)
+    work = TrainingWork(feats, lengths, counts, collate=PadCollator(pad_token_id=0), loss_fn=causal_lm_loss_sum,
+                        activation_store=SavedActivationsIn)
     accumulate_step(model, work, [0, 1], OneProcess(), StepPlan(2))
     assert not packed
     accumulate_step(model, work, [0, 1], OneProcess(), StepPlan(2, saved_activations="bf16"))

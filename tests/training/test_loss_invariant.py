@@ -101,7 +101,7 @@ def test_chunked_head_gives_the_same_loss_and_gradients_as_full_logits(tied):
     real = loss_mod._chunk_loss
     loss_mod._chunk_loss = lambda *a: calls.append(a[0].shape[0]) or real(*a)
     try:
-        loss_sum, n = causal_lm_loss_sum(model, batch, chunk_values=64 * 5, fused=False)  # 5 tokens per chunk
+        loss_sum, n = causal_lm_loss_sum(model, batch, chunk_values=64 * 5, fused=None)  # 5 tokens per chunk
     finally:
         loss_mod._chunk_loss = real
     assert sum(calls) == n and max(calls) == 5 and len(calls) == -(-n // 5)  # really chunked

@@ -19,6 +19,7 @@ from surefit.training.plan import (
     micro_candidates,
 )
 from surefit.training.precision import store_frozen_in
+from surefit.training.speedups.lora_fast import SavedActivationsIn
 
 
 @pytest.fixture()
@@ -26,8 +27,9 @@ def tiny():
     return tiny_llama()
 
 
-def _work(n=16, length=40):
-    return Workload(lengths=[length - i % 7 for i in range(n)], supervised=[3 + i % 4 for i in range(n)])
+def _work(n=16, length=40, store=SavedActivationsIn):
+    return Workload(lengths=[length - i % 7 for i in range(n)], supervised=[3 + i % 4 for i in range(n)],
+                    activation_store=store)
 
 
 def _plan(model, budget_gb, batch_size=8, work=None, **kw):
@@ -208,6 +210,11 @@ def test_lora_under_bf16_stores_frozen_weights_and_saved_activations_in_bf16_and
                for c in fp16.changes)
     full = _plan(tiny_llama(), None, precision="bf16", lora=False)  # full fine-tuning: nothing stored differently
     assert full.frozen_dtype is None and full.saved_activations is None
+    # The store is a speed-up the task hands in: without one the frozen weights are still stored in bf16, the
+    # activations as autograd saves them.
+    bare = _plan(tiny_llama(), None, precision="bf16", lora=True, work=_work(store=None))
+    assert bare.frozen_dtype == "bf16" and bare.saved_activations is None
+    assert "activations saved in bf16" not in bare.render()
 
 
 def _file_backed(t: torch.Tensor) -> str | None:

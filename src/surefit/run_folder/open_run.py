@@ -9,11 +9,12 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from surefit.config import TrainConfig, build_config
 from surefit.config.task_configs import TASK_CONFIGS
 from surefit.config.yaml_files import load_yaml
+from surefit.data.summary import FACTS_OF_TASK, DataSummary
 from surefit.errors import ConfigError, DataError, Problem, SurefitError, raise_if
 from surefit.run_folder import (
     CHECKPOINTS,
@@ -36,32 +37,33 @@ class Run:
 
     Attributes:
         folder: the run folder; final: ``folder/final``; cfg: the config it was trained with.
-        report: ``data_report.json`` (``{}`` if absent); last_epoch: the last epoch record of ``metrics.jsonl``.
-        plan: ``memory_plan.json`` (``{}`` if absent): the evaluation batch and frozen-weight dtype training used.
+        summary: ``data_report.json``, read and checked (empty if absent), with the task's facts
+            (:data:`~surefit.data.summary.FACTS_OF_TASK`); last_epoch: the last epoch record of ``metrics.jsonl``.
+        plan: ``memory_plan.json``'s evaluation batch, precision and frozen-weight dtype (empty if absent).
     """
 
     folder: Path
     cfg: TrainConfig
     final: Path
-    report: dict[str, Any] = field(default_factory=dict)
+    summary: DataSummary = field(default_factory=DataSummary)
     last_epoch: dict[str, Any] | None = None
-    plan: dict[str, Any] = field(default_factory=dict)
+    plan: untrusted.SavedPlan = field(default_factory=untrusted.SavedPlan)
     say: Say = print
 
     @property
     def eval_batch_size(self) -> int:
-        return int(self.plan.get("eval_batch_size") or self.cfg.resolved_eval_batch_size)
+        return self.plan.eval_batch_size or self.cfg.resolved_eval_batch_size
 
     @property
-    def frozen_dtype(self) -> str | None:
+    def frozen_dtype(self) -> Literal["bf16", "fp16"] | None:
         """``bf16``/``fp16`` when training stored the frozen (non-LoRA) weights in 16 bits under mixed precision."""
-        return self.plan.get("frozen_dtype")
+        return self.plan.frozen_dtype
 
     @property
     def precision(self) -> str:
         """The precision training ran in (``memory_plan.json``; the config's setting for runs without a plan), so
         that ``precision: auto`` resolves for evaluation as it did for training."""
-        return self.plan.get("precision") or self.cfg.precision
+        return self.plan.precision or self.cfg.precision
 
     @property
     def task(self) -> str:
@@ -184,9 +186,11 @@ def open_run(run: str | os.PathLike, allow_code: bool = False, trust_remote_code
         if key not in ("data", "val_data"):  # the data is named where it is read (Run.check_training_data)
             say(f"warning: the run's {key} {path} {why} since training ({folder / DATA_FILES}): results may differ "
                 "from the ones training gave (for a base model: the adapter is applied to other weights)")
-    report = untrusted.read_json(folder / DATA_REPORT, "what happened to the data", untrusted.DATA_REPORT_KEYS)
-    plan = untrusted.read_json(folder / MEMORY_PLAN, "the memory plan", untrusted.PLAN_KEYS)
-    return Run(folder, cfg, final, report, untrusted.last_epoch(folder / METRICS), plan, say)
+    summary = DataSummary.from_json(untrusted.read_json(folder / DATA_REPORT, "what happened to the data"),
+                                    str(folder / DATA_REPORT), FACTS_OF_TASK.get(task))
+    plan = untrusted.SavedPlan.from_json(untrusted.read_json(folder / MEMORY_PLAN, "the memory plan"),
+                                         str(folder / MEMORY_PLAN))
+    return Run(folder, cfg, final, summary, untrusted.last_epoch(folder / METRICS), plan, say)
 
 
 def export_folder(run: Run, dest: Path, overwrite: bool, write: Callable[[Path], object]) -> Path:

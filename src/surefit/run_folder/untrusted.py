@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from surefit.config import TrainConfig
+from surefit.data.summary import Saved, saved_object
 from surefit.errors import Problem, SurefitError, raise_if
 from surefit.run_folder.integrity import MANIFEST, hash_source, verify
 
@@ -43,43 +45,45 @@ def verify_final(final: Path, say: Say) -> None:
                                    "finish it from a checkpoint (surefit train --config RUN/config.yaml --resume)"))
 
 
-# What the readers of a run take from its JSON files, and the types they need (None: may be null).
-DATA_REPORT_KEYS: dict[str, tuple[type, ...]] = {"problem_type": (str, type(None)), "label2id": (dict, type(None)),
-                                                  "fields": (dict, type(None)), "encoding": (dict, type(None))}
-PLAN_KEYS: dict[str, tuple[type, ...]] = {"eval_batch_size": (int, type(None)), "precision": (str, type(None)),
-                                           "frozen_dtype": (str, type(None))}
+@dataclass(frozen=True)
+class SavedPlan:
+    """What ``eval``, ``predict`` and ``export`` take from ``memory_plan.json`` (``training/plan.Plan`` wrote it):
+    the evaluation batch, the precision and the frozen weights' dtype training used; ``None`` where it says nothing
+    (no plan: the run's config.yaml settings apply)."""
+
+    eval_batch_size: int | None = None
+    precision: Literal["fp32", "bf16", "fp16"] | None = None
+    frozen_dtype: Literal["bf16", "fp16"] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> SavedPlan:
+        """Read and check the plan (every value not what training writes is named, with the file and key)."""
+        saved = saved_object(value, where, "the memory plan")
+        batch, precision, frozen = (saved.get("eval_batch_size", int), saved.get("precision", str),
+                                    saved.get("frozen_dtype", str))
+        if batch is not None and batch < 1:
+            saved.wrong("eval_batch_size", batch, "1 or more")
+            batch = None
+        if precision is not None and precision not in ("fp32", "bf16", "fp16"):
+            saved.wrong("precision", precision, "fp32, bf16 or fp16")
+        if frozen is not None and frozen not in ("bf16", "fp16"):
+            saved.wrong("frozen_dtype", frozen, "bf16, fp16 or null")
+        raise_if(saved.problems)
+        return cls(batch, precision, frozen)
 
 
-def read_json(path: Path, what: str, keys: dict[str, tuple[type, ...]] | None = None) -> dict[str, Any]:
-    """A JSON object of the run folder (``{}`` when absent); what is not what the readers expect is named."""
+def read_json(path: Path, what: str) -> Any:
+    """A JSON file of the run folder, parsed (``{}`` when absent); a file that is not JSON is named."""
     if not path.is_file():
         return {}
-    fix = (f"{path.name} was changed or cut after training; restore it, or delete it (surefit then uses the run's "
-           "config.yaml) and check the results")
     try:
-        value = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
-        raise SurefitError(Problem(f"{path} ({what}) is not valid JSON: {e}", str(path), fix)) from e
-    if not isinstance(value, dict):
-        raise SurefitError(Problem(f"{path} ({what}) holds a {type(value).__name__}, not a JSON object", str(path),
-                                   fix))
-    problems = []
-    for key, types in (keys or {}).items():
-        if key in value and (not isinstance(value[key], types) or isinstance(value[key], bool)):
-            problems.append(Problem(f"'{key}' is {value[key]!r} ({type(value[key]).__name__}); expected "
-                                    f"{' or '.join(t.__name__ for t in types if t is not type(None))}",
-                                    f"{path} '{key}'", fix))
-    if "eval_batch_size" in (keys or {}) and isinstance(value.get("eval_batch_size"), int) \
-            and value["eval_batch_size"] < 1:
-        problems.append(Problem(f"'eval_batch_size' is {value['eval_batch_size']}; expected 1 or more",
-                                f"{path} 'eval_batch_size'", fix))
-    label2id = value.get("label2id") if keys is DATA_REPORT_KEYS else None
-    if isinstance(label2id, dict) and not all(isinstance(v, int) and not isinstance(v, bool)
-                                              for v in label2id.values()):
-        problems.append(Problem("'label2id' maps labels to something other than class numbers",
-                                f"{path} 'label2id'", fix))
-    raise_if(problems)
-    return value
+        raise SurefitError(Problem(f"{path} ({what}) is not valid JSON: {e}", str(path),
+                                   Saved({}, str(path)).fix())) from e
 
 
 def data_hashes(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
@@ -191,7 +195,7 @@ def changed_data(path: Path, cfg: TrainConfig) -> dict[str, tuple[str, str]]:
     """The run's data files whose contents differ from what training read (``path``: its ``data_files.json``)."""
     if not path.is_file():
         return {}
-    saved = read_json(path, "the data files' hashes")
+    saved = saved_object(read_json(path, "the data files' hashes"), str(path), "the data files' hashes").value
     changed = {}
     for key, before in saved.items():
         value = getattr(cfg, key, None)

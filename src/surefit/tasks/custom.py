@@ -22,7 +22,7 @@ from surefit.config.task_configs import CustomConfig
 from surefit.config.yaml_files import load_json
 from surefit.data.readers.common import short
 from surefit.data.shards import TensorData, load_tensor_data
-from surefit.data.summary import DataSummary
+from surefit.data.summary import ArrayFacts, DataSummary
 from surefit.doctor import check
 from surefit.doctor.shapes import diagnose, first_layers, trace
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError, raise_if, raise_input_problems
@@ -375,7 +375,7 @@ def prepare(cfg: CustomConfig, say: Say = print, problems: list[Problem] | None 
                         evaluate=evaluate, on_epoch=on_epoch, epoch_batches=epoch_batches,
                         where=lambda i: f"{cfg.data} row {train_idx[i]}")
     summary = DataSummary(train_rows=len(train_idx), val_rows=len(val_idx),
-                          details={"arrays": {k: list(v.shape) for k, v in data.arrays.items()}})
+                          facts=ArrayFacts({k: list(v.shape) for k, v in data.arrays.items()}))
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, cfg, model_args, folder),
         check=lambda: check(checked, None, rows, None, None, args={"batch_size": cfg.micro_batch_size}, task="custom"),

@@ -725,7 +725,7 @@ def accumulate_step(model: Any, work: TrainingWork, step_indices: list[int], acc
                 # The backward pass too: gradient checkpointing recomputes forwards there, with the same masks.
                 rows = nullcontext() if dropout_key is None else training_rows(*dropout_key, part)
                 with rows:
-                    with sync, accelerator.autocast(), saved_activations_in(how.saved_activations):
+                    with sync, accelerator.autocast(), saved_activations_in(how.saved_activations, work.activation_store):
                         loss_sum, _ = loss_fn(model, batch)
                     in_sync_backward = last or lockstep
                     accelerator.backward(loss_sum * (scale if j < real else 0.0))

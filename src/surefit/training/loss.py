@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
+from collections import Counter
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
@@ -18,15 +19,24 @@ import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
 from surefit.models import inner_model
-from surefit.training.speedups.fused_head import (
-    FUSED_CHUNK_VALUES,
-    HEAD_PATHS,
-    fused_linear_cross_entropy,
-    fused_loss,
-    why_not_fused,
-)
 
-__all__ = ["FUSED_CHUNK_VALUES", "HEAD_PATHS", "fused_linear_cross_entropy", "why_not_fused"]  # (re-exported)
+# How often each LM-head path ran (tests and the profile read it): "fused", "unfused", "chunked" (unfused in
+# recomputed chunks), "no_logits_to_keep" (full logits, then the selection).
+HEAD_PATHS: Counter[str] = Counter()
+
+
+class FusedHead(Protocol):
+    """The LM head and the loss run fused, chunk by chunk, with no logits tensor: a speed-up the task hands in (the
+    module ``training/speedups/fused_head.py`` is one); the core does not import speed-ups."""
+
+    FUSED_CHUNK_VALUES: int
+
+    def why_not_fused(self, model: Any) -> str | None:
+        ...
+
+    def fused_loss(self, model: Any, kwargs: dict[str, Any], keep: torch.Tensor, targets: torch.Tensor,
+                   chunk_values: int) -> torch.Tensor | None:
+        ...
 
 
 class BatchPacker(Protocol):
@@ -120,16 +130,16 @@ def _chunk_loss(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values: int = CHUNK_VALUES,
-                       share: BatchPacker | None = None, fused: bool = True,
-                       fused_chunk_values: int = FUSED_CHUNK_VALUES) -> tuple[torch.Tensor, int]:
+                       share: BatchPacker | None = None, fused: FusedHead | None = None,
+                       fused_chunk_values: int | None = None) -> tuple[torch.Tensor, int]:
     """Sum of next-token cross-entropies over supervised positions, and how many there are.
 
     The LM head runs only at positions whose next token is supervised (``logits_to_keep`` with a boolean mask), so a
     prompt-heavy batch (SQuAD: ~4% of tokens carry loss) never materialises full-vocabulary logits for the prompt.
-    With ``fused`` (the default) the model returns the supervised hidden states instead (its head is swapped out
+    With ``fused`` given the model returns the supervised hidden states instead (its head is swapped out
     during the forward only) and the head and the loss run fused, chunk by chunk
-    (:func:`fused_linear_cross_entropy`): no full logits tensor exists in the forward or the backward pass, whatever
-    the share of supervised tokens (chat data: most of them). Models it does not cover (:func:`why_not_fused`) take
+    (``fused_linear_cross_entropy``): no full logits tensor exists in the forward or the backward pass, whatever
+    the share of supervised tokens (chat data: most of them). Models it does not cover (``why_not_fused``) take
     the unfused path. Unfused, when even the supervised logits would be large (more than ``chunk_values`` values: long completions, big
     vocabularies), the model returns the supervised hidden states instead (its head is swapped for an identity
     during the forward only) and the head and loss run in chunks under activation checkpointing, so at most one
@@ -144,8 +154,9 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
         chunk_values: logits size above which the head runs in chunks.
         share: when given, rows of the batch that begin with the same prompt tokens have that prefix computed once
             (see :class:`PrefixSharing`); the loss is the same.
-        fused: run the head and the loss fused (``fused_cross_entropy`` in the config); False: the unfused head.
-        fused_chunk_values: logits values per chunk of the fused head.
+        fused: the fused head and loss (``fused_cross_entropy`` in the config: the task hands in
+            ``training/speedups/fused_head``); ``None``: the unfused head.
+        fused_chunk_values: logits values per chunk of the fused head (``None``: its own default).
 
     Returns:
         ``(loss_sum, n_tokens)``; ``loss_sum`` is a float32 scalar tensor.
@@ -168,8 +179,9 @@ def causal_lm_loss_sum(model: Any, batch: dict[str, torch.Tensor], chunk_values:
         HEAD_PATHS["no_logits_to_keep"] += 1
         logits = model(**kwargs).logits[keep]
         return F.cross_entropy(logits.float(), targets, reduction="sum"), n
-    if fused and n and why_not_fused(model) is None:
-        loss = fused_loss(model, kwargs, keep, targets, fused_chunk_values)
+    if fused is not None and n and fused.why_not_fused(model) is None:
+        chunk = fused.FUSED_CHUNK_VALUES if fused_chunk_values is None else fused_chunk_values
+        loss = fused.fused_loss(model, kwargs, keep, targets, chunk)
         if loss is not None:
             return loss, n
     owner = _lm_head_owner(model) if n else None

@@ -34,7 +34,7 @@ from surefit.models.lowbit import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
 from surefit.training.memory import free_memory, is_oom
 from surefit.training.precision import holds_bf16, precision_name, store_frozen_in
-from surefit.training.work import TrainingWork
+from surefit.training.work import ActivationStore, TrainingWork
 from surefit.units import GiB, human_bytes
 
 GB = GiB
@@ -339,6 +339,8 @@ class Workload:
     train_step: Callable[[list[int]], None] | None = None
     # Runs a forward (no grad) of the given training examples, for the saved-tensor count.
     forward: Callable[[list[int]], Any] | None = None
+    # The task's activation store (TrainingWork.activation_store); None: saved activations stay as autograd saves them.
+    activation_store: Callable[[torch.dtype], ActivationStore] | None = None
 
 
 @dataclass
@@ -399,7 +401,8 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
     frozen_half = bool(lora and mixed)
     quant = quantized_bits(model)
     cast = store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16) if frozen_half else 0
-    pack_saved = frozen_half and holds_bf16(device)
+    store = work.activation_store
+    pack_saved = frozen_half and store is not None and holds_bf16(device)
     longest = max(work.lengths) if work.lengths else 1
     order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
     memo = {} if memo is None else memo
@@ -408,10 +411,8 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
     forward = work.forward
     if measured_act is None and forward is not None and order:
         packer = None
-        if pack_saved:
-            from surefit.training.speedups.lora_fast import SavedActivationsIn
-
-            packer = SavedActivationsIn(torch.bfloat16)
+        if pack_saved and store is not None:
+            packer = store(torch.bfloat16)
         measured_act = (measure_saved_bytes(model, lambda: forward([order[0]]), packer),
                         work.lengths[order[0]])
         memo["saved_activations"] = list(measured_act)
@@ -563,17 +564,15 @@ def _fit_eval(fp: Footprint, work: Workload, requested: int, target: float, mixe
 
 
 def _gpu_probe(work: Workload, order: list[int], pack_saved: bool = False) -> Callable[[int, bool], int] | None:
-    train_step = work.train_step
+    train_step, store = work.train_step, work.activation_store
     if train_step is None:
         return None
     from contextlib import nullcontext
 
-    from surefit.training.speedups.lora_fast import SavedActivationsIn
-
     def probe(micro: int, ckpt: bool) -> int:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        with SavedActivationsIn(torch.bfloat16) if pack_saved else nullcontext():  # as the run will save them
+        with store(torch.bfloat16) if pack_saved and store else nullcontext():  # as the run will save them
             train_step(order[:micro])
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated()
@@ -651,7 +650,8 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
         model.zero_grad(set_to_none=True)
 
     load = Workload(lengths=work.lengths, supervised=work.counts, eval_lengths=work.plan.eval_lengths,
-                    generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward)
+                    generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward,
+                    activation_store=work.activation_store)
     budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
     plan = run_with_restored_rng(
         lambda: make_plan(model, load, PlanRequest(

@@ -114,12 +114,13 @@ def flushing_denormals(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def saved_activations_in(dtype: str | None) -> Any:
+def saved_activations_in(dtype: str | None, store: Callable[[torch.dtype], Any] | None) -> Any:
+    """The context a forward runs in: ``store`` (handed in by the task) keeping saved activations in ``dtype``."""
     if dtype is None:
         return nullcontext()
-    from surefit.training.speedups.lora_fast import SavedActivationsIn
-
-    return SavedActivationsIn({"bf16": torch.bfloat16}[dtype])
+    if store is None:
+        raise ValueError(f"saved activations in {dtype} were asked for, but no activation store was handed in")
+    return store({"bf16": torch.bfloat16}[dtype])
 
 
 def holds_bf16(device: torch.device) -> bool:

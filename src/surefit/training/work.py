@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -15,6 +15,24 @@ from surefit.config import TrainConfig
 
 LossFn = Callable[[Any, dict[str, torch.Tensor]], tuple[torch.Tensor, int]]
 Collate = Callable[[list[Any]], dict[str, torch.Tensor]]
+
+
+class ActivationStore(Protocol):
+    """Within its context, activations autograd saves for the backward pass are stored in another dtype (``pack``
+    says how one is stored, ``forget`` drops what it remembers between forwards): a speed-up a task hands in,
+    :class:`~surefit.training.speedups.lora_fast.SavedActivationsIn`; the core does not import speed-ups."""
+
+    def __enter__(self) -> Any:
+        ...
+
+    def __exit__(self, *exc: Any) -> None:
+        ...
+
+    def pack(self, t: torch.Tensor) -> Any:
+        ...
+
+    def forget(self) -> None:
+        ...
 
 
 @dataclass
@@ -60,6 +78,8 @@ class TrainingWork:
             length-grouped batches (:func:`~surefit.data.sampling.step_batches`).
         where: a training example's index -> its source row in words, for messages (a non-finite loss names rows).
         plan: the memory planner's other inputs.
+        activation_store: ``dtype -> ActivationStore``, used when the plan stores saved activations in 16 bits (LoRA
+            on 16-bit frozen weights); ``None``: the plan never does.
     """
 
     features: Sequence[Any]
@@ -73,6 +93,7 @@ class TrainingWork:
     epoch_batches: Callable[[int], list[list[int]]] | None = None
     where: Callable[[int], str] | None = None
     plan: PlanInputs = field(default_factory=PlanInputs)
+    activation_store: Callable[[torch.dtype], ActivationStore] | None = None
 
 
 @dataclass(frozen=True)

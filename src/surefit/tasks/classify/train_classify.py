@@ -26,7 +26,7 @@ from surefit.data.collate import PadCollator
 from surefit.data.readers import Rejected, check_text_fields, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
-from surefit.data.summary import DataSummary
+from surefit.data.summary import ClassifyFacts, DataSummary
 from surefit.doctor import check
 from surefit.errors import (
     ConfigError,
@@ -42,7 +42,7 @@ from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name
-from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
 from surefit.training.work import PlanInputs, TrainingWork
 
 Say = Callable[[str], None]
@@ -114,9 +114,9 @@ def load_data(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | N
         assert spec is not None
     notes += [spec.how, spec.summary()]
     report.train_rows, report.val_rows = len(train_rows), len(val)
-    report.details.update(problem_type=spec.problem_type,
-                          label2id=spec.label2id if spec.problem_type != "regression" else None,
-                          fields={"text": fields.text, "pair": fields.pair, "label": fields.label})
+    report.facts = ClassifyFacts(problem_type=spec.problem_type,
+                                 label2id=spec.label2id if spec.problem_type != "regression" else None,
+                                 text_field=fields.text, pair_field=fields.pair, label_field=fields.label)
     for note in notes:
         say(note)
     return train_rows, val, fields, spec, report
@@ -494,7 +494,8 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     work = TrainingWork(features=train_feats, lengths=[len(f["input_ids"]) for f in train_feats],
                         counts=[1] * len(train_feats), collate=collate, loss_fn=loss_fn, evaluate=evaluate,
                         where=lambda i: train_rows[i].where,
-                        plan=PlanInputs(eval_lengths=[len(f["input_ids"]) for f in val_feats], lora=cfg.lora_r > 0))
+                        plan=PlanInputs(eval_lengths=[len(f["input_ids"]) for f in val_feats], lora=cfg.lora_r > 0),
+                        activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work,
         save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),

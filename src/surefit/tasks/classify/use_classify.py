@@ -16,10 +16,11 @@ from surefit.data.classes import Fields, LabelSpec
 from surefit.data.collate import PadCollator
 from surefit.data.readers import field_not_found, read_checked
 from surefit.data.rows import Row
+from surefit.data.summary import ClassifyFacts
 from surefit.errors import ConfigError, DataError, ModelError, Problem, SurefitError
 from surefit.models import model_folder, resolve_model
 from surefit.models.lowbit import import_peft
-from surefit.run_folder import COLUMNS
+from surefit.run_folder import COLUMNS, untrusted
 from surefit.run_folder.open_run import Run
 from surefit.tasks.classify.train_classify import (
     HF_PROBLEM_TYPES,
@@ -47,9 +48,8 @@ _HF_TO_OURS = {v: k for k, v in HF_PROBLEM_TYPES.items()}
 
 def label_spec(run: Run, label_field: str | None = None) -> LabelSpec:
     """The run's labels (as training built them), from ``data_report.json`` or the saved model's config."""
-    report = run.report
-    ptype = report.get("problem_type")
-    label2id = report.get("label2id")
+    facts = run.summary.facts_as(ClassifyFacts)
+    ptype, label2id = facts.problem_type, facts.label2id
     if ptype is None:
         saved = _saved_label_config(run)
         ptype, label2id = saved.get("problem_type"), saved.get("label2id")
@@ -59,8 +59,7 @@ def label_spec(run: Run, label_field: str | None = None) -> LabelSpec:
                                    "the run folder is incomplete; train the run again"))
     names = [] if ptype == "regression" or label2id is None else [
         n for n, _ in sorted(label2id.items(), key=lambda kv: kv[1])]
-    fields = report.get("fields") or {}
-    label = label_field or fields.get("label") or run.config_as(ClassifyConfig).label_field or "label"
+    label = label_field or facts.label_field or run.config_as(ClassifyConfig).label_field or "label"
     return LabelSpec(problem_type=ptype, field=label, names=names, kind="str", how=f"the labels of {run.folder}")
 
 
@@ -128,10 +127,12 @@ def load(run: Run, spec: LabelSpec, say: Say = print, as_trained: bool = True) -
 
 def _run_fields(run: Run, fields: dict[str, str], texts_given: bool = False) -> Fields:
     """The columns the run was trained on (flags override): data_report.json, else the run's columns.json."""
-    saved = run.report.get("fields") or _fields_from_columns(run.folder / COLUMNS)
-    text = fields.get("text_field") or saved.get("text") or run.config_as(ClassifyConfig).text_field
-    pair = fields.get("text_pair_field") or saved.get("pair") or run.config_as(ClassifyConfig).text_pair_field
-    label = fields.get("label_field") or saved.get("label") or run.config_as(ClassifyConfig).label_field
+    saved = run.summary.facts_as(ClassifyFacts)
+    if saved.text_field is None:
+        saved = _fields_from_columns(run.folder / COLUMNS)
+    text = fields.get("text_field") or saved.text_field or run.config_as(ClassifyConfig).text_field
+    pair = fields.get("text_pair_field") or saved.pair_field or run.config_as(ClassifyConfig).text_pair_field
+    label = fields.get("label_field") or saved.label_field or run.config_as(ClassifyConfig).label_field
     if text is None and texts_given:
         text = "text"  # --input texts are not read from a column: any name will do
     if text is None:
@@ -141,17 +142,18 @@ def _run_fields(run: Run, fields: dict[str, str], texts_given: bool = False) -> 
     return Fields(text=text, pair=pair, label=label or "label")
 
 
-def _fields_from_columns(path: Path) -> dict[str, str]:
+def _fields_from_columns(path: Path) -> ClassifyFacts:
     """Runs trained before data_report.json recorded the fields: the kept / dropped table names them."""
-    if not path.is_file():
-        return {}
-    roles = {"text:": "text", "second text of the pair": "pair", "label:": "label"}
+    table = untrusted.read_json(path, "the columns training read")
+    roles = {"text:": "text_field", "second text of the pair": "pair_field", "label:": "label_field"}
     found: dict[str, str] = {}
-    for entry in json.loads(path.read_text(encoding="utf-8")):
+    for entry in table if isinstance(table, list) else []:  # a changed file names nothing, as a missing one
         for prefix, role in roles.items():
-            if entry.get("status") == "kept" and str(entry.get("why", "")).startswith(prefix):
+            if isinstance(entry, dict) and entry.get("status") == "kept" and isinstance(entry.get("column"), str) \
+                    and str(entry.get("why", "")).startswith(prefix):
                 found.setdefault(role, entry["column"])
-    return found
+    return ClassifyFacts(text_field=found.get("text_field"), pair_field=found.get("pair_field"),
+                         label_field=found.get("label_field"))
 
 
 def _text_fields(flds: Fields) -> list[tuple[str, str]]:

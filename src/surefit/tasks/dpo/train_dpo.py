@@ -23,7 +23,7 @@ from surefit.data.pairs import PairCollator, PairExample, PairReport, detect_pai
 from surefit.data.readers import Rejected, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
-from surefit.data.summary import DataSummary
+from surefit.data.summary import DataSummary, TextFacts
 from surefit.doctor.checks_dpo import check_pairs
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_if, raise_with_rejected
 from surefit.eval.progress import phase
@@ -36,7 +36,7 @@ from surefit.training.dropout import seed_dropout
 from surefit.training.memory import enable_gradient_checkpointing
 from surefit.training.precision import make_accelerator, precision_name
 from surefit.training.preference import PreferenceLoss, Reference, compute_reference
-from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
 from surefit.training.work import PlanInputs, TrainingWork
 
 Say = Callable[[str], None]
@@ -58,14 +58,14 @@ def load_pairs(cfg: DPOConfig, say: Say = print,
 
     Returns:
         ``(train_rows, val_rows, summary)``: the summary holds the notes printed, the pair shape, the rows rejected
-        under ``--on_bad_rows skip`` and what became of each field (``details["field_table"]``). A problem raised
+        under ``--on_bad_rows skip`` and what became of each field (``facts.field_table``). A problem raised
         carries the rejected rows too (``error.rejected``), for the run folder to list.
     """
     problems = list(problems or [])
     assert cfg.data is not None  # required: the config's checks say so first
     rejected: list[Rejected] = []
     notes: list[str] = []
-    report = DataSummary(notes=notes, rejected=rejected)
+    report = DataSummary(notes=notes, rejected=rejected, facts=TextFacts())
     rejects = rejected if cfg.on_bad_rows == "skip" else None
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects, notes)
     choice = None
@@ -91,7 +91,7 @@ def load_pairs(cfg: DPOConfig, say: Say = print,
     assert choice is not None
     # format_conversational is left unset: it tells SFT's predict how to prompt, and pair shapes are all "conversational"
     report.format = choice.name
-    report.details["field_table"] = table
+    report.facts_as(TextFacts).field_table = table
     say(choice.line())
     say("fields of the rows:\n" + render_columns(table))
     train_rows, val, split_notes = split_or_check(loaded["train"], loaded.get("validation"), cfg.val_fraction,
@@ -208,7 +208,7 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
               for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
     data_report.encoding = {r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"}
                             | {"excluded": len(r.excluded)} for r in (train_rep, val_rep)}
-    data_report.details["template"] = template
+    data_report.facts_as(TextFacts).template = template
 
     with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
@@ -241,7 +241,7 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     loss_fn = PreferenceLoss(cfg.loss, cfg.beta, reference, gamma=cfg.gamma, orpo_lambda=cfg.orpo_lambda)
     tokenizer.padding_side = "left"  # generation pads on the left; the saved tokenizer says so
     if terms:
-        data_report.details["stop_ids"] = sorted(terms | {tokenizer.eos_token_id})
+        data_report.facts_as(TextFacts).stop_ids = sorted(terms | {tokenizer.eos_token_id})
 
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         metrics, records = evaluate_pairs(m, val_ex, val_features, loss_fn, collate, batch_size, accelerator)
@@ -251,7 +251,8 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     # A pair is one example of the loop: it counts 1 in the loss, and its two sequences are its length.
     work = TrainingWork(features=features, lengths=[e.tokens for e in train_ex], counts=[1] * len(train_ex),
                         collate=collate, loss_fn=loss_fn, evaluate=evaluate, where=lambda i: train_ex[i].row.where,
-                        plan=PlanInputs(eval_lengths=[e.tokens for e in val_ex], lora=cfg.lora_r > 0))
+                        plan=PlanInputs(eval_lengths=[e.tokens for e in val_ex], lora=cfg.lora_r > 0),
+                        activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: check_pairs(model, tokenizer, train_ex, features, collate, loss_fn, accelerator, cfg),

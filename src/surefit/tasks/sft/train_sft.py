@@ -44,7 +44,7 @@ from surefit.data.formats import (
 from surefit.data.readers import Rejected, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import leaked, normalize_key, split_or_check
-from surefit.data.summary import DataSummary
+from surefit.data.summary import DataSummary, TextFacts
 from surefit.data.system_prompt import describe as describe_system
 from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
 from surefit.doctor import check
@@ -71,12 +71,13 @@ from surefit.run_folder import EXCLUDED, SHORTENED, Found
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
-from surefit.training.loss import causal_lm_loss_sum, why_not_fused
+from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
 from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
-from surefit.training.speedups.lora_fast import fuse_lora
+from surefit.training.speedups import fused_head
+from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
 from surefit.training.speedups.lora_generate import lean_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
 from surefit.training.work import PlanInputs, Switches, TrainingWork
@@ -126,14 +127,15 @@ def load_data(cfg: SFTConfig, say: Say = print,
 
     Returns:
         ``(train_rows, val_rows, summary)``: the summary holds the counts printed to the user and saved, the format,
-        the rows rejected under ``--on_bad_rows skip`` and what became of each field (``details["field_table"]``).
+        the rows rejected under ``--on_bad_rows skip`` and what became of each field (``facts.field_table``).
         A problem raised carries the rejected rows too (``error.rejected``), for the run folder to list.
     """
     problems = list(problems or [])
     assert cfg.data is not None  # required: the config's checks say so first
     rejects: list[Rejected] = []
     read_notes: list[str] = []  # the summary's notes, added to as the data is read
-    report = DataSummary(notes=read_notes, rejected=rejects)
+    facts = TextFacts()
+    report = DataSummary(notes=read_notes, rejected=rejects, facts=facts)
     loaded = read_splits(cfg.data, cfg.val_data, cfg.limit, problems, rejects if cfg.on_bad_rows == "skip" else None,
                          read_notes)
     choice: FormatChoice | None = None
@@ -158,7 +160,7 @@ def load_data(cfg: SFTConfig, say: Say = print,
     raise_with_rejected(problems, rejects)
     assert choice is not None
     report.format, report.format_conversational = choice.name, choice.conversational
-    report.details["field_table"] = table
+    facts.field_table = table
     say(choice.line())
     say("fields of the rows:\n" + render_columns(table))
 
@@ -175,7 +177,7 @@ def load_data(cfg: SFTConfig, say: Say = print,
     if not cfg.val_data:
         assert not leaked(train_rows, val, key), "split/augment invariant broken: a validation row leaked into training"
     report.train_rows, report.val_rows = len(train_rows), len(val)
-    report.details["augmentation"] = stats.__dict__
+    facts.augmentation = stats.__dict__
     for note in read_notes:
         say(note)
     return train_rows, val, report
@@ -361,7 +363,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     system_line = encoder.system_line(train_rows + val_rows)
     if system_line:
         say(system_line)
-        data_report.details["system_prompt"] = {"template_default": encoder.injected, "setting": cfg.system_prompt,
+        data_report.facts_as(TextFacts).system_prompt = {"template_default": encoder.injected, "setting": cfg.system_prompt,
                                                 "line": system_line}
     with startup.phase("encoding data"), phase("encoding data"):
         train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip")
@@ -392,7 +394,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         | {"excluded": len(r.excluded)}
         for r in (train_rep, val_rep)
     }
-    data_report.details["template"] = encoder.why
+    data_report.facts_as(TextFacts).template = encoder.why
 
     with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
@@ -431,7 +433,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                                             "extractive answers") + ")" if cfg.metric == "auto" else ""))
     else:
         say("metrics: eval_loss only (--eval_generate false: no answers are generated to score)")
-    data_report.details["stop_ids"] = eos_ids
+    data_report.facts_as(TextFacts).stop_ids = eos_ids
 
     # The epochs the run takes, as the loop's bar counts them: --max_steps may end it early or run more (schedule.py).
     run_epochs = plan_schedule(n_examples=len(features), batch_size=cfg.batch_size, epochs=cfg.epochs, lr=cfg.lr,
@@ -449,8 +451,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             return Evaluation(metrics, None)
         return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
 
-    base_loss = functools.partial(causal_lm_loss_sum, fused=cfg.fused_cross_entropy)
-    if cfg.fused_cross_entropy and (why_unfused := why_not_fused(model)):
+    base_loss = functools.partial(causal_lm_loss_sum, fused=fused_head if cfg.fused_cross_entropy else None)
+    if cfg.fused_cross_entropy and (why_unfused := fused_head.why_not_fused(model)):
         say(f"fused LM head + cross-entropy: off, because {why_unfused}; the head's logits for a batch's supervised "
             "tokens are computed at once")
     sharing, train_loss = None, base_loss
@@ -488,7 +490,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         where=lambda i: train_ex[i].row.where,
         plan=PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
                         generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
-                        loss_fn=base_loss))  # the planner measures with the plain loss: a shared layout is never larger
+                        loss_fn=base_loss),  # the planner measures with the plain loss: a shared layout is never larger
+        activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
@@ -641,7 +644,7 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accel
             [e.features() for e in examples],
             [len(e.input_ids) for e in examples],
             loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
-                                      fused=switches.fused_cross_entropy),
+                                      fused=fused_head if switches.fused_cross_entropy else None),
             collate=collate,
             batch_size=batch_size,
             accelerator=accelerator,

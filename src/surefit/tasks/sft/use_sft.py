@@ -24,6 +24,7 @@ from surefit.data.formats import (
 )
 from surefit.data.readers import check_text_fields, read_checked
 from surefit.data.rows import Row
+from surefit.data.summary import TextFacts
 from surefit.errors import ConfigError, DataError, ModelError, Problem, raise_input_problems
 from surefit.eval.progress import phase
 from surefit.models import ModelSource, load_causal_lm, load_tokenizer, model_folder, resolve_model
@@ -93,9 +94,9 @@ def load(run: Run, say: Say = print, as_trained: bool = True, merge_dtype: str |
     model.to(accelerator.device).eval()
     # The saved tokenizer carries the chat template training used (a --chat_format file need not exist any more).
     used = replace(cfg, chat_format=None) if getattr(tokenizer, "chat_template", None) else cfg
-    encoder = Encoder.build(used, tokenizer, run.report.get("format", "input_target"),
-                            bool(run.report.get("format_conversational")))
-    eos = sorted(set(eos_token_ids(model, tokenizer)) | set(run.report.get("stop_ids") or []))
+    summary = run.summary
+    encoder = Encoder.build(used, tokenizer, summary.format or "input_target", bool(summary.format_conversational))
+    eos = sorted(set(eos_token_ids(model, tokenizer)) | set(summary.facts_as(TextFacts).stop_ids or []))
     return Loaded(model, tokenizer, accelerator, {"fmt": encoder.prompt, "encoder": encoder, "eos": eos})
 
 
@@ -137,7 +138,7 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
                                 f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
                                 "evaluate on rows with shorter targets"))
     max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc)
-    metric = choose_metric(cfg, bool(run.report.get("format_conversational")))
+    metric = choose_metric(cfg, bool(run.summary.format_conversational))
     scoring = Scoring(target_field, metric, Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)),
                       answer=encoder.answer_of())
     metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, loaded.accelerator, scoring,
@@ -154,7 +155,7 @@ def _max_new_tokens(run: Run, given: int | None, loaded: Loaded, train_rows: lis
         return given
     if (configured := run.config_as(SFTConfig).max_new_tokens):
         return configured
-    longest = ((run.report.get("encoding") or {}).get("train") or {}).get("longest_target")
+    longest = run.summary.encoded("train", "longest_target")
     if not longest and train_rows is not None:
         longest = loaded.extra["encoder"].encode(train_rows, "train")[1].longest_target
     if not longest:
@@ -168,7 +169,7 @@ def _read_run_file(run: Run, path: str, text_fields: list[tuple[str, str]], comp
     conversations (and the file holds them), else the flat fields checked. Every problem is raised at once."""
     from surefit.data.readers import SKIP_HINT, read_rows
 
-    if not run.report.get("format_conversational"):
+    if not run.summary.format_conversational:
         return read_checked(path, text_fields)
     problems: list[Problem] = []
     rows = read_rows(path, problems)
@@ -196,7 +197,7 @@ def predict(run: Run, inputs: str | list[str] | None, file: str | None, batch_si
     stops at every end-of-turn id of the template and the generation config."""
     input_field = fields.get("input_field") or run.config_as(SFTConfig).input_field
     text_fields = [(input_field, "--input_field")]
-    conversational = bool(run.report.get("format_conversational"))
+    conversational = bool(run.summary.format_conversational)
     if file is not None:
         rows = _read_run_file(run, str(file), text_fields, complete=False)
     else:

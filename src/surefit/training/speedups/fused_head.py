@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
-from collections import Counter
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
 from surefit.models import inner_model
+from surefit.training.loss import HEAD_PATHS
 
 # The fused head computes the logits of at most this many values (tokens x vocabulary) at a time: 2**23 values are
 # 32 MiB in fp32, about 170 supervised tokens per chunk for SmolLM2's 49k vocabulary and 55 for a 152k one. Each chunk
@@ -24,10 +24,6 @@ from surefit.models import inner_model
 # transients of one chunk (logits in the compute dtype and in fp32, their softmax, its gradient) stay near 100 MiB.
 FUSED_CHUNK_VALUES = 2**23
 MIN_CHUNK_TOKENS = 8
-
-# How often each LM-head path ran (tests and the profile read it): "fused", "unfused", "chunked" (unfused in
-# recomputed chunks), "no_logits_to_keep" (full logits, then the selection).
-HEAD_PATHS: Counter[str] = Counter()
 
 _not_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
