@@ -48,7 +48,7 @@ def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[lis
     data = shared / ("squad/dev-v1.1-part-a.json" if workload == "squad" else "chat/glaive_toolcall_en_demo.json")
     cfg = SFTConfig(data=str(data), val_fraction=0.0, limit=rows, max_seq_length=1024)
     train, _, report = load_data(cfg, say=lambda _: None)
-    enc = Encoder.build(cfg, tok, report["format"], report["format_conversational"])
+    enc = Encoder.build(cfg, tok, str(report.format), bool(report.format_conversational))
     examples, rep = enc.encode(train, "validation")
     longest = max(len(e.input_ids) - len(e.prompt_ids) for e in examples)
     return [e.prompt_ids for e in examples], longest
@@ -74,7 +74,7 @@ def main() -> None:
     from transformers import GenerationConfig
 
     from surefit.data.collate import PadCollator
-    from surefit.eval.generate import greedy_generate, merged_lora
+    from surefit.eval.generate import Decode, greedy_generate, merged_lora
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
     from surefit.tasks.sft.train_sft import eos_token_ids
     from surefit.training.precision import make_accelerator, store_frozen_in
@@ -110,10 +110,11 @@ def main() -> None:
 
         def ours(fast: bool, merge: bool = False, share: bool = False,
                  stats: dict | None = None) -> list[list[int]]:
-            return greedy_generate(model, prompts, pad_token_id=tok.pad_token_id, eos_token_ids=eos,
-                                   max_new_tokens=max_new, batch_size=args.batch, device=acc.device,
-                                   autocast=acc.autocast, merge_lora=merge, lora_context=lean_lora if fast else None,
-                                   reuse_cache=fast, share_prefixes=share and shareable, stats=stats)
+            decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=max_new,
+                            batch_size=args.batch, merge_lora=merge, reuse_cache=fast,
+                            share_prefixes=share and shareable)
+            return greedy_generate(model, prompts, decode, device=acc.device, autocast=acc.autocast,
+                                   lora_context=lean_lora if fast else None, stats=stats)
 
         def anchor() -> list[list[int]]:
             cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
