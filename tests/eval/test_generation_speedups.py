@@ -235,3 +235,41 @@ def test_stacked_decode_in_bf16_agrees_with_generate_on_the_prefill_batches():
                                                  prefill_batch=3), autocast=_autocast(True), lora_context=lean_lora)
     same = sum(a == b for a, b in zip(got, want, strict=True))
     assert same >= 8, (same, got, want)
+
+
+def test_training_caps_answers_at_the_longest_reference_and_decodes_the_planners_batch(tmp_path, tiny_lm_dir,
+                                                                                         monkeypatch, capsys):
+    """The default generation length is the longest validation answer (+4), printed with why, so no reference-length
+    answer is cut even where validation answers are longer than any training answer; the decode batch is the
+    planner's (all 12 prompts here), the prompts run --eval_batch_size at a time."""
+    import json
+
+    from conftest import qa_rows
+    from surefit.cli import main
+    from surefit.tasks.sft import train_sft as recipe
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
+    val_rows = [{"input": f"the {r['target']} and the mat .\n\nQuestion: list them {i} ?",
+                 "target": f"{r['target']} then the mat and the {r['target']} again"} for i, r in enumerate(qa_rows(12))]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in val_rows), encoding="utf-8")
+    decodes: list = []
+    real = recipe.greedy_generate
+    monkeypatch.setattr(recipe, "greedy_generate",
+                        lambda model, prompts, decode, **kw: decodes.append(decode) or real(model, prompts, decode, **kw))
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(train), "--val_data", str(val), "--epochs", "1",
+                 "--lora_r", "4", "--precision", "fp32", "--eval_batch_size", "2",
+                 "--output_dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    from surefit.models import load_tokenizer, resolve_model
+
+    tok, _ = load_tokenizer(str(tiny_lm_dir), resolve_model(str(tiny_lm_dir)))
+    longest_val = max(len(tok(r["target"], add_special_tokens=False)["input_ids"]) for r in val_rows) + 1  # + EOS
+    longest_train = max(len(tok(r["target"], add_special_tokens=False)["input_ids"]) for r in qa_rows(24)) + 1
+    assert longest_val > longest_train + 4  # the training answers alone would have cut these
+    assert f"eval generates up to {longest_val + 4} tokens (the longest validation answer, {longest_val} tokens " \
+           "with its terminator, + 4)" in out
+    assert decodes and all(d.max_new_tokens == longest_val + 4 for d in decodes)
+    assert all(d.batch_size == 12 and d.prefill_batch == 2 for d in decodes)
+    assert "generation decodes up to 12 rows at once, their prompts run 2 at a time" in out
