@@ -635,8 +635,9 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
 # ------------------------------------------------------------------------------------------- the generation batch
 
 # Rows one decode step runs at most. A step reads every weight once whatever the rows, so its cost grows slowly with
-# them (SmolLM2-135M, one CPU thread, in one process: a step of 32 rows cost about 1.8x one of 8; 64 rows gained
-# little more); beyond this, rows that end early leave the batch thin while the longest keeps the cache wide.
+# them (SmolLM2-135M, one CPU thread, CPU time per step: 8 rows 117-158 ms, 32 rows 207-271 ms, 64 rows 304-329 ms).
+# Not more: answers end at different steps, so a large batch runs thin while its longest answer keeps the cache wide
+# (64 was not measured end to end).
 GENERATE_ROWS = 32
 # Without a budget (a CPU), the generation cache may take this share of the memory the system reports available.
 GENERATE_MEMORY_SHARE = 0.25
