@@ -7,37 +7,39 @@ under bf16 autocast (CPU) or the GPU's mixed precision. Same prompts: rows of ``
 that share their paragraph) and of ``../shared/data/chat`` (tool-calling conversations, long answers), encoded by
 surefit's sft encoder as evaluation encodes them.
 
-Configurations, each on the same prompts, batch size and ``max_new_tokens``:
+Configurations, each on the same prompts and ``max_new_tokens`` (the longest answer of the rows + 4, as training
+caps it):
 
-- ``before``: surefit's generation as it was (length-sorted batches, finished rows dropped, LM head at the last
-  position only, transformers' growing cache, adapter unmerged): ``greedy_generate(merge_lora=False,
-  reuse_cache=False, share_prefixes=False)``.
-- ``surefit``: what evaluation runs by default: reserved cache, shared prefixes, the lean LoRA forward (the same
-  numbers as ``before``).
-- ``merged``, ``shared``, ``merged_shared``: the same with ``--eval_merge_lora`` (adapter merged into a 16-bit
-  copy of the weights), ``--eval_share_prefixes`` (shared prompt beginnings prefilled once), or both.
-- ``generate``: the anchor, ``model.generate`` on the same peft model, batched (longest first, left padded), greedy,
-  under the same autocast, as a careful user writes it.
+- ``generate``: the anchor, ``model.generate`` on the same peft model, batched ``--batch`` rows (longest first, left
+  padded), greedy, under the same autocast, as a careful user writes it.
+- ``exact``: surefit's earlier default, ``--eval_generate_batch_size`` equal to the evaluation batch: each batch of
+  ``--batch`` prompts prefilled and decoded alone (reserved cache, finished rows dropped, lean LoRA forward). The
+  tokens of ``generate`` on the same batches.
+- ``surefit``: the default: prompts prefilled ``--batch`` at a time, decoded together in the planner's batch
+  (``training/plan.generation_batch``: up to 32 rows).
+- ``shared``: the default with ``--eval_share_prefixes``.
 
-Rows identical are counted against a reference in the same precision with the same weights: ``surefit`` and
-``shared`` against ``before`` and ``generate``; the merged ones against ``generate`` run inside the same merge (the
-unoptimised generation with the merged weights), and, to show what merging itself changes, against ``generate``. Each timed
-configuration runs ``--repeats`` times, alternating; the fastest repeat is kept.
+Agreement: rows identical to ``generate`` (same weights, same precision), and to an fp32 reference (the same base
+and adapter weights in fp32, no autocast, the exact path), with the share of the reference's tokens matched before a
+row's first difference. Timing: the machine is shared, so each workload runs its configurations back to back in one
+process, ``--repeats`` times alternating, one torch thread; the ratios use the process's CPU seconds (wall seconds
+and the load average are recorded beside them) and the fastest repeat of each.
 
-    .venv/bin/python benchmarks/generation.py [--quick] [--rows 32] [--batch 8] [--repeats 2] \
-        [--out benchmarks/results/generation]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generation.py [--quick] [--rows 24] [--batch 8] [--repeats 2] \
+        [--workloads squad,chat] [--out benchmarks/results/generation]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
 from typing import Any
 
-GOALS = {"before": 4.0, "generate": 3.0}
+GOAL = 3.0  # >= 3x model.generate on the same rows and weights (issue 34)
 
 
 def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[list[int]], int]:
@@ -48,7 +50,7 @@ def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[lis
     data = shared / ("squad/dev-v1.1-part-a.json" if workload == "squad" else "chat/glaive_toolcall_en_demo.json")
     cfg = SFTConfig(data=str(data), val_fraction=0.0, limit=rows, max_seq_length=1024)
     train, _, report = load_data(cfg, say=lambda _: None)
-    enc = Encoder.build(cfg, tok, report["format"], report["format_conversational"])
+    enc = Encoder.build(cfg, tok, str(report.format), bool(report.format_conversational))
     examples, rep = enc.encode(train, "validation")
     longest = max(len(e.input_ids) - len(e.prompt_ids) for e in examples)
     return [e.prompt_ids for e in examples], longest
@@ -56,7 +58,7 @@ def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[lis
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=24)
     ap.add_argument("--batch", type=int, default=8, help="evaluation batch (surefit's default: 2 x micro-batch 4)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="default: as training sets it, the longest answer of the rows + 4 (at most 256)")
@@ -74,9 +76,10 @@ def main() -> None:
     from transformers import GenerationConfig
 
     from surefit.data.collate import PadCollator
-    from surefit.eval.generate import greedy_generate, merged_lora
+    from surefit.eval.generate import Decode, greedy_generate
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
     from surefit.tasks.sft.train_sft import eos_token_ids
+    from surefit.training.plan import generation_batch
     from surefit.training.precision import make_accelerator, store_frozen_in
     from surefit.training.speedups.lora_fast import fuse_lora
     from surefit.training.speedups.lora_generate import lean_lora
@@ -102,18 +105,29 @@ def main() -> None:
     shareable = why_not_shared(model) is None
 
     results: dict[str, Any] = {"machine": {"python": platform.python_version(), "torch": torch.__version__,
-                                           "device": str(acc.device), "precision": str(acc.mixed_precision)},
+                                           "device": str(acc.device), "precision": str(acc.mixed_precision),
+                                           "threads": torch.get_num_threads()},
                                "rows": args.rows, "batch": args.batch, "repeats": args.repeats, "workloads": {}}
+
+    # The fp32 reference: the same base and adapter weights, fp32 throughout, no autocast.
+    ref = get_peft_model(load_causal_lm(path, source), LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    lora = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert lora and not ref.load_state_dict(lora, strict=False).unexpected_keys
+    fuse_lora(ref)
+    ref.to(acc.device).eval()
+    mixed = acc.mixed_precision in ("bf16", "fp16")
+
     def measure(workload: str) -> dict[str, Any]:
         prompts, longest = _prompts(workload, args.rows, Path(args.shared), tok)
         max_new = args.max_new_tokens or min(longest + 4, 256)
+        planned = generation_batch(model, [len(p) + max_new for p in prompts], args.batch, None, mixed)
 
-        def ours(fast: bool, merge: bool = False, share: bool = False,
-                 stats: dict | None = None) -> list[list[int]]:
-            return greedy_generate(model, prompts, pad_token_id=tok.pad_token_id, eos_token_ids=eos,
-                                   max_new_tokens=max_new, batch_size=args.batch, device=acc.device,
-                                   autocast=acc.autocast, merge_lora=merge, lora_context=lean_lora if fast else None,
-                                   reuse_cache=fast, share_prefixes=share and shareable, stats=stats)
+        def ours(m: Any = model, rows: int = args.batch, share: bool = False, stats: dict | None = None,
+                 mixed_run: bool = True) -> list[list[int]]:
+            decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=max_new,
+                            batch_size=rows, prefill_batch=args.batch, share_prefixes=share and shareable)
+            return greedy_generate(m, prompts, decode, device=acc.device, autocast=acc.autocast if mixed_run else None,
+                                   lora_context=lean_lora, stats=stats)
 
         def anchor() -> list[list[int]]:
             cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
@@ -132,52 +146,49 @@ def main() -> None:
 
         stats: dict[str, int] = {}
         runs = {
-            "before": lambda: ours(False),
-            "surefit": lambda: ours(True),
-            "merged": lambda: ours(True, merge=True),
-            "shared": lambda: ours(True, share=True, stats=stats),
-            "merged_shared": lambda: ours(True, merge=True, share=True),
             "generate": anchor,
+            "exact": lambda: ours(),
+            "surefit": lambda: ours(rows=planned.rows),
+            "shared": lambda: ours(rows=planned.rows, share=True, stats=stats),
         }
-        times: dict[str, list[float]] = {k: [] for k in runs}
+        cpu: dict[str, list[float]] = {k: [] for k in runs}
+        wall: dict[str, list[float]] = {k: [] for k in runs}
         outputs: dict[str, list[list[int]]] = {}
+        load = [os.getloadavg()[0]]
         for _ in range(args.repeats):
             for name, fn in runs.items():
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 outputs[name] = fn()
-                times[name].append(time.perf_counter() - t0)
-        with merged_lora(model):
-            outputs["generate_merged"] = anchor()  # the unoptimised generation with the same merged weights (untimed)
+                cpu[name].append(time.process_time() - c0)
+                wall[name].append(time.perf_counter() - t0)
+        load.append(os.getloadavg()[0])
+        outputs["fp32"] = ours(ref, mixed_run=False)  # untimed
 
         def same(a: str, b: str) -> int:
             return sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True))
 
-        best = {k: min(v) for k, v in times.items()}
+        def agree(a: str, b: str) -> float:
+            # tokens of b matched by a before the row's first difference, over all of b's tokens
+            match = sum(next((k for k, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), min(len(p), len(q)))
+                        for p, q in zip(outputs[a], outputs[b], strict=True))
+            return round(match / max(1, sum(map(len, outputs[b]))), 3)
+
+        best = {k: min(v) for k, v in cpu.items()}
         new_tokens = {k: sum(map(len, v)) for k, v in outputs.items()}
         rec = {
             "prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": max_new,
-            "prefill_tokens_with_shared_prefixes": stats.get("prefill_tokens"),
-            "new_tokens": new_tokens, "seconds": times, "best_seconds": best,
-            "new_tokens_per_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
-            # each against the reference with the same weights in the same precision
-            "rows_identical": {
-                "surefit_vs_before": same("surefit", "before"),
-                "surefit_vs_generate": same("surefit", "generate"),
-                "before_vs_generate": same("before", "generate"),
-                "shared_vs_generate": same("shared", "generate"),
-                "merged_vs_generate_same_merged_weights": same("merged", "generate_merged"),
-                "merged_shared_vs_generate_same_merged_weights": same("merged_shared", "generate_merged"),
-                "merged_vs_generate_unmerged": same("merged", "generate"),
-            },
-            "speedup_of_surefit": {k: round(best[k] / best["surefit"], 2) for k in ("before", "generate")},
-            "speedup_of_merged_shared": {k: round(best[k] / best["merged_shared"], 2) for k in ("before", "generate")},
+            "decode_rows": planned.rows, "planner": planned.why,
+            "prefill_tokens_with_shared_prefixes": stats.get("prefill_tokens"), "load_average": load,
+            "new_tokens": new_tokens, "cpu_seconds": cpu, "wall_seconds": wall, "best_cpu_seconds": best,
+            "new_tokens_per_cpu_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
+            "rows_identical": {f"{k}_vs_{r}": same(k, r) for r in ("generate", "fp32") for k in runs if k != r},
+            "token_agreement_vs_fp32": {k: agree(k, "fp32") for k in runs},
+            "speedup_vs_generate": {k: round(best["generate"] / best[k], 2) for k in runs if k != "generate"},
+            "wall_speedup_vs_generate": {k: round(min(wall["generate"]) / min(wall[k]), 2)
+                                         for k in runs if k != "generate"},
         }
-        rec["goals"] = {}
-        for variant in ("surefit", "merged_shared"):
-            for k, g in GOALS.items():
-                ratio = rec[f"speedup_of_{variant}"][k]
-                rec["goals"][f"{variant} vs {k}"] = {"ratio": ratio, "goal": g,
-                                                     "result": "PASS" if ratio >= g else "FAIL"}
+        rec["goals"] = {f"{k} vs generate": {"ratio": v, "goal": GOAL, "result": "PASS" if v >= GOAL else "FAIL"}
+                        for k, v in rec["speedup_vs_generate"].items()}
         return rec
 
     for workload in args.workloads.split(","):
@@ -194,35 +205,46 @@ def main() -> None:
 
 def _report(results: dict[str, Any], args: Any) -> str:
     m = results["machine"]
+    w = results["workloads"]
     lines = [
-        "# Generation-based evaluation: speed and identical answers", "",
-        f"`.venv/bin/python benchmarks/generation.py --rows {args.rows} --batch {args.batch} --repeats {args.repeats}`"
-        f" on {m['device']} ({m['precision']}), torch {m['torch']}. Embedded SmolLM2-135M-Instruct + LoRA r16 on every "
-        f"linear layer (random B), evaluation batch {args.batch}. `before`: surefit's earlier loop. `surefit`: the "
-        "default (lean LoRA forward, reserved KV cache). `merged` / `shared` / `merged_shared`: with "
-        "`--eval_merge_lora` / `--eval_share_prefixes` / both. `generate`: transformers' `model.generate` on the same "
-        "batches, left padded, same autocast. New tokens per second, fastest of the repeats.", "",
-        "| workload | rows | before | surefit | merged | shared | merged_shared | generate |",
-        "|---|---|---|---|---|---|---|---|",
+        "# Generation-based evaluation: speed and agreement", "",
+        f"`OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generation.py --rows {args.rows} --batch {args.batch} "
+        f"--repeats {args.repeats} --workloads {args.workloads}` on {m['device']} ({m['precision']}), torch "
+        f"{m['torch']}, {m['threads']} thread. Embedded SmolLM2-135M-Instruct + LoRA r16 on every linear layer "
+        f"(random B), evaluation batch {args.batch}. `generate`: transformers' `model.generate` on batches of "
+        f"{args.batch}. `exact`: surefit with `--eval_generate_batch_size {args.batch}` (each batch prefilled and "
+        "decoded alone). `surefit`: the default (prompts prefilled "
+        f"{args.batch} at a time, decoded in the planner's batch). `shared`: the default with "
+        "`--eval_share_prefixes`. The machine was shared with other work: speeds are new tokens per CPU second of "
+        "the one-thread process, fastest of the repeats; the load average (1 min) at the start and end of each "
+        "workload is listed.", "",
+        "| workload | rows | max new tokens | decode rows | load avg | generate | exact | surefit | shared |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    for name, r in results["workloads"].items():
-        t = r["new_tokens_per_s"]
-        lines.append(f"| {name} | {r['prompts']} | " + " | ".join(str(t[k]) for k in (
-            "before", "surefit", "merged", "shared", "merged_shared", "generate")) + " |")
-    lines += ["", "| workload | goal | ratio | result |", "|---|---|---|---|"]
-    for name, r in results["workloads"].items():
+    for name, r in w.items():
+        t = r["new_tokens_per_cpu_s"]
+        lines.append(f"| {name} | {r['prompts']} | {r['max_new_tokens']} | {r['decode_rows']} | "
+                     f"{r['load_average'][0]:.1f} / {r['load_average'][1]:.1f} | "
+                     + " | ".join(str(t[k]) for k in ("generate", "exact", "surefit", "shared")) + " |")
+    lines += ["", "| workload | goal | ratio (CPU s) | ratio (wall s) | result |", "|---|---|---|---|---|"]
+    for name, r in w.items():
         for goal, g in r["goals"].items():
-            lines.append(f"| {name} | {goal} >= {g['goal']}x | {g['ratio']}x | {g['result']} |")
-    lines += ["", "Rows identical (greedy answers token for token), each against the reference with the same weights "
-              "in the same precision; the last column shows what merging into 16-bit weights changes:", "",
-              "| workload | " + " | ".join(next(iter(results["workloads"].values()))["rows_identical"]) + " |",
-              "|---|" + "---|" * len(next(iter(results["workloads"].values()))["rows_identical"])]
-    for name, r in results["workloads"].items():
+            k = goal.split()[0]
+            lines.append(f"| {name} | {goal} >= {g['goal']}x | {g['ratio']}x | "
+                         f"{r['wall_speedup_vs_generate'][k]}x | {g['result']} |")
+    first = next(iter(w.values()))
+    lines += ["", "Rows identical (greedy answers token for token) and, against the fp32 reference, the share of its "
+              "tokens matched before each row's first difference:", "",
+              "| workload | " + " | ".join(first["rows_identical"]) + " | "
+              + " | ".join(f"{k} tokens vs fp32" for k in first["token_agreement_vs_fp32"]) + " |",
+              "|---|" + "---|" * (len(first["rows_identical"]) + len(first["token_agreement_vs_fp32"]))]
+    for name, r in w.items():
         n = r["prompts"]
-        lines.append(f"| {name} | " + " | ".join(f"{v}/{n}" for v in r["rows_identical"].values()) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{v}/{n}" for v in r["rows_identical"].values()) + " | "
+                     + " | ".join(f"{v:.1%}" for v in r["token_agreement_vs_fp32"].values()) + " |")
     lines += ["", "Prompt tokens computed with shared prefixes: " + ", ".join(
-        f"{k} {r['prefill_tokens_with_shared_prefixes'] or 0:,} of {r['prompt_tokens']:,}"
-        for k, r in results["workloads"].items()), ""]
+        f"{k} {r['prefill_tokens_with_shared_prefixes'] or 0:,} of {r['prompt_tokens']:,}" for k, r in w.items()),
+        "", "Planner: " + "; ".join(f"{k}: {r['planner']}" for k, r in w.items()), ""]
     return "\n".join(lines)
 
 

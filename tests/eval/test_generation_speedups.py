@@ -194,3 +194,82 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
     assert main([*common, "--eval_merge_lora", "true", "--eval_share_prefixes", "true",
                  "--output_dir", str(tmp_path / "b")]) == 0
     assert calls and all(c["merge_lora"] is True and c["share_prefixes"] is True for c in calls)
+
+
+@pytest.mark.parametrize("share", [False, True], ids=["whole-prompts", "shared-prefixes"])
+def test_decode_batch_larger_than_the_prefill_batch_gives_generates_tokens_in_fp32(share):
+    """Prompts prefilled 3 at a time and decoded 9 at a time (caches stacked, left padded to the longest): in fp32
+    every row's tokens are those of generate() on batches of 3, rows ending at different steps."""
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    model = _lora_model(bf16=False)
+    prompts = _prompts()
+    free = _plain(model, prompts, set(), 10, batch_size=3)
+    eos = {free[0][2], free[4][5]}
+    want = _plain(model, prompts, eos, 10, batch_size=3)
+    assert len(set(map(len, want))) > 2 and max(map(len, want)) == 10
+    sizes: list[int] = []
+    hook = model.get_base_model().model.register_forward_pre_hook(
+        lambda m, args, kw: sizes.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    stats: dict = {}
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
+                                                 batch_size=9, prefill_batch=3, share_prefixes=share),
+                          lora_context=lean_lora, stats=stats)
+    hook.remove()
+    assert got == want
+    first_step = sizes.index(9)  # prefilled in threes (one or two forwards each), then decoded as one batch
+    assert first_step >= 3 and max(sizes[:first_step]) <= 3 and sizes[first_step:] == sorted(sizes[first_step:])[::-1]
+    assert (stats["prefill_tokens"] < stats["prompt_tokens"]) == share
+
+
+def test_stacked_decode_in_bf16_agrees_with_generate_on_the_prefill_batches():
+    """In bf16 a decode step over 9 rows can round differently from one over 3 (another matmul shape, more masked
+    keys), so the tokens are counted, not required equal: at least 8 of the 9 rows identical on this tiny model (the
+    real model's figure is in benchmarks/results/generation.md)."""
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    model = _lora_model(bf16=True)
+    prompts = _prompts()
+    want = _plain(model, prompts, set(), 10, _autocast(True), batch_size=3)
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=[], max_new_tokens=10, batch_size=9,
+                                                 prefill_batch=3), autocast=_autocast(True), lora_context=lean_lora)
+    same = sum(a == b for a, b in zip(got, want, strict=True))
+    assert same >= 8, (same, got, want)
+
+
+def test_training_caps_answers_at_the_longest_reference_and_decodes_the_planners_batch(tmp_path, tiny_lm_dir,
+                                                                                         monkeypatch, capsys):
+    """The default generation length is the longest validation answer (+4), printed with why, so no reference-length
+    answer is cut even where validation answers are longer than any training answer; the decode batch is the
+    planner's (all 12 prompts here), the prompts run --eval_batch_size at a time."""
+    import json
+
+    from conftest import qa_rows
+    from surefit.cli import main
+    from surefit.tasks.sft import train_sft as recipe
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
+    val_rows = [{"input": f"the {r['target']} and the mat .\n\nQuestion: list them {i} ?",
+                 "target": f"{r['target']} then the mat and the {r['target']} again"} for i, r in enumerate(qa_rows(12))]
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in val_rows), encoding="utf-8")
+    decodes: list = []
+    real = recipe.greedy_generate
+    monkeypatch.setattr(recipe, "greedy_generate",
+                        lambda model, prompts, decode, **kw: decodes.append(decode) or real(model, prompts, decode, **kw))
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(train), "--val_data", str(val), "--epochs", "1",
+                 "--lora_r", "4", "--precision", "fp32", "--eval_batch_size", "2",
+                 "--output_dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    from surefit.models import load_tokenizer, resolve_model
+
+    tok, _ = load_tokenizer(str(tiny_lm_dir), resolve_model(str(tiny_lm_dir)))
+    longest_val = max(len(tok(r["target"], add_special_tokens=False)["input_ids"]) for r in val_rows) + 1  # + EOS
+    longest_train = max(len(tok(r["target"], add_special_tokens=False)["input_ids"]) for r in qa_rows(24)) + 1
+    assert longest_val > longest_train + 4  # the training answers alone would have cut these
+    assert f"eval generates up to {longest_val + 4} tokens (the longest validation answer, {longest_val} tokens " \
+           "with its terminator, + 4)" in out
+    assert decodes and all(d.max_new_tokens == longest_val + 4 for d in decodes)
+    assert all(d.batch_size == 12 and d.prefill_batch == 2 for d in decodes)
+    assert "generation decodes up to 12 rows at once, their prompts run 2 at a time" in out

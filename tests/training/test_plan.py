@@ -273,3 +273,22 @@ def test_a_tied_output_layer_in_bf16_saves_no_copy_of_the_table():
     store_frozen_in(model, torch.bfloat16)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
     assert table_copies(model) == 0  # the table itself is what is saved: no copy
+
+
+def test_generation_batch_grows_to_the_cap_as_memory_allows_and_never_below_the_eval_batch():
+    from conftest import tiny_llama
+    from surefit.training.plan import GENERATE_ROWS, generation_batch
+
+    model = tiny_llama().requires_grad_(False)  # frozen: the budget holds the weights only
+    many = [40] * 100
+    roomy = generation_batch(model, many, 4, budget_gb=10.0, mixed=False)
+    assert (roomy.rows, roomy.prefill) == (GENERATE_ROWS, 4) and "KV cache per row" in roomy.why
+    assert generation_batch(model, many[:10], 4, budget_gb=10.0, mixed=False).rows == 10  # no more rows than prompts
+    assert generation_batch(model, many[:3], 4, budget_gb=10.0, mixed=False).rows == 4  # one batch: as asked
+    # A budget the weights nearly fill leaves room for no extra rows: the evaluation batch the plan fitted stays.
+    weights_gb = sum(p.numel() * 4 for p in model.parameters()) / 2**30
+    assert generation_batch(model, many, 4, budget_gb=weights_gb * 1.02, mixed=False).rows == 4
+    # 2 layers x 2 x 16 values x 4 bytes x 4,000 tokens, twice while stacking, + logits: 2.05 MB a row; 40 MiB of room: 20 rows
+    budget = (weights_gb + 40 / 1024) / 0.9
+    assert generation_batch(model, [4000] * 100, 4, budget_gb=budget, mixed=False).rows == 20
+    assert generation_batch(model, many, 4, budget_gb=None, mixed=True).rows == GENERATE_ROWS  # a CPU's memory

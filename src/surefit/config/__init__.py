@@ -274,6 +274,12 @@ class SFTConfig(TrainConfig):
         "'module:function' (predictions, references -> dict; imported only when named here). 'auto': squad for "
         "input/target rows, rouge_l for conversations.")
     eval_generate: bool = opt(True, "Generate answers and score them at each evaluation; false: validation loss only.")
+    eval_generate_batch_size: int | None = opt(
+        None, "Rows generation decodes at once; prompts still run --eval_batch_size at a time and their caches are "
+        "stacked. Default: the planner's choice (up to 32, as the KV cache fits in memory). A decode step costs little "
+        "more for more rows; in 16 bits a larger step can round differently and flip an answer token at a near-tie "
+        "(measured in docs/performance.md). Set it to the evaluation batch for the earlier generation: each batch "
+        "prefilled and decoded alone, the tokens of generate() on the same batches.")
     eval_merge_lora: bool = opt(
         False, "Generate evaluation answers with the LoRA adapter merged into a temporary copy of the adapted weights "
         "(one matmul per layer). Under 16-bit precision the merged weights round away part of a young adapter, so "
@@ -304,6 +310,7 @@ class SFTConfig(TrainConfig):
             p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
                              "use auto, squad, rouge_l or your own module:function"))
         at_least(p, self, "max_new_tokens", 1)
+        at_least(p, self, "eval_generate_batch_size", 1)
         if self.chat_format and self.chat_template is False:
             p.append(Problem(f"--chat_format {self.chat_format} and --chat_template false both given",
                              "--chat_template", "drop one: --chat_format sets the chat template, false uses none"))

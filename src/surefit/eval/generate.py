@@ -5,6 +5,13 @@ bit (tested against transformers' ``generate`` on the same batches, row by row);
 round differently in 16 bits and are off unless asked for:
 
 - Prompts are sorted by length, so a batch has little padding; a row that has ended leaves the batch.
+- ``prefill_batch``: a decode batch larger than the prefill's. A decode step reads every weight once whatever the
+  number of rows, so more rows per step cost little more (SmolLM2-135M on one CPU thread: a step of 32 rows took
+  about 1.8x a step of 8); a prompt's forward costs the same per token at any batch. So prompts are run in batches of
+  ``prefill_batch`` rows of similar length (no more padding than before), and their KV caches are stacked, left
+  padded to the longest, into one decode batch of ``batch_size`` rows. Each prompt is computed in the batch shape
+  ``model.generate`` would use with ``batch_size = prefill_batch``; the decode steps see more (masked) rows, which
+  can round differently in 16 bits (counted in ``benchmarks/generation.py``).
 - The LM head runs at the last position only (``logits_to_keep=1``).
 - The KV cache is reserved once per batch for prompt + ``max_new_tokens`` and written in place (``Reserved``):
   transformers' default cache concatenates every layer's keys and values at every step, copying the whole cache.
@@ -27,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from surefit.data.collate import PadCollator
 from surefit.eval.generate_speedups import Merged, merged_lora, reserve
@@ -43,6 +52,8 @@ class Decode:
     Attributes:
         pad_token_id: pad id; eos_token_ids: ids that end an answer.
         max_new_tokens: longest continuation; batch_size: prompts per batch.
+        prefill_batch: prompts run through the model at once before decoding (None: the whole batch); a batch of
+            ``batch_size`` rows is prefilled in parts of this size and decoded together.
         merge_lora: decode with LoRA adapters merged into a temporary copy of the weights (see :func:`merged_lora`).
         reuse_cache: reserve each batch's KV cache once and write it in place (False: transformers' growing cache).
         share_prefixes: compute a prompt prefix of ``MIN_SHARED_PREFIX`` tokens or more that several prompts start
@@ -53,6 +64,7 @@ class Decode:
     eos_token_ids: list[int]
     max_new_tokens: int
     batch_size: int
+    prefill_batch: int | None = None
     merge_lora: bool = False
     reuse_cache: bool = True
     share_prefixes: bool = False
@@ -104,8 +116,8 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
             for idx, shared in batches:
                 ctx = autocast() if autocast is not None else contextlib.nullcontext()
                 with ctx:
-                    new, computed = _decode(model, [prompts[i] for i in idx], shared, pad_token_id, eos,
-                                            max_new_tokens, device, reuse_cache)
+                    new, computed = _decode(model, [prompts[i] for i in idx], shared, _Step(
+                        pad_token_id, eos, max_new_tokens, device, reuse_cache, decode.prefill_batch))
                 stats["prefill_tokens"] += computed
                 for i, seq in zip(idx, new, strict=True):
                     out[i] = seq
@@ -198,26 +210,81 @@ def _prefill(model: Any, prompts: list[list[int]], shared: list[int], pad_token_
     return step, mask, positions[:, -1], int(pre_mask.sum() + rest_mask.sum())
 
 
-def _decode(model: Any, prompts: list[list[int]], shared: list[int], pad_token_id: int, eos: set[int],
-            max_new_tokens: int, device: Any, reuse_cache: bool) -> tuple[list[list[int]], int]:
+@dataclass
+class _Step:
+    """What one batch's decode needs besides the model and prompts (the fields of :class:`Decode` it reads)."""
+
+    pad_token_id: int
+    eos: set[int]
+    max_new_tokens: int
+    device: Any
+    reuse_cache: bool
+    prefill_batch: int | None
+
+
+def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], how: _Step, extra: dict,
+                     cache_arg: str) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, int] | None:
+    """Prefill in parts of ``how.prefill_batch`` rows and stack their caches, left padded, into one batch.
+
+    Returns ``(last logits, cache, attention mask, last positions, tokens computed)``, or None where a part's cache
+    holds a layer other than a plain full-attention one (sliding windows, linear attention): then nothing was kept
+    and the caller prefills the batch whole."""
+    size = how.prefill_batch or len(prompts)
+    parts = []
+    for s in range(0, len(prompts), size):
+        step, mask, last, computed = _prefill(model, prompts[s : s + size], shared[s : s + size], how.pad_token_id,
+                                              how.device, extra, cache_arg)
+        cache = getattr(step, cache_arg)
+        layers = getattr(cache, "layers", None)
+        if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
+                             for layer in layers):
+            return None
+        parts.append((step.logits[:, -1], cache, mask, last, computed))
+        del step
+    width = max(p[2].shape[1] for p in parts)
+    first = parts[0][1]
+    for i, layer in enumerate(first.layers):
+        # Each part's keys and values at the right end of the stacked row; the pads before them are masked out.
+        for name in ("keys", "values"):
+            got = [getattr(p[1].layers[i], name) for p in parts]
+            stacked = got[0].new_zeros(len(prompts), got[0].shape[1], width, got[0].shape[3])
+            row = 0
+            for t in got:
+                stacked[row : row + t.shape[0], :, width - t.shape[2] :] = t
+                row += t.shape[0]
+            setattr(layer, name, stacked)
+    mask = torch.cat([F.pad(p[2], (width - p[2].shape[1], 0)) for p in parts])
+    return (torch.cat([p[0] for p in parts]), first, mask, torch.cat([p[3] for p in parts]),
+            sum(p[4] for p in parts))
+
+
+def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step) -> tuple[list[list[int]], int]:
     """Greedy decoding of one batch with a KV cache; a row leaves the batch when it ends.
 
     The same tokens as ``model.generate`` (greedy, same positions and mask), with less work per step: the LM head
     runs only at the last position, and finished rows stop costing compute instead of decoding padding to the end.
     Returns the continuations and the number of prompt tokens computed.
     """
-    rows = len(prompts)
+    rows, eos, max_new_tokens = len(prompts), how.eos, how.max_new_tokens
     results: list[list[int]] = [[] for _ in range(rows)]
     if max_new_tokens <= 0 or rows == 0:
         return results, 0
     extra, cache_arg = _forward_kwargs(model)
-    step, attention_mask, last, computed = _prefill(model, prompts, shared, pad_token_id, device, extra, cache_arg)
-    cache = getattr(step, cache_arg)
-    if reuse_cache:
+    stacked = None
+    if how.prefill_batch and how.prefill_batch < rows and how.reuse_cache:
+        stacked = _stacked_prefill(model, prompts, shared, how, extra, cache_arg)
+    if stacked is not None:
+        logits, cache, attention_mask, last, computed = stacked
+    else:
+        step, attention_mask, last, computed = _prefill(model, prompts, shared, how.pad_token_id, how.device, extra,
+                                                        cache_arg)
+        logits, cache = step.logits[:, -1], getattr(step, cache_arg)
+        del step
+    if how.reuse_cache:
         reserve(cache, max_new_tokens)
     alive = torch.arange(rows, device=attention_mask.device)
     for n in range(max_new_tokens):
-        tokens = step.logits[:, -1].argmax(-1)
+        tokens = logits.argmax(-1)
         ended = []
         for k, (row, token) in enumerate(zip(alive.tolist(), tokens.tolist(), strict=True)):
             if token in eos:
@@ -235,7 +302,7 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], pad_token_i
         last = last + 1
         step = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=last[:, None],
                      use_cache=True, **{cache_arg: cache}, **extra)
-        cache = getattr(step, cache_arg)
+        logits, cache = step.logits[:, -1], getattr(step, cache_arg)
     return results, computed
 
 

@@ -73,6 +73,7 @@ from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
+from surefit.training.plan import GenerationBatch, generation_batch, resolve_budget
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
 from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
@@ -412,9 +413,13 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     with startup.phase("accelerate setup"):
         accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
                                        project_dir=cfg.output_dir)
-    max_new = cfg.max_new_tokens or train_rep.longest_target + 4
+    # No answer longer than the longest reference needs: the validation answers are what generation is scored on
+    # (a longer answer only adds tokens no reference has); + 4 for a stop token the model writes late.
+    longest, of = (val_rep.longest_target, "validation") if val_rep.longest_target else \
+        (train_rep.longest_target, "training")
+    max_new = cfg.max_new_tokens or longest + 4
     why_new = ("--max_new_tokens" if cfg.max_new_tokens else
-               f"the longest training answer, {train_rep.longest_target} tokens with its terminator, + 4")
+               f"the longest {of} answer, {longest} tokens with its terminator, + 4")
     generating = f"eval generates up to {max_new} tokens ({why_new})" if cfg.eval_generate else \
         "eval computes the validation loss only (--eval_generate false)"
     say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device}; {generating}")
@@ -440,8 +445,23 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                max_steps=getattr(cfg, "max_steps", None)).epochs
     switches = Switches.of(cfg)
 
+    chosen: list[GenerationBatch] = []
+
+    def decode_rows(m: Any, batch_size: int) -> int:
+        # The planner sizes generation's decode batch from memory, once, when the model sits on its device.
+        if cfg.eval_generate_batch_size:
+            return cfg.eval_generate_batch_size
+        if not chosen:
+            budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)[0]
+            chosen.append(generation_batch(m, [len(e.prompt_ids) + max_new for e in val_ex], batch_size, budget,
+                                           precision_name(accelerator) in ("bf16", "fp16")))
+            say(f"generation decodes up to {chosen[0].rows} rows at once, their prompts run {chosen[0].prefill} at a "
+                f"time ({chosen[0].why}); --eval_generate_batch_size N sets it")
+        return chosen[0].rows
+
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
-        scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches),
+        rows = decode_rows(m, batch_size) if cfg.eval_generate else None
+        scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches, rows),
                           answer=encoder.answer_of())
         metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, accelerator, scoring, say)
         # The answers' scores first, then the loss (as every run has printed them)
@@ -547,13 +567,15 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 
 @dataclass
 class Generation:
-    """How answers are generated: the ids that end one, the longest, the batch (halved on out of memory), and the
-    switches (``eval_merge_lora``, ``eval_share_prefixes``; the others do not touch generation)."""
+    """How answers are generated: the ids that end one, the longest, the batch of prompts run at once (halved on out
+    of memory, with the decode batch), the switches (``eval_merge_lora``, ``eval_share_prefixes``; the others do not
+    touch generation) and the rows decoded at once (the planner's ``generation_batch``; None: the prompts' batch)."""
 
     eos_token_ids: list[int]
     max_new_tokens: int
     batch_size: int
     switches: Switches = field(default_factory=Switches)
+    decode_rows: int | None = None  # rows decoded at once, prompts run batch_size at a time (None: batch_size)
 
 
 @dataclass
@@ -588,7 +610,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
                 inner,
                 prompts,
                 Decode(pad_token_id=tokenizer.pad_token_id, eos_token_ids=gen.eos_token_ids,
-                       max_new_tokens=gen.max_new_tokens, batch_size=bs, merge_lora=gen.switches.eval_merge_lora,
+                       max_new_tokens=gen.max_new_tokens, prefill_batch=bs, merge_lora=gen.switches.eval_merge_lora,
+                       # out of memory halves the prompts' batch and the decode batch alike
+                       batch_size=max(bs, (gen.decode_rows or gen.batch_size) * bs // gen.batch_size),
                        share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None),
                 device=accelerator.device,
                 autocast=accelerator.autocast,
