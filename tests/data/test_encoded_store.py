@@ -82,6 +82,7 @@ def test_a_second_run_reads_the_store_and_encodes_nothing(tmp_path, tiny_lm_dir,
         [(e.input_ids, e.labels, e.prompt_len, e.row) for e in plain.val_ex]
     strip = lambda s: {k: v for k, v in s.to_json().items() if k != "encoded_store"}  # noqa: E731
     assert strip(second.summary) == strip(plain.summary)
+    assert second.summary.encoding["train"]["encoded"] == 32 and second.summary.encoding["validation"]["rows"] == 8
     assert second.longest_target == plain.longest_target
 
 

@@ -114,9 +114,3 @@ def phase(name: str) -> Any:
     after its step 1)."""
     return _current[-1].phase(name) if _current and _current[-1].total is None else nullcontext()
 
-
-def note_cache(kind: str, status: str) -> None:
-    """Record what a cache did for one kind of work (``encoded data reused``) in the running clock's line and
-    ``startup.json`` (nothing when no run is timing its start)."""
-    if _current:
-        _current[-1].cache[kind] = status

@@ -465,11 +465,12 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
         key = _store_key(cfg, data_key, *loaded)
         if key is not None:
             existed = encoded_store.locate(data_key, key).is_dir()
-            with startup.phase("encoded data check"):
+            # A hit's "encoding data" phase is checking and opening the store (startup.json names the same phases)
+            with startup.phase("encoding data"):
                 store = EncodedStore.open(encoded_store.locate(data_key, key), key, say)
-            if store is not None:
-                raise_with_rejected(early, [])  # the run folder's problems, found before the data
-                return _from_store(cfg, store, *loaded, say)
+                if store is not None:
+                    raise_with_rejected(early, [])  # the run folder's problems, found before the data
+                    return _from_store(cfg, store, *loaded, say)
             use = StoreUse("rebuilt" if existed else "miss")
     record = encoded_store.Recorder(say)
     with startup.phase("reading data"), phase("reading data"):
@@ -502,6 +503,11 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
             del train_rows  # the rows are in the store now: what stays in memory does not grow with them
             val_ex, val_rep = encoder.encode(val_rows, "validation", skip)
         excluded, shortened = _encoding_lines(cfg, record, train_rep, val_rep, conversational)
+        data_report.encoding = {
+            r.split: {k: v for k, v in r.__dict__.items() if k not in ("excluded", "rows_shortened")}
+            | {"excluded": len(r.excluded)}
+            for r in (train_rep, val_rep)
+        }
         data_report.details["template"] = encoder.why
         if writer is None:
             data = EncodedData(data_report, encoder, path, tokenizer, [e.features() for e in train_ex],
@@ -596,7 +602,6 @@ def _say_store(data: EncodedData, say: Say) -> None:
             "not cacheable": f"encoded data: in memory, not cached ({use.why})"}[use.status]
     say(line)
     data.summary.details["encoded_store"] = use.to_json()
-    startup.note_cache("encoded data", {"hit": "reused", "miss": "computed"}.get(use.status, use.status))
 
 
 # ------------------------------------------------------------------------------------------------------------ prepare
