@@ -532,6 +532,20 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
     return _from_store(cfg, store, path, tokenizer, say, use=use, val_ex=val_ex, replay=False)
 
 
+def stored_data(cfg: SFTConfig, source: Any, say: Say) -> EncodedData | None:
+    """The encoded data of an earlier run with these settings, when the encoded-data cache holds it (a hit); ``None``
+    otherwise. Never encodes nor writes (``surefit inspect`` reads a large file's examples without encoding again)."""
+    if cfg.no_cache or cfg.trust_remote_code:
+        return None
+    data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+    if data_key is None or not encoded_store.has_any(data_key):
+        return None
+    path, tokenizer = _tokenizer(cfg, source, say)
+    key = _store_key(cfg, data_key, path, tokenizer)
+    store = None if key is None else EncodedStore.open(encoded_store.locate(data_key, key), key, say)
+    return None if store is None else _from_store(cfg, store, path, tokenizer, lambda _: None)
+
+
 def _encoding_lines(cfg: SFTConfig, say: Say, train_rep: EncodeReport, val_rep: EncodeReport,
                     conversational: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Print what encoding did (counts, excluded and shortened rows); refuse a split left empty. Returns the rows
