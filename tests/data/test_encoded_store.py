@@ -242,3 +242,16 @@ def test_inspect_reads_a_training_runs_store_instead_of_encoding_again(tmp_path,
     assert got == plain and got["rows"] == 40
     lines = lambda p: sorted((tmp_path / p).read_text(encoding="utf-8").splitlines())  # noqa: E731
     assert lines("hit.jsonl") == lines("plain.jsonl")
+
+
+def test_a_cache_folder_that_cannot_be_written_encodes_in_memory_and_says_why(tmp_path, tiny_lm_dir, monkeypatch):
+    blocker = tmp_path / "cache"
+    blocker.write_text("not a folder")  # a real file where the cache's folder would be: mkdir fails with ENOTDIR
+    monkeypatch.setenv("SUREFIT_STARTUP_CACHE", str(blocker))
+    data = _write(tmp_path / "train.jsonl", qa_rows(40))
+    said: list[str] = []
+    got = _load(_cfg(tmp_path, tiny_lm_dir, data), said)
+    assert got.store.status == "not cacheable" and "the cache cannot be written" in got.store.why
+    assert isinstance(got.features, list) and len(got.features) == 32
+    assert any(x.startswith("encoded data: in memory, not cached (the cache cannot be written") for x in said)
+    assert blocker.read_text() == "not a folder"

@@ -491,7 +491,12 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
     if key is not None and val_record is None:
         key, use = None, StoreUse("not cacheable", why="a validation row holds a value JSON cannot hold")
     skip = cfg.on_bad_rows == "skip"
-    writer = StoreWriter(encoded_store.locate(data_key, key), key) if key is not None else None
+    writer = None
+    if key is not None:
+        try:
+            writer = StoreWriter(encoded_store.locate(data_key, key), key)
+        except OSError as e:  # a cache is a speed-up: one that cannot be written costs the next run an encoding
+            use = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
     try:
         with startup.phase("encoding data"), phase("encoding data"):
             train_ex: list[Example] = []
@@ -523,6 +528,15 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
                "validation_rows": encoded_store.rows_record([e.row for e in val_ex])}
         with startup.phase("encoded data write"):
             folder = writer.commit(rec)
+    except OSError as e:
+        if writer is None:
+            raise
+        writer.discard()
+        say(f"note: the encoded-data cache cannot be written ({e}); the data is read and encoded again, in memory")
+        data = load_encoded(replace(cfg, no_cache=True), source, lambda _: None, early)
+        data.store = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+        _say_store(data, say)
+        return data
     except BaseException:
         if writer is not None:
             writer.discard()
