@@ -119,9 +119,9 @@ class TrainConfig:
     allow_changed_data: bool = opt(False, "With --resume: continue although the data (or another input file) changed "
                                    "since the run started; the changes are listed and recorded in data_files.json.")
     force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
-    no_cache: bool = opt(False, "Re-run the doctor's dry run and the memory planner's measurements instead of reusing "
-                         "those of an identical earlier start (model files, data, settings and code unchanged; "
-                         "docs/startup.md).")
+    no_cache: bool = opt(False, "Re-run the doctor's dry run and the memory planner's measurements, and encode the "
+                         "data in memory, instead of reusing those of an identical earlier start (model files, data, "
+                         "settings and code unchanged; docs/startup.md).")
     profile: bool = opt(False, "At the end, print where the run's wall time went (start-up phases, training steps, "
                         "evaluation loss, generation, checkpoints, final save, report) and write it to "
                         "OUTPUT/profile.json (docs/performance.md).")

@@ -9,9 +9,10 @@ same run as one process.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 
-def step_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, group_factor: int = 16) -> list[list[int]]:
+def step_batches(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, group_factor: int = 16) -> list[list[int]]:
     """Indices for each optimizer step of one epoch.
 
     Shuffle, cut into groups of ``batch_size * group_factor``, sort each group by length, cut into batches, and
@@ -36,13 +37,13 @@ def step_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, gro
     return batches
 
 
-def micro_batches(step: list[int], micro_batch_size: int, lengths: list[int]) -> list[list[int]]:
+def micro_batches(step: list[int], micro_batch_size: int, lengths: Sequence[int]) -> list[list[int]]:
     """Split one step's indices into micro-batches of similar length (the step's examples, each exactly once)."""
     ordered = sorted(step, key=lambda i: -lengths[i])
     return [ordered[j : j + micro_batch_size] for j in range(0, len(ordered), micro_batch_size)]
 
 
-def deal(step: list[int], lengths: list[int], processes: int) -> list[list[int]]:
+def deal(step: list[int], lengths: Sequence[int], processes: int) -> list[list[int]]:
     """Deal one step's examples to ``processes`` processes: each example to exactly one, the counts differing by at
     most one (the first ``len(step) % processes`` processes take one more), the tokens as even as a greedy deal gets.
 

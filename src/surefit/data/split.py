@@ -8,6 +8,7 @@ prove (1) did not happen.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 from collections.abc import Callable
@@ -16,6 +17,13 @@ from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, Problem
 
 _VARIANT_SUFFIX = re.compile(r"( \(variant \d+\))+$")
+
+
+def key_hash(text: str) -> bytes:
+    """16 bytes standing for a key in the split's and the leakage check's tables: what they hold per row does not
+    grow with the length of the rows' text (a collision, 2**-64 at a billion rows, would only keep two rows together).
+    """
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
 def normalize_key(text: str) -> str:
@@ -58,9 +66,9 @@ def split_rows(
         return list(rows), [], [f"no validation split: all {len(rows)} rows train (val_fraction 0)"]
 
     # dict keeps first-appearance order, so the shuffle below is the only source of randomness.
-    groups: dict[str, list[int]] = {}
+    groups: dict[bytes, list[int]] = {}
     for pos, row in enumerate(rows):
-        groups.setdefault(key(row), []).append(pos)
+        groups.setdefault(key_hash(key(row)), []).append(pos)
     if len(groups) < 2:
         raise DataError(
             Problem(
@@ -112,15 +120,15 @@ def leaked(train: list[Row], val: list[Row], key: Callable[[Row], str]) -> list[
     Returns:
         Every leaking pair, in training-row order; empty for a clean split.
     """
-    by_key: dict[str, list[Row]] = {}
+    by_key: dict[bytes, list[Row]] = {}
     by_origin: dict[tuple[int, str], list[Row]] = {}
     for v in val:
-        by_key.setdefault(key(v), []).append(v)
+        by_key.setdefault(key_hash(key(v)), []).append(v)
         by_origin.setdefault((v.index, v.where), []).append(v)
 
     pairs: list[tuple[Row, Row]] = []
     for t in train:
-        matches = list(by_key.get(key(t), []))
+        matches = list(by_key.get(key_hash(key(t)), []))
         if t.variant_of is not None:
             origin = (t.variant_of, _VARIANT_SUFFIX.sub("", t.where))
             matches += [v for v in by_origin.get(origin, []) if all(v is not m for m in matches)]

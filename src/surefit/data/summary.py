@@ -81,6 +81,7 @@ class TextFacts:
         system_prompt: a system prompt the template or ``--system_prompt`` adds (sft, when one is added).
         template: the prompt template or chat template chosen, in words.
         stop_ids: the token ids generation stops at (EOS and the template's end-of-turn ids).
+        encoded_store: what the encoded-data cache did (hit, miss, off ...; sft).
     """
 
     field_table: list[dict[str, Any]] | None = None
@@ -88,6 +89,7 @@ class TextFacts:
     system_prompt: dict[str, Any] | None = None
     template: str | None = None
     stop_ids: list[int] | None = None
+    encoded_store: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
@@ -96,7 +98,7 @@ class TextFacts:
     def from_json(cls, saved: Saved) -> TextFacts:
         return cls(field_table=saved.items("field_table", dict), augmentation=saved.get("augmentation", dict),
                    system_prompt=saved.get("system_prompt", dict), template=saved.get("template", str),
-                   stop_ids=saved.items("stop_ids", int))
+                   stop_ids=saved.items("stop_ids", int), encoded_store=saved.get("encoded_store", dict))
 
 
 @dataclass

@@ -113,3 +113,4 @@ def phase(name: str) -> Any:
     """Time a block as start-up phase ``name`` of the running clock (nothing when no run is timing its start, or
     after its step 1)."""
     return _current[-1].phase(name) if _current and _current[-1].total is None else nullcontext()
+

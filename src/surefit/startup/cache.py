@@ -101,7 +101,8 @@ def file_sha256(path: str | Path, remember: bool = True) -> str:
             tmp.write_text(json.dumps({"stat": _stat_key(st), "sha256": value}), encoding="utf-8")
             os.replace(tmp, memo)
         except OSError:
-            tmp.unlink(missing_ok=True)  # a cache that cannot be written only costs the next read
+            with contextlib.suppress(OSError):  # under a file (ENOTDIR) even the unlink fails
+                tmp.unlink(missing_ok=True)  # a cache that cannot be written only costs the next read
     return value
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,10 +79,10 @@ class OOMGuard:
             raise torch.OutOfMemoryError(f"CUDA out of memory (injected by {INJECT_ENV} at micro-step {self.micro_step})")
 
     @staticmethod
-    def tokens(part: list[int], lengths: list[int]) -> int:
+    def tokens(part: list[int], lengths: Sequence[int]) -> int:
         return len(part) * max(lengths[i] for i in part)
 
-    def plan(self, parts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    def plan(self, parts: list[list[int]], lengths: Sequence[int]) -> list[list[int]]:
         """Split, in halves, every part at least as large as one that already ran out of memory."""
         out: list[list[int]] = []
         queue = list(parts)
@@ -95,7 +95,7 @@ class OOMGuard:
                 out.append(part)
         return out
 
-    def failed(self, part: list[int], lengths: list[int], say: Callable[[str], None]) -> list[list[int]]:
+    def failed(self, part: list[int], lengths: Sequence[int], say: Callable[[str], None]) -> list[list[int]]:
         """Record an out-of-memory on ``part`` and return its halves (or raise if it is a single example)."""
         longest = max(lengths[i] for i in part)
         if len(part) == 1:

@@ -83,8 +83,8 @@ class TrainingWork:
     """
 
     features: Sequence[Any]
-    lengths: list[int]
-    counts: list[int]
+    lengths: Sequence[int]
+    counts: Sequence[int]
     collate: Collate
     loss_fn: LossFn
     evaluate: Callable[[Any, int | float, int], Evaluation] | None = None

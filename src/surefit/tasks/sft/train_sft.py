@@ -9,7 +9,7 @@ counts everything that happened to the data; ``use_sft.py`` beside it reads back
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -17,6 +17,7 @@ from typing import Any
 import surefit.startup as startup
 import surefit.startup.cache as startup_cache
 from surefit.config import SFTConfig
+from surefit.data import encoded_store
 from surefit.data.augment import augment_conversations, augment_rows
 from surefit.data.chat_render import answer_of, reasoning_answer
 from surefit.data.collate import PadCollator
@@ -33,6 +34,7 @@ from surefit.data.encode import (
     encode_rows,
     resolve_chat_template,
 )
+from surefit.data.encoded_store import EncodedStore, SplitArrays, StoreUse, StoreWriter, chunked, merge_reports
 from surefit.data.formats import (
     FormatChoice,
     ReadSettings,
@@ -252,13 +254,46 @@ class Encoder:
     def encode(self, rows: list[Row], split: str, skip: bool = False) -> tuple[list[Example], EncodeReport]:
         """Examples and the report of one split. A row the chat template cannot label is an error (or, with
         ``--on_bad_rows skip``, excluded and listed)."""
+        examples, report, failures, terminators = self.encode_raw(rows, split)
+        self.terminators |= terminators
+        self.settle(failures, report, split, skip)
+        return examples, report
+
+    def encode_raw(self, rows: list[Row], split: str) -> tuple[list[Example], EncodeReport, list[tuple[str, str]],
+                                                                set[int]]:
+        """Examples, report, the rows the chat template cannot label and the end-of-turn ids found; nothing raised
+        (what :meth:`encode` and :meth:`encode_into` share: one chunk of rows computes what it computes in a whole
+        split)."""
         if self.chat is None:
             assert self.prompt is not None  # flat rows have a prompt format
-            return encode_rows(rows, self.tokenizer, self.prompt, split=split, **encode_settings(self.cfg))
+            examples, report = encode_rows(rows, self.tokenizer, self.prompt, split=split, **encode_settings(self.cfg))
+            return examples, report, [], set()
         rows = [self._with_system(r) for r in rows]
-        examples, report, failures, terminators = encode_conversations(rows, self.tokenizer, self.chat,
-                                                                       self.chat_settings(), split)
-        self.terminators |= terminators
+        return encode_conversations(rows, self.tokenizer, self.chat, self.chat_settings(), split)
+
+    def encode_into(self, rows: list[Row], split: str, skip: bool, write: Callable[[SplitArrays], None],
+                    workers: int, chunk: int = 2048) -> EncodeReport:
+        """:meth:`encode` in chunks of ``chunk`` rows on ``workers`` processes, each chunk's arrays handed to
+        ``write`` in order (no example held as Python objects): the same examples and report as :meth:`encode`,
+        byte for byte."""
+
+        def job(a: int, b: int) -> tuple[SplitArrays, EncodeReport, list[tuple[str, str]], set[int]]:
+            examples, report, failures, terminators = self.encode_raw(rows[a:b], split)
+            return SplitArrays.of(examples), report, failures, terminators
+
+        reports: list[EncodeReport] = []
+        failures: list[tuple[str, str]] = []
+        for arrays, report, failed, terminators in chunked(job, len(rows), workers, chunk):
+            write(arrays)
+            reports.append(report)
+            failures += failed
+            self.terminators |= terminators
+        merged = merge_reports(reports) if reports else self.encode_raw([], split)[1]
+        self.settle(failures, merged, split, skip)
+        return merged
+
+    def settle(self, failures: list[tuple[str, str]], report: EncodeReport, split: str, skip: bool) -> None:
+        """Rows the chat template cannot label: an error, or with ``skip`` excluded and counted in ``report``."""
         if failures and not skip:
             shown = "; ".join(f"{w}: {why}" for w, why in failures[:5])
             more = f" and {len(failures) - 5} more" if len(failures) > 5 else ""
@@ -271,7 +306,6 @@ class Encoder:
                                     "--chat_format chatml or a fixed FILE.jinja), or pass --on_bad_rows skip to "
                                     "exclude these rows (listed)"))
         report.excluded += failures
-        return examples, report
 
     def reasoning_answer(self, raw: str) -> dict[str, str] | None:
         """A generated turn (special tokens kept) -> ``{"reasoning", "answer"}`` where the template marks them."""
@@ -330,45 +364,209 @@ class Encoder:
         return ids, full - len(ids)
 
 
-# ------------------------------------------------------------------------------------------------------------ prepare
+# ------------------------------------------------------------------------------------------------------------ encoded data
 
 
-def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
-    """Everything the loop needs: rows -> encoded examples, the model with LoRA, the collator, the loss and the
-    per-epoch evaluation. Nothing is written to the run folder.
+@dataclass
+class EncodedData:
+    """A run's encoded examples, read from the encoded-data cache or encoded in memory (``--no_cache``).
 
-    Data comes before the model: a data problem should cost seconds, not a model load. Resolving ``--model`` is
-    cheap, so its problems join the data's (and ``problems``, e.g. the run folder's) in one report.
+    Attributes:
+        features, lengths, counts: the training examples as the collator takes them (a list, or a store's split read
+            from disk by position), their lengths and supervised tokens.
+        where: a training example's index -> its source row in words.
+        val_ex: the validation examples (in memory: the evaluation generates from them and scores their rows).
+        longest_target: the longest training answer in tokens (with its terminator).
+        excluded, shortened: the rows ``excluded_rows.jsonl`` and ``shortened_rows.jsonl`` list.
+        identity: what identifies the training examples in the start-up cache's key (the store's checksums), or
+            ``None`` (hash the examples).
+        store: what the cache did (``data_report.json``'s ``encoded_store``).
     """
-    early = list(problems or [])
-    try:
-        source = resolve_model(cfg.model)
-    except ModelError as e:
-        early += e.problems
-    if cfg.quantize != "none":  # a missing bitsandbytes is reported with the data's problems, before any loading
-        try:
-            require_bitsandbytes(cfg.quantize)
-        except ConfigError as e:
-            early += e.problems
-    with startup.phase("reading data"), phase("reading data"):
-        train_rows, val_rows, data_report = load_data(cfg, say, early)
+
+    summary: DataSummary
+    encoder: Encoder
+    path: str
+    tokenizer: Any
+    features: Sequence[dict[str, list[int]]]
+    lengths: Sequence[int]
+    counts: Sequence[int]
+    where: Callable[[int], str]
+    val_ex: list[Example]
+    longest_target: int
+    excluded: list[dict[str, Any]]
+    shortened: list[dict[str, Any]]
+    identity: str | None = None
+    store: StoreUse = field(default_factory=lambda: StoreUse("off"))
+
+    def doctor_sample(self) -> Sequence[dict[str, list[int]]]:
+        """What the doctor scans: every example in memory; from a store the rows its scans read (the first
+        ``SCAN_ROWS``) and the longest, so that a large file is checked without holding it."""
+        if isinstance(self.features, list):
+            return self.features
+        from surefit.doctor.checks_data import SCAN_ROWS
+
+        head = list(self.features[:SCAN_ROWS])
+        longest = max(range(len(self.lengths)), key=self.lengths.__getitem__) if self.lengths else None
+        if longest is not None and longest >= SCAN_ROWS:
+            head.append(self.features[longest])
+        return head
+
+
+# Settings that do not change what is read and encoded (training, evaluation, bookkeeping): every other setting is
+# part of the encoded-data cache's key, so a setting added later misses rather than reads the wrong examples.
+NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
+    "preset", "model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_variant", "quantize", "precision",
+    "gradient_checkpointing", "sharding", "gpu_memory_gb", "batch_size", "grad_accum", "eval_batch_size", "metric",
+    "eval_generate", "eval_merge_lora", "eval_share_prefixes", "share_prefixes", "fused_cross_entropy",
+    "max_new_tokens"}
+
+
+def _tokenizer(cfg: SFTConfig, source: Any, say: Say) -> tuple[str, Any]:
     with startup.phase("model conversion"), phase("model conversion"):  # GGUF: once, then a cached folder
         path = model_folder(source, log=say)
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:
         say(note)
+    return path, tokenizer
+
+
+def _store_key(cfg: SFTConfig, data_key: Any, path: str, tokenizer: Any) -> Any | None:
+    from dataclasses import asdict
+
+    files = encoded_store.tokenizer_files(path)
+    if files is None:
+        return None
+    return {"data": data_key, "tokenizer_files": files, "tokenizer": startup_cache.tokenizer_identity(tokenizer),
+            "settings": {k: v for k, v in asdict(cfg).items() if k not in NOT_IN_STORE_KEY},
+            "code": encoded_store.code_digest()}
+
+
+def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) -> EncodedData:
+    """The run's data, encoded: read from the encoded-data cache when an identical run encoded it (the data files'
+    content, the tokenizer, the template, every reading and encoding setting and the code unchanged), else read,
+    split, encoded on every core and written there (``--no_cache``: encoded in memory, nothing read or written).
+
+    The data files are hashed first; the tokenizer is loaded before the rows are read only when a store for these
+    files exists, so a data problem in new data still costs seconds, not a model conversion.
+    """
+    use = StoreUse("off", why="--no_cache")
+    data_key = None
+    if not cfg.no_cache:
+        use = StoreUse("not cacheable")
+        if cfg.trust_remote_code:
+            use.why = "--trust_remote_code: the tokenizer runs the model's own code"
+        else:
+            with startup.phase("data hash"):
+                data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+            if data_key is None:
+                use.why = "the data is not a file on disk"
+    loaded: tuple[str, Any] | None = None
+    key = None
+    if data_key is not None and encoded_store.has_any(data_key):
+        loaded = _tokenizer(cfg, source, say)
+        key = _store_key(cfg, data_key, *loaded)
+        if key is not None:
+            existed = encoded_store.locate(data_key, key).is_dir()
+            # A hit's "encoding data" phase is checking and opening the store (startup.json names the same phases)
+            with startup.phase("encoding data"):
+                store = EncodedStore.open(encoded_store.locate(data_key, key), key, say)
+                if store is not None:
+                    raise_with_rejected(early, [])  # the run folder's problems, found before the data
+                    return _from_store(cfg, store, *loaded, say)
+            use = StoreUse("rebuilt" if existed else "miss")
+    record = encoded_store.Recorder(say)
+    with startup.phase("reading data"), phase("reading data"):
+        train_rows, val_rows, data_report = load_data(cfg, record, early)
+    path, tokenizer = loaded or _tokenizer(cfg, source, say)
+    if data_key is not None and key is None:
+        key = _store_key(cfg, data_key, path, tokenizer)
+        use = StoreUse("miss") if key is not None else StoreUse("not cacheable", why="the model is not a local folder")
     conversational = bool(data_report.format_conversational)
     encoder = Encoder.build(cfg, tokenizer, str(data_report.format), conversational)
     say(encoder.why)
     system_line = encoder.system_line(train_rows + val_rows)
     if system_line:
-        say(system_line)
+        record(system_line)
         data_report.facts_as(TextFacts).system_prompt = {"template_default": encoder.injected, "setting": cfg.system_prompt,
                                                 "line": system_line}
-    with startup.phase("encoding data"), phase("encoding data"):
-        train_ex, train_rep = encoder.encode(train_rows, "train", cfg.on_bad_rows == "skip")
-        val_ex, val_rep = encoder.encode(val_rows, "validation", cfg.on_bad_rows == "skip")
+    val_record = encoded_store.rows_record(val_rows) if key is not None else None
+    if key is not None and val_record is None:
+        key, use = None, StoreUse("not cacheable", why="a validation row holds a value JSON cannot hold")
+    skip = cfg.on_bad_rows == "skip"
+    writer = None
+    if key is not None:
+        try:
+            writer = StoreWriter(encoded_store.locate(data_key, key), key)
+        except OSError as e:  # a cache is a speed-up: one that cannot be written costs the next run an encoding
+            use = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+    try:
+        with startup.phase("encoding data"), phase("encoding data"):
+            train_ex: list[Example] = []
+            if writer is None:
+                train_ex, train_rep = encoder.encode(train_rows, "train", skip)
+            else:
+                train_rep = encoder.encode_into(train_rows, "train", skip, lambda a: writer.add("train", a),
+                                                encoded_store.cores())
+            del train_rows  # the rows are in the store now: what stays in memory does not grow with them
+            val_ex, val_rep = encoder.encode(val_rows, "validation", skip)
+        excluded, shortened = _encoding_lines(cfg, record, train_rep, val_rep, conversational)
+        data_report.encoding = {
+            r.split: {k: v for k, v in r.__dict__.items() if k not in ("excluded", "rows_shortened")}
+            | {"excluded": len(r.excluded)}
+            for r in (train_rep, val_rep)
+        }
+        data_report.facts_as(TextFacts).template = encoder.why
+        if writer is None:
+            data = EncodedData(data_report, encoder, path, tokenizer, [e.features() for e in train_ex],
+                               [len(e.input_ids) for e in train_ex], [e.num_supervised for e in train_ex],
+                               lambda i: train_ex[i].row.where, val_ex, train_rep.longest_target, excluded, shortened,
+                               store=use)
+            _say_store(data, say)
+            return data
+        writer.add("validation", SplitArrays.of(val_ex))
+        rec = {"summary": encoded_store.summary_record(data_report), "lines": record.lines, "excluded": excluded,
+               "shortened": shortened, "terminators": sorted(encoder.terminators),
+               "longest_target": train_rep.longest_target,
+               "validation_rows": encoded_store.rows_record([e.row for e in val_ex])}
+        with startup.phase("encoded data write"):
+            folder = writer.commit(rec)
+    except OSError as e:
+        if writer is None:
+            raise
+        writer.discard()
+        say(f"note: the encoded-data cache cannot be written ({e}); the data is read and encoded again, in memory")
+        data = load_encoded(replace(cfg, no_cache=True), source, lambda _: None, early)
+        data.store = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+        _say_store(data, say)
+        return data
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    store = EncodedStore.open(folder, key, say)
+    assert store is not None, f"the encoded-data cache just written to {folder} does not check out"
+    return _from_store(cfg, store, path, tokenizer, say, use=use, val_ex=val_ex, replay=False)
+
+
+def stored_data(cfg: SFTConfig, source: Any, say: Say) -> EncodedData | None:
+    """The encoded data of an earlier run with these settings, when the encoded-data cache holds it (a hit); ``None``
+    otherwise. Never encodes nor writes (``surefit inspect`` reads a large file's examples without encoding again)."""
+    if cfg.no_cache or cfg.trust_remote_code:
+        return None
+    data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+    if data_key is None or not encoded_store.has_any(data_key):
+        return None
+    path, tokenizer = _tokenizer(cfg, source, say)
+    key = _store_key(cfg, data_key, path, tokenizer)
+    store = None if key is None else EncodedStore.open(encoded_store.locate(data_key, key), key, say)
+    return None if store is None else _from_store(cfg, store, path, tokenizer, lambda _: None)
+
+
+def _encoding_lines(cfg: SFTConfig, say: Say, train_rep: EncodeReport, val_rep: EncodeReport,
+                    conversational: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Print what encoding did (counts, excluded and shortened rows); refuse a split left empty. Returns the rows
+    excluded and shortened, for the run folder's lists."""
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
     shortened: list[dict[str, Any]] = []
     for rep in (train_rep, val_rep):
@@ -390,12 +588,76 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                       "--max_seq_length allows", "--max_seq_length",
                       f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the rows")
               for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
-    data_report.encoding = {
-        r.split: {k: v for k, v in r.__dict__.items() if k not in ("excluded", "rows_shortened")}
-        | {"excluded": len(r.excluded)}
-        for r in (train_rep, val_rep)
-    }
-    data_report.facts_as(TextFacts).template = encoder.why
+    return excluded, shortened
+
+
+def _from_store(cfg: SFTConfig, store: EncodedStore, path: str, tokenizer: Any, say: Say, use: StoreUse | None = None,
+                val_ex: list[Example] | None = None, replay: bool = True) -> EncodedData:
+    """The run's data from an opened store: the training examples read by position, the validation examples (and
+    their rows) rebuilt in memory, and, on a hit, the lines the encoding run printed."""
+    rec = store.record
+    summary = encoded_store.summary_of(rec["summary"], str(store.folder / "header.json"))
+    encoder = Encoder.build(cfg, tokenizer, str(summary.format), bool(summary.format_conversational))
+    encoder.terminators = set(rec["terminators"])
+    if replay:
+        for line in rec["lines"]:
+            say(line)
+        say(encoder.why)
+    if val_ex is None:
+        val = store.split("validation")
+        rows = encoded_store.rows_of(rec["validation_rows"])
+        val_ex = []
+        for i, row in enumerate(rows):
+            f = val[i]
+            val_ex.append(Example(f["input_ids"], f["labels"], len(val.prompt_ids(i)), row))
+        val.close()
+    train = store.split("train")
+    data = EncodedData(summary, encoder, path, tokenizer, train, train.lengths, train.counts, train.where, val_ex,
+                       int(rec["longest_target"]), rec["excluded"], rec["shortened"], identity=f"store:{store.digest}",
+                       store=use or StoreUse("hit"))
+    data.store.folder = str(store.folder)
+    _say_store(data, say)
+    return data
+
+
+def _say_store(data: EncodedData, say: Say) -> None:
+    """One line on what the encoded-data cache did, also saved in ``data_report.json`` (``encoded_store``)."""
+    use = data.store
+    n = len(data.features)
+    line = {"hit": f"encoded data: {n} training examples read from the cache {use.folder} (no encoding; "
+                   "--no_cache encodes again)",
+            "miss": f"encoded data: {n} training examples encoded and written to the cache {use.folder} (the next run "
+                    "with the same data, tokenizer and settings reads them)",
+            "rebuilt": f"encoded data: the damaged cache was rebuilt, {n} training examples written to {use.folder}",
+            "off": "encoded data: in memory, not cached (--no_cache)",
+            "not cacheable": f"encoded data: in memory, not cached ({use.why})"}[use.status]
+    say(line)
+    data.summary.facts_as(TextFacts).encoded_store = use.to_json()
+
+
+# ------------------------------------------------------------------------------------------------------------ prepare
+
+
+def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
+    """Everything the loop needs: rows -> encoded examples, the model with LoRA, the collator, the loss and the
+    per-epoch evaluation. Nothing is written to the run folder.
+
+    Data comes before the model: a data problem should cost seconds, not a model load. Resolving ``--model`` is
+    cheap, so its problems join the data's (and ``problems``, e.g. the run folder's) in one report.
+    """
+    early = list(problems or [])
+    try:
+        source = resolve_model(cfg.model)
+    except ModelError as e:
+        early += e.problems
+    if cfg.quantize != "none":  # a missing bitsandbytes is reported with the data's problems, before any loading
+        try:
+            require_bitsandbytes(cfg.quantize)
+        except ConfigError as e:
+            early += e.problems
+    data = load_encoded(cfg, source, say, early)
+    data_report, encoder, path, tokenizer, val_ex = data.summary, data.encoder, data.path, data.tokenizer, data.val_ex
+    conversational = bool(data_report.format_conversational)
 
     with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
@@ -415,8 +677,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                                        project_dir=cfg.output_dir)
     # No answer longer than the longest reference needs: the validation answers are what generation is scored on
     # (a longer answer only adds tokens no reference has); + 4 for a stop token the model writes late.
-    longest, of = (val_rep.longest_target, "validation") if val_rep.longest_target else \
-        (train_rep.longest_target, "training")
+    val_longest = max((len(e.input_ids) - e.prompt_len for e in val_ex), default=0)
+    longest, of = (val_longest, "validation") if val_longest else (data.longest_target, "training")
     max_new = cfg.max_new_tokens or longest + 4
     why_new = ("--max_new_tokens" if cfg.max_new_tokens else
                f"the longest {of} answer, {longest} tokens with its terminator, + 4")
@@ -427,7 +689,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
     # Generation pads on the left (eval/generate.py does it by hand); the saved tokenizer says so too.
     tokenizer.padding_side = "left"
-    features = [e.features() for e in train_ex]
+    features = data.features
     eos_ids = sorted(set(eos_token_ids(model, tokenizer)) | encoder.terminators)
     if encoder.terminators - set(eos_token_ids(model, tokenizer)):
         # Saved with the model: plain transformers generation then stops at the template's end of turn too.
@@ -502,21 +764,22 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     # files are hashed only when the cache is used (--no_cache reads and stores nothing).
     cache_key = None if not Path(path).exists() or cfg.trust_remote_code else lambda: {
         "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
-        "train": startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
+        "train": data.identity or startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
     work = TrainingWork(
-        features=features, lengths=[len(e.input_ids) for e in train_ex], counts=[e.num_supervised for e in train_ex],
+        features=features, lengths=data.lengths, counts=data.counts,
         collate=collate, loss_fn=train_loss, evaluate=evaluate, on_epoch=on_epoch, counters=sharing,
-        where=lambda i: train_ex[i].row.where,
+        where=data.where,
         plan=PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
                         generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
                         loss_fn=base_loss),  # the planner measures with the plain loss: a shared layout is never larger
         activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, features, val_features or None, collate,
+        check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, data.doctor_sample(), val_features or None,
+                                                           collate,
                                                            args=doctor_args, task="sft")),
-        cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: excluded, SHORTENED: shortened}),
+        cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 

@@ -4,7 +4,7 @@ exported; and ``inspect``, what a run would supervise. Training itself is ``trai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -12,9 +12,11 @@ from typing import Any
 from surefit.config import SFTConfig
 from surefit.data.encode import (
     ChatReport,
+    EncodeReport,
     Example,
     encode_rows,
 )
+from surefit.data.encoded_store import merge_reports
 from surefit.data.formats import (
     detect_format,
     fill_template,
@@ -34,6 +36,7 @@ from surefit.tasks.finished_common import Loaded, chunks, rows_from_texts
 from surefit.tasks.sft.train_sft import (
     FINAL_FILES,
     Decoded,
+    EncodedData,
     Encoder,
     Generation,
     Say,
@@ -47,6 +50,7 @@ from surefit.tasks.sft.train_sft import (
     prediction_input,
     prediction_records,
     prerendered,
+    stored_data,
 )
 from surefit.training.precision import make_accelerator, store_frozen_in
 from surefit.training.speedups.lora_fast import fuse_lora
@@ -289,12 +293,16 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     Returns:
         The counts printed.
     """
-    import json
-    import sys
 
-    from surefit.run_folder.guard import Output, atomic_file, check_outputs, config_inputs
+    from surefit.run_folder.guard import Output, check_outputs, config_inputs
 
     check_outputs([Output("--out", Path(out))] if out else [], config_inputs(cfg))
+    source = resolve_model(cfg.model)
+    # A training run with these settings encoded every row already (train + validation, no augmentation variants):
+    # read its examples from the encoded-data cache instead of encoding a large file a second time.
+    found = stored_data(cfg, source, say) if cfg.augmentation_factor == 1 else None
+    if found is not None:
+        return _inspect_stored(found, out, show, color, say)
     rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
     rows, _, report = load_data(rows_cfg, say)
     rejected = report.rejected or []
@@ -305,12 +313,67 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
             say(f"  {r.where}: {r.reason}")
         if len(rejected) > 10:
             say(f"  and {len(rejected) - 10} more")
-    source = resolve_model(cfg.model)
     path = model_folder(source, log=say)
     tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
     encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
     say(encoder.why)
     examples, rep = encoder.encode(rows, "all", cfg.on_bad_rows == "skip")
+    return _inspect_report(cfg, tokenizer, examples, rep, rejected, (out, show, color), say)
+
+
+def _inspect_stored(found: EncodedData, out: str | None, show: int, color: bool | None,
+                    say: Say) -> dict[str, Any]:
+    """:func:`inspect` from the encoded-data cache: every row's example (training's and validation's), the counts
+    of both encoding reports added, the rejected, excluded and shortened rows as the encoding run found them."""
+    rejected = found.summary.rejected or []
+    if rejected:
+        say(f"--on_bad_rows skip: {len(rejected)} row{'s' if len(rejected) != 1 else ''} rejected and left out:")
+        for r in rejected[:10]:
+            say(f"  {r.where}: {r.reason}")
+        if len(rejected) > 10:
+            say(f"  and {len(rejected) - 10} more")
+    say(f"encoded data: read from the cache {found.store.folder} (no encoding; --no_cache encodes again)")
+    say(found.encoder.why)
+    kind = ChatReport if found.summary.format_conversational else EncodeReport
+    reports = []
+    for split in ("train", "validation"):
+        counts = dict((found.summary.encoding or {})[split])
+        counts["excluded"] = [(e["where"], e["reason"]) for e in found.excluded if e["split"] == split]
+        if kind is ChatReport:
+            counts["rows_shortened"] = [(e["where"], e["turns_dropped"]) for e in found.shortened if e["split"] == split]
+        reports.append(kind(**counts))
+    rep = merge_reports(reports)
+    rep.split = "all"
+    val = found.val_ex
+    train = found.features
+
+    class Examples(Sequence[Example]):
+        """Training's examples (read from the store), then validation's, as :class:`Example` (rows by location)."""
+
+        def __len__(self) -> int:
+            return len(train) + len(val)
+
+        def __getitem__(self, i: Any) -> Any:
+            if isinstance(i, slice):
+                return [self[j] for j in range(*i.indices(len(self)))]
+            if i >= len(train):
+                return val[i - len(train)]
+            f = train[i]
+            prompt = next((j for j, t in enumerate(f["labels"]) if t != -100), len(f["labels"]))
+            return Example(f["input_ids"], f["labels"], prompt, Row({}, found.where(i), i))
+
+    return _inspect_report(found.encoder.cfg, found.tokenizer, Examples(), rep, rejected, (out, show, color), say)
+
+
+def _inspect_report(cfg: SFTConfig, tokenizer: Any, examples: Sequence[Example], rep: EncodeReport,
+                    rejected: list[Any], view: tuple[str | None, int, bool | None], say: Say) -> dict[str, Any]:
+    """What :func:`inspect` prints and writes, from the examples and their encoding report; ``view``: ``(out, show,
+    color)`` as :func:`inspect` takes them."""
+    out, show, color = view
+    import json
+    import sys
+
+    from surefit.run_folder.guard import atomic_file
     if color is None:
         color = sys.stdout.isatty()
     on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")

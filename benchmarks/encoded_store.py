@@ -1,0 +1,255 @@
+"""The encoded-data cache (issue 35): peak RSS and start-up to step 1 on a cache hit as the rows grow, and encoding
+throughput on this machine's cores against ``datasets.map`` with the same tokenizer.
+
+Three parts, each in its own processes (peak RSS is the kernel's ``ru_maxrss`` of that child, from ``os.wait4``):
+
+- ``cli``: ``surefit train`` on a synthetic Alpaca file (short rows, written here) with the embedded SmolLM2-135M,
+  ``--max_steps 2 --eval_generate false`` and a fixed 20-row ``--val_data`` (so the evaluation before training is the
+  same at every size); first run a miss (reads, encodes, writes the store), second run a hit. ``OMP_NUM_THREADS=1``.
+- ``store``: the store alone at sizes a full run cannot reach on this shared machine: a store of N synthetic examples
+  (token lengths like the Alpaca rows') written with ``StoreWriter``, then a child process opens it, builds epoch 0's
+  length-grouped steps (``step_batches``, the loop's own sampler) and reads the first 50 steps' examples.
+- ``encoding``: rows/s of surefit's encoding of the Alpaca rows (read as one-turn conversations, rendered with the
+  model's chat template: ``Encoder.encode_into``, one and two processes) against ``datasets.Dataset.map`` (batched,
+  ``num_proc`` 1 and 2) rendering the same conversations with the same tokenizer's ``apply_chat_template``.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/encoded_store.py [--parts cli,store,encoding] [--cli-sizes 20000,200000]
+        [--store-sizes 20000,200000,2000000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from benchlib import loadavg, machine_info  # noqa: E402
+
+WORDS = "the cat sat on a mat dog ran to park bird flew over tree red blue green big small city river".split()
+
+
+def write_rows(path: Path, n: int, start: int = 0) -> None:
+    """Short Alpaca rows (about 10 words each side), distinct, deterministic."""
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(start, start + n):
+            w = [WORDS[(i * k + k) % len(WORDS)] for k in range(1, 9)]
+            f.write(json.dumps({"instruction": f"Repeat {i}: " + " ".join(w[:5]), "input": "",
+                                "output": " ".join(w[3:]) + f" {i}."}) + "\n")
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, Any]:
+    deadline = time.time() + timeout
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            return status, usage
+        if time.time() > deadline:
+            proc.kill()
+            raise SystemExit(f"timed out: {proc.args}")
+        time.sleep(0.2)
+
+
+def run_train(data: Path, val: Path, out: Path, cache: Path, timeout: float, src: Path) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1", "SUREFIT_STARTUP_CACHE": str(cache)}
+    argv = [sys.executable, "-m", "surefit", "train", "--data", str(data), "--val_data", str(val), "--max_steps", "2",
+            "--eval_generate", "false", "--output_dir", str(out)]
+    t0 = time.time()
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    log = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+    status, usage = _wait(proc, timeout)
+    if status != 0:
+        raise SystemExit(f"failed ({status}): {' '.join(argv)}\n{log[-3000:]}")
+    startup = json.loads((out / "startup.json").read_text(encoding="utf-8"))
+    report = json.loads((out / "data_report.json").read_text(encoding="utf-8"))
+    return {"peak_rss_mb": round(usage.ru_maxrss / 1024, 1), "startup_s": startup["seconds"],
+            "store": report["encoded_store"]["status"], "encoding_s": startup["phases"].get("encoding data"),
+            "phases": startup["phases"], "wall_s": round(time.time() - t0, 1)}
+
+
+def part_cli(sizes: list[int], work: Path, timeout: float, src: Path, result: dict[str, Any]) -> None:
+    val = work / "val.jsonl"
+    write_rows(val, 20, start=10**8)  # rows of their own: no leak into training
+    for n in sizes:
+        data = work / f"alpaca_{n}.jsonl"
+        write_rows(data, n)
+        cache = work / f"cache_{n}"
+        for attempt in ("miss", "hit"):
+            result["loads"].append(loadavg())
+            rec = run_train(data, val, work / f"out_{n}_{attempt}", cache, timeout, src)
+            rec.update(rows=n, run=attempt)
+            result["cli"].append(rec)
+            print(json.dumps({k: v for k, v in rec.items() if k != "phases"}), flush=True)
+            save(result)
+        data.unlink()
+
+
+STORE_CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from pathlib import Path
+from surefit.data.encoded_store import EncodedStore
+from surefit.data.sampling import step_batches
+folder, key = Path(sys.argv[1]), json.loads(sys.argv[2])
+t1 = time.perf_counter()
+store = EncodedStore.open(folder, key)
+split = store.split("train")
+t2 = time.perf_counter()
+steps = step_batches(split.lengths, 16, 0, 0)
+t3 = time.perf_counter()
+tokens = 0
+for step in steps[:50]:
+    tokens += sum(len(split[i]["input_ids"]) for i in step)
+t4 = time.perf_counter()
+print(json.dumps({"examples": len(split), "imports_s": t1 - t0, "open_and_check_s": t2 - t1, "sampler_s": t3 - t2,
+                  "read_50_steps_s": t4 - t3, "tokens_read": tokens,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) -> None:
+    import numpy as np
+
+    sys.path.insert(0, str(src))
+    from surefit.data.encoded_store import SplitArrays, StoreWriter
+
+    for n in sizes:
+        folder, key = work / f"store_{n}", {"rows": n}
+        writer = StoreWriter(folder, key)
+        rng = np.random.default_rng(0)
+        t0 = time.perf_counter()
+        for a in range(0, n, 100_000):
+            m = min(100_000, n - a)
+            lengths = rng.integers(45, 66, size=m)  # the Alpaca rows' tokens with SmolLM2's template
+            total = int(lengths.sum())
+            ids = rng.integers(0, 49152, size=total, dtype=np.int32)
+            labels = ids.copy()
+            prompt = (lengths * 0.7).astype(np.int32)
+            starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            for s, p in zip(starts, prompt, strict=True):
+                labels[s:s + p] = -100
+            writer.add("train", SplitArrays(ids, labels, lengths, prompt, (lengths - prompt).astype(np.int32),
+                                            np.arange(a, a + m), [f"alpaca.jsonl line {i + 1}" for i in range(a, a + m)]))
+        writer.commit({})
+        written = time.perf_counter() - t0
+        size_mb = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+        result["loads"].append(loadavg())
+        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen([sys.executable, "-c", STORE_CHILD, str(folder), json.dumps(key)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out = proc.stdout.read().decode() if proc.stdout else ""
+        status, usage = _wait(proc, 1800)
+        if status != 0:
+            raise SystemExit(out[-3000:])
+        rec = json.loads(out.strip().splitlines()[-1])
+        rec.update(rows=n, write_s=round(written, 2), store_mb=round(size_mb, 1),
+                   child_peak_rss_mb=round(usage.ru_maxrss / 1024, 1))
+        result["store"].append(rec)
+        print(json.dumps(rec), flush=True)
+        save(result)
+        import shutil
+
+        shutil.rmtree(folder)
+
+
+def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None:
+    sys.path.insert(0, str(src))
+    from surefit.config import SFTConfig, build_config
+    from surefit.data.encoded_store import StoreWriter
+    from surefit.models import load_tokenizer, model_folder, resolve_model
+    from surefit.tasks.sft.train_sft import Encoder, load_data
+
+    data = work / f"enc_{n}.jsonl"
+    write_rows(data, n)
+    cfg = build_config(SFTConfig, None, {"data": str(data), "val_fraction": 0.0, "output_dir": str(work / "e")})
+    source = resolve_model(cfg.model)
+    path = model_folder(source, log=lambda _: None)
+    tokenizer, _ = load_tokenizer(path, source, False)
+    rows, _, report = load_data(cfg, lambda _: None, [])
+    encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
+    out: dict[str, Any] = {"rows": n, "cores": os.cpu_count()}
+    for workers in (1, 2):
+        writer = StoreWriter(work / f"enc_store_{workers}", {"w": workers})
+        result["loads"].append(loadavg())
+        t0 = time.perf_counter()
+        encoder.encode_into(rows, "train", False, lambda a, w=writer: w.add("train", a), workers)
+        writer.commit({})
+        out[f"surefit_{workers}_process_rows_per_s"] = round(n / (time.perf_counter() - t0))
+        print(json.dumps(out), flush=True)
+    # The anchor: datasets.map rendering the same conversations with the same tokenizer's chat template (the
+    # prompt's render for the label mask, the whole conversation for the ids, as TRL-style preprocessing does),
+    # batched, on 1 and 2 processes.
+    import datasets
+
+    ds = datasets.Dataset.from_list([{"messages": r.fields["messages"]} for r in rows])
+
+    def encode(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        ids, labels = [], []
+        for messages in batch["messages"]:
+            full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+            prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=True, add_generation_prompt=True,
+                                                   return_dict=True)["input_ids"]
+            ids.append(full)
+            labels.append([-100] * len(prompt) + full[len(prompt):])
+        return {"input_ids": ids, "labels": labels}
+
+    for procs in (1, 2):
+        result["loads"].append(loadavg())
+        t0 = time.perf_counter()
+        ds.map(encode, batched=True, num_proc=procs if procs > 1 else None, remove_columns=["messages"],
+               load_from_cache_file=False, keep_in_memory=True)
+        out[f"datasets_map_{procs}_process_rows_per_s"] = round(n / (time.perf_counter() - t0))
+        print(json.dumps(out), flush=True)
+    result["encoding"] = out
+    save(result)
+
+
+OUT: list[str] = []  # where results go as each part finishes (a long run stopped part-way keeps what it measured)
+
+
+def save(result: dict[str, Any]) -> None:
+    if OUT:
+        Path(OUT[0] + ".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="encoding,store,cli")
+    ap.add_argument("--cli-sizes", default="20000,200000")
+    ap.add_argument("--store-sizes", default="20000,200000,2000000")
+    ap.add_argument("--encoding-rows", type=int, default=20000)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--quick", action="store_true", help="small sizes, no files written")
+    ap.add_argument("--src", default=str(HERE.parent / "src"))
+    ap.add_argument("--out", default=str(HERE / "results" / "encoded_store"))
+    args = ap.parse_args()
+    src = Path(args.src).resolve()
+    parts = args.parts.split(",")
+    if not args.quick:
+        OUT.append(args.out)
+    result: dict[str, Any] = {"machine": machine_info(), "command": " ".join(sys.argv), "cli": [], "store": [],
+                              "loads": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if "encoding" in parts:
+            part_encoding(2000 if args.quick else args.encoding_rows, work, src, result)
+        if "store" in parts:
+            part_store([2000] if args.quick else [int(s) for s in args.store_sizes.split(",")], work, src, result)
+        if "cli" in parts:
+            part_cli([500] if args.quick else [int(s) for s in args.cli_sizes.split(",")], work, args.timeout, src,
+                     result)
+    result["loads"].append(loadavg())
+    if not args.quick:
+        Path(args.out + ".json").write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {args.out}.json")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,524 @@
+"""Encoded examples on disk: encode a data file once, read its examples by position in every later run.
+
+A store is a folder of flat little-endian arrays, one set per split: every example's ``input_ids`` concatenated into
+one int32 file, its ``labels`` into another, the offsets (int64, one more than the examples), the prompt lengths and
+supervised-token counts (int32), the source row's index (int64) and its location in words (UTF-8, with offsets).
+``header.json`` holds the key, the counts, each file's size and CRC-32, and the run's record of what reading and
+encoding did (so a hit reports exactly what the miss reported). No pickle anywhere: numbers are raw arrays, the rest
+JSON.
+
+Where: ``encoded/`` in the start-up cache (``$SUREFIT_STARTUP_CACHE``, else ``$SUREFIT_CACHE/startup``), as
+``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a run on new data knows it
+misses before loading a tokenizer), ``KEY_DIGEST`` adds the tokenizer, the template and every reading and encoding
+setting. Content, not time stamps: a file rewritten with the same size and mtime is another key.
+
+RAM: rows are read with positioned reads (``os.preadv``) into a fresh buffer, as :mod:`surefit.data.shards` does and
+for the same reason: pages touched through a memory mapping stay in the process RSS, which would grow to the size of
+the data over an epoch. What stays in memory per example is its length and supervised count (4 bytes each).
+
+A store is written under a temporary name and renamed into place whole; on open every file's size and CRC-32 is
+checked against the header, and a store that does not check out is removed and rebuilt, with a note saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import threading
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+
+from surefit.data.summary import DataSummary, TextFacts
+from surefit.errors import DataError, Problem
+from surefit.startup.cache import cache_dir, digest
+
+# Bumped when the layout changes: older stores then simply miss.
+STORE_FORMAT = 1
+HEADER = "header.json"
+# name -> (dtype, per example: True for one value a row, False for concatenated tokens)
+COLUMNS: dict[str, str] = {"input_ids": "<i4", "labels": "<i4", "offsets": "<i8", "prompt_len": "<i4",
+                           "supervised": "<i4", "source": "<i8", "where": "|u1", "where_offsets": "<i8"}
+_CHUNK = 1 << 22  # bytes per read while checking a file's CRC-32
+
+
+def store_root() -> Path:
+    """``encoded/`` in the start-up cache folder (moved by ``$SUREFIT_STARTUP_CACHE`` or ``$SUREFIT_CACHE``)."""
+    return cache_dir() / "encoded"
+
+
+@dataclass
+class SplitArrays:
+    """One split's encoded examples as flat arrays, in example order (what a writer appends, chunk by chunk)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    lengths: np.ndarray
+    prompt_len: np.ndarray
+    supervised: np.ndarray
+    source: np.ndarray
+    where: list[str]
+
+    @classmethod
+    def of(cls, examples: Sequence[Any]) -> SplitArrays:
+        """Arrays of :class:`~surefit.data.encode.Example` objects (``input_ids``, ``labels``, ``prompt_len``,
+        ``row``)."""
+        lengths = np.fromiter((len(e.input_ids) for e in examples), dtype=np.int64, count=len(examples))
+        flat = lambda name: np.fromiter((t for e in examples for t in getattr(e, name)),  # noqa: E731
+                                        dtype=np.int32, count=int(lengths.sum()))
+        return cls(input_ids=flat("input_ids"), labels=flat("labels"), lengths=lengths,
+                   prompt_len=np.array([e.prompt_len for e in examples], dtype=np.int32),
+                   supervised=np.array([e.num_supervised for e in examples], dtype=np.int32),
+                   source=np.array([e.row.index for e in examples], dtype=np.int64),
+                   where=[e.row.where for e in examples])
+
+
+class _File:
+    """An append-only file with its running CRC-32 and size."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.fh, self.crc, self.size = path, path.open("wb"), 0, 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.fh.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+
+
+class StoreWriter:
+    """Writes a store under a temporary name; :meth:`commit` renames it into place (or discards it on a failure).
+
+    Args:
+        folder: the store's final folder (``store_root()/DATA_DIGEST/KEY_DIGEST``).
+        key: the full key (JSON-able), saved in the header and compared on open.
+    """
+
+    def __init__(self, folder: Path, key: Any) -> None:
+        self.folder, self.key = folder, key
+        self.tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.files: dict[str, _File] = {}
+        self.counts: dict[str, dict[str, int]] = {}
+
+    def _file(self, split: str, column: str) -> _File:
+        name = f"{split}.{column}"
+        if name not in self.files:
+            self.files[name] = _File(self.tmp / name)
+            if column in ("offsets", "where_offsets"):
+                self.files[name].write(np.zeros(1, dtype=COLUMNS[column]).tobytes())  # the first offset, 0
+        return self.files[name]
+
+    def add(self, split: str, arrays: SplitArrays) -> None:
+        """Append a chunk of examples to ``split`` (chunks in example order)."""
+        c = self.counts.setdefault(split, {"examples": 0, "tokens": 0, "where_bytes": 0})
+        for column in ("input_ids", "labels", "prompt_len", "supervised", "source"):
+            self._file(split, column).write(np.ascontiguousarray(getattr(arrays, column), dtype=COLUMNS[column])
+                                            .tobytes())
+        ends = c["tokens"] + np.cumsum(arrays.lengths, dtype=np.int64)
+        self._file(split, "offsets").write(ends.astype("<i8").tobytes())
+        where = [w.encode("utf-8") for w in arrays.where]
+        self._file(split, "where").write(b"".join(where))
+        wends = c["where_bytes"] + np.cumsum(np.array([len(w) for w in where], dtype=np.int64), dtype=np.int64)
+        self._file(split, "where_offsets").write(wends.astype("<i8").tobytes())
+        c["examples"] += len(arrays.lengths)
+        c["tokens"] += int(arrays.lengths.sum())
+        c["where_bytes"] += sum(len(w) for w in where)
+
+    def commit(self, record: dict[str, Any]) -> Path:
+        """Close the files, write the header (key, counts, each file's size and CRC-32, ``record``) and rename the
+        folder into place. Another process that got there first wins: its store is the same."""
+        for split in list(self.counts):
+            for column in COLUMNS:
+                self._file(split, column)  # a split with no examples still has (empty) files
+        for f in self.files.values():
+            f.fh.close()
+        header = {"format": STORE_FORMAT, "key": digest(self.key), "key_value": self.key, "splits": self.counts,
+                  "files": {name: {"size": f.size, "crc32": f.crc} for name, f in self.files.items()},
+                  "record": record}
+        (self.tmp / HEADER).write_text(json.dumps(header, default=str), encoding="utf-8")
+        self.folder.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.replace(self.tmp, self.folder)
+        except OSError:
+            if not (self.folder / HEADER).is_file():
+                raise
+            shutil.rmtree(self.tmp, ignore_errors=True)  # written meanwhile by another run with the same key
+        return self.folder
+
+    def discard(self) -> None:
+        """Remove the temporary folder (a failed write leaves nothing behind)."""
+        for f in self.files.values():
+            with contextlib.suppress(OSError):
+                f.fh.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _check(folder: Path, key: Any) -> tuple[dict[str, Any] | None, str]:
+    """The header of the store in ``folder`` if every file matches it, else ``(None, why)``."""
+    try:
+        header = json.loads((folder / HEADER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"its header cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(header, dict) or header.get("format") != STORE_FORMAT or header.get("key") != digest(key):
+        return None, "its header does not match this run's key"
+    files = header.get("files")
+    if not isinstance(files, dict) or not isinstance(header.get("splits"), dict) or \
+            not isinstance(header.get("record"), dict):
+        return None, "its header lacks the file list"
+    for name, want in files.items():
+        path = folder / name
+        try:
+            if path.stat().st_size != want["size"]:
+                return None, f"{name} holds {path.stat().st_size} bytes, the header says {want['size']}"
+            crc = 0
+            with path.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(_CHUNK), b""):  # noqa: B023 - read at once, in this loop
+                    crc = zlib.crc32(chunk, crc)
+        except (OSError, KeyError, TypeError) as e:
+            return None, f"{name} cannot be checked ({type(e).__name__}: {e})"
+        if crc != want["crc32"]:
+            return None, f"{name} does not match its checksum"
+    return header, ""
+
+
+class EncodedStore:
+    """An opened, checked store: its splits (:meth:`split`) and the record the run that wrote it saved."""
+
+    def __init__(self, folder: Path, header: dict[str, Any]) -> None:
+        self.folder, self.header = folder, header
+        self.record: dict[str, Any] = header["record"]
+        # What identifies the examples (the doctor's and planner's cache key): the header's checksums.
+        self.digest = digest(header["files"])
+
+    @classmethod
+    def open(cls, folder: Path, key: Any, say: Callable[[str], None] = print) -> EncodedStore | None:
+        """The store in ``folder`` if it exists and checks out; a damaged one is removed with a note (the run then
+        encodes again and writes it anew)."""
+        if not folder.is_dir():
+            return None
+        header, why = _check(folder, key)
+        if header is None:
+            say(f"note: the encoded-data cache {folder} is damaged ({why}); it is removed and the data encoded again")
+            shutil.rmtree(folder, ignore_errors=True)
+            return None
+        return cls(folder, header)
+
+    def split(self, name: str) -> EncodedSplit:
+        """The examples of one split (``train``, ``validation``), read from disk by position."""
+        return EncodedSplit(self.folder, name, int(self.header["splits"].get(name, {}).get("examples", 0)))
+
+
+class IntColumn(Sequence[int]):
+    """A read-only int column held as a numpy array (4 bytes a value), indexed like a list of ints."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = values
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return self.values[i].tolist()
+        return int(self.values[i])
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.values.tolist())
+
+
+class EncodedSplit(Sequence[dict[str, list[int]]]):
+    """One split of a store: ``split[i]`` is ``{"input_ids": [...], "labels": [...]}``, read from disk when asked.
+
+    Lengths and supervised counts are loaded (8 bytes an example); token ids, offsets and locations are read with
+    positioned reads per access, so the RSS does not grow with the number of examples read over an epoch.
+    """
+
+    def __init__(self, folder: Path, split: str, n: int) -> None:
+        self.folder, self.name, self.n = folder, split, n
+        offsets = self._read_all("offsets")
+        self.lengths = IntColumn(np.diff(offsets).astype(np.int32))
+        del offsets
+        self.counts = IntColumn(self._read_all("supervised"))
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, column: str) -> Path:
+        return self.folder / f"{self.name}.{column}"
+
+    def _read_all(self, column: str) -> np.ndarray:
+        return np.fromfile(self._path(column), dtype=COLUMNS[column])
+
+    def _fd(self, column: str) -> int:
+        with self._lock:
+            if column not in self._fds:
+                try:
+                    self._fds[column] = os.open(self._path(column), os.O_RDONLY)
+                except OSError as e:
+                    raise DataError(Problem(f"the encoded-data cache lost {self._path(column).name}: {e.strerror}",
+                                            str(self._path(column)), "do not delete the cache while a run reads it; "
+                                            "run again (it encodes the data anew)")) from e
+            return self._fds[column]
+
+    def _pread(self, column: str, start: int, count: int) -> np.ndarray:
+        dtype = np.dtype(COLUMNS[column])
+        out = np.empty(count, dtype=dtype)
+        view, offset = out.view(np.uint8).data, start * dtype.itemsize
+        fd = self._fd(column)
+        while len(view):
+            got = os.preadv(fd, [view], offset)  # positioned: no shared file offset between threads or forks
+            if got == 0:
+                raise DataError(Problem(f"{self._path(column).name} in the encoded-data cache ended early",
+                                        str(self._path(column)), "do not edit the cache; run again to rebuild it"))
+            view, offset = view[got:], offset + got
+        return out
+
+    def close(self) -> None:
+        """Close the open files (reads reopen them)."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def span(self, i: int) -> tuple[int, int]:
+        """Where example ``i``'s tokens start and end in the concatenated arrays."""
+        if not -self.n <= i < self.n:
+            raise IndexError(f"example {i} of {self.n}")
+        i %= self.n
+        a, b = self._pread("offsets", i, 2).tolist()
+        return a, b
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, list[int]]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, list[int]]]: ...
+    def __getitem__(self, i: int | slice) -> dict[str, list[int]] | list[dict[str, list[int]]]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.n))]
+        a, b = self.span(i)
+        return {"input_ids": self._pread("input_ids", a, b - a).tolist(),
+                "labels": self._pread("labels", a, b - a).tolist()}
+
+    def prompt_ids(self, i: int) -> list[int]:
+        """Example ``i``'s prompt (the tokens before its first supervised one, as generation feeds them)."""
+        a, _ = self.span(i)
+        n = int(self._pread("prompt_len", i % self.n, 1)[0])
+        return self._pread("input_ids", a, n).tolist()
+
+    def where(self, i: int) -> str:
+        """Example ``i``'s source row in words (``data/train.jsonl line 17``)."""
+        i %= self.n
+        a, b = self._pread("where_offsets", i, 2).tolist()
+        return self._pread("where", a, b - a).tobytes().decode("utf-8")
+
+    def source(self, i: int) -> int:
+        """Example ``i``'s row index in its source."""
+        return int(self._pread("source", i % self.n, 1)[0])
+
+
+@dataclass
+class StoreUse:
+    """What the store did for one run, for its output and ``data_report.json`` (``encoded_store``)."""
+
+    status: str  # "off", "not cacheable", "hit", "miss", "rebuilt"
+    folder: str | None = None
+    why: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "folder": self.folder, "why": self.why}
+
+
+def data_identity(paths: Sequence[str | None]) -> list[Any] | None:
+    """The data files' content (name, size, SHA-256 of each file, or of each file in a folder), ``None`` when one is
+    not on disk (then nothing is cached)."""
+    from surefit.startup.cache import files_identity
+
+    out: list[Any] = []
+    for p in paths:
+        if p is None:
+            out.append(None)
+            continue
+        ident = files_identity(p)
+        if ident is None:
+            return None
+        out.append(ident)
+    return out
+
+
+def locate(data_key: Any, key: Any) -> Path:
+    """The folder of the store for ``key`` (under the data's own folder, ``data_key``)."""
+    return store_root() / digest(data_key)[:32] / digest(key)[:32]
+
+
+def has_any(data_key: Any) -> bool:
+    """Whether any store exists for these data files (then the tokenizer is worth loading to look for a hit)."""
+    folder = store_root() / digest(data_key)[:32]
+    return folder.is_dir() and any((f / HEADER).is_file() for f in folder.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------------------ encoding
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+_JOB: Callable[[int, int], Any] | None = None  # the chunk function forked workers inherit (never sent to them)
+
+
+def _run_job(bounds: tuple[int, int]) -> Any:
+    assert _JOB is not None
+    return _JOB(*bounds)
+
+
+def chunked(fn: Callable[[int, int], Any], n: int, workers: int, chunk: int = 2048) -> Iterator[Any]:
+    """``fn(start, end)`` over ``[0, n)`` in chunks of ``chunk`` rows, in order, on ``workers`` forked processes.
+
+    The workers inherit ``fn`` (and the rows it closes over) by fork, so nothing but the chunk bounds and the results
+    travel; each chunk's result is what a single process computes, so the concatenation is the serial result. One
+    worker, one chunk, or no ``fork`` (Windows, macOS' default): in this process.
+    """
+    bounds = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
+    import multiprocessing as mp
+
+    if workers <= 1 or len(bounds) <= 1 or "fork" not in mp.get_all_start_methods():
+        for a, b in bounds:
+            yield fn(a, b)
+        return
+    global _JOB
+    _JOB = fn
+    # The tokenizer's own threads do not survive a fork: each worker tokenizes on one core (the workers are the
+    # parallelism), and the variable silences the fast tokenizers' warning about it.
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        with mp.get_context("fork").Pool(min(workers, len(bounds))) as pool:
+            yield from pool.imap(_run_job, bounds)
+    finally:
+        _JOB = None
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
+
+
+def merge_reports(reports: Sequence[Any]) -> Any:
+    """One encoding report from the reports of consecutive chunks: counts added, ``longest_*`` the maximum, lists
+    joined in order, per-key counts added, words (the split, how tools were given) the first chunk's."""
+    from dataclasses import fields as dc_fields
+
+    out = reports[0]
+    for rep in reports[1:]:
+        for f in dc_fields(out):
+            a, b = getattr(out, f.name), getattr(rep, f.name)
+            if isinstance(a, bool) or isinstance(a, str):
+                if not a and b:
+                    setattr(out, f.name, b)
+            elif isinstance(a, int):
+                setattr(out, f.name, max(a, b) if f.name.startswith("longest") else a + b)
+            elif isinstance(a, list):
+                a.extend(b)
+            elif isinstance(a, dict):
+                for k, v in b.items():
+                    a[k] = a.get(k, 0) + v
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------------ keys
+
+
+# Files of a model folder that make its tokenizer (the weights are not read by encoding).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                   "chat_template.jinja", "chat_template.json")
+
+
+def tokenizer_files(folder: str) -> list[Any] | None:
+    """``[name, size, sha256]`` of the tokenizer's files in a local model folder; ``None`` when the model is not a
+    local folder (a hub name: its files are not known here, so nothing is cached)."""
+    from surefit.startup.cache import file_sha256
+
+    p = Path(folder)
+    if not p.is_dir():
+        return None
+    return [[f.name, f.stat().st_size, file_sha256(f)] for f in sorted(p.iterdir())
+            if f.is_file() and (f.name in TOKENIZER_FILES or f.suffix == ".jinja")]
+
+
+def code_digest() -> str:
+    """The reading and encoding code (surefit's modules, by size and modification time): changed code never reads
+    what older code wrote."""
+    from importlib.resources import files
+
+    root = Path(str(files("surefit"))).resolve()
+    return digest([[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.rglob("*.py"))])
+
+
+def summary_record(summary: DataSummary) -> dict[str, Any]:
+    """A data summary as JSON (the rejected rows whole, which ``data_report.json`` only counts), for :func:`summary_of`."""
+    return {"report": summary.to_json(), "rejected": None if summary.rejected is None else
+            [r.to_json() for r in summary.rejected]}
+
+
+def summary_of(record: dict[str, Any], where: str) -> DataSummary:
+    """The data summary that :func:`summary_record` saved (``where``: the store's header, for messages)."""
+    from surefit.data.readers import Rejected
+
+    summary = DataSummary.from_json(record.get("report"), where, TextFacts)
+    rejected = record.get("rejected")
+    if rejected is not None:
+        summary.rejected = [Rejected(r["where"], r["reason"], r.get("raw")) for r in rejected]
+    return summary
+
+
+def rows_record(rows: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """Rows (validation: what predictions and scores read) as JSON; ``None`` when a field holds a value JSON cannot
+    (then the run is not cached, and says so)."""
+    out = [{"fields": r.fields, "where": r.where, "index": r.index, "variant_of": r.variant_of,
+            "transforms": list(r.transforms)} for r in rows]
+    try:
+        json.dumps(out)
+    except (TypeError, ValueError):
+        return None
+    return out
+
+
+def rows_of(record: list[dict[str, Any]]) -> list[Any]:
+    """The rows :func:`rows_record` saved."""
+    from surefit.data.rows import Row
+
+    return [Row(r["fields"], r["where"], r["index"], r["variant_of"], tuple(r["transforms"])) for r in record]
+
+
+class Recorder:
+    """Passes lines on to ``say`` and keeps them, so that a cache hit prints what the run that encoded printed."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say = say
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        self.say(line)
