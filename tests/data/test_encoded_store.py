@@ -18,6 +18,7 @@ from surefit.cli import main
 from surefit.config import SFTConfig
 from surefit.data import encoded_store
 from surefit.data.encoded_store import EncodedSplit, StoreWriter
+from surefit.data.summary import TextFacts
 from surefit.models import resolve_model
 from surefit.tasks.sft import train_sft
 from surefit.tasks.sft.train_sft import Encoder, load_encoded
@@ -66,7 +67,7 @@ def test_a_second_run_reads_the_store_and_encodes_nothing(tmp_path, tiny_lm_dir,
     said: list[str] = []
     second = _load(cfg, said)
     assert counted["rows"] == 0, "a cache hit encoded rows"
-    assert second.store.status == "hit" and second.summary.details["encoded_store"]["status"] == "hit"
+    assert second.store.status == "hit" and second.summary.facts_as(TextFacts).encoded_store["status"] == "hit"
     assert any(line.startswith("encoded data: 32 training examples read from the cache") for line in said)
     # Every line of the encoding run is said again (the counts, the split, the format), the cache's own line aside.
     assert sorted(x for x in said_first if not x.startswith("encoded data")) == \
@@ -141,7 +142,7 @@ def test_a_damaged_store_is_rebuilt_with_a_note(tmp_path, tiny_lm_dir, counted):
 def test_no_cache_reads_and_writes_no_store(tmp_path, tiny_lm_dir, counted):
     data = _write(tmp_path / "train.jsonl", qa_rows(40))
     got = _load(_cfg(tmp_path, tiny_lm_dir, data, no_cache=True))
-    assert got.summary.details["encoded_store"] == {"status": "off", "folder": None, "why": "--no_cache"}
+    assert got.summary.facts_as(TextFacts).encoded_store == {"status": "off", "folder": None, "why": "--no_cache"}
     assert not encoded_store.store_root().exists()
 
 
