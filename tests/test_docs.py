@@ -122,8 +122,10 @@ def test_the_pages_hold_commands():
     assert {"classify.md", "custom.md", "sft.md", "outputs.md"} <= names, names
 
 
+# A group each (tests/README.md): the pages are independent, some minutes long, so the test workers share them.
 @pytest.mark.slow
-@pytest.mark.parametrize("page", PAGES_WITH_COMMANDS, ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [pytest.param(p, id=p.name, marks=pytest.mark.xdist_group(f"docs-{p.name}"))
+                                  for p in PAGES_WITH_COMMANDS])
 def test_documented_commands_print_what_the_page_shows(page, tmp_path):
     cwd = scratch(tmp_path)
     for cmd in commands(page):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_llama
+from conftest import pick_free_port, tiny_llama
 from surefit.data.collate import IGNORE_INDEX, PadCollator
 from surefit.training.loss import HEAD_PATHS, causal_lm_loss_sum
 from surefit.training.speedups import fused_head as head_mod
@@ -286,7 +286,7 @@ def test_a_default_sft_run_takes_the_fused_head_and_the_switch_turns_it_off(tmp_
     assert off.history[-1]["eval_loss"] == pytest.approx(on.history[-1]["eval_loss"], abs=1e-5)
 
 
-def _ddp_worker(rank, fused, port, out):
+def _ddp_worker(rank, port, out):
     import os
 
     import torch.distributed as dist
@@ -295,15 +295,18 @@ def _ddp_worker(rank, fused, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        model = DistributedDataParallel(_llama(tied=False))
-        batch = _batch(seed=rank, n=3)  # each process its own rows
-        for _ in range(2):  # the reducer is used again in a second step
-            model.zero_grad()
-            loss, n = causal_lm_loss_sum(model, batch, fused=head_mod if fused else None,
-                                         fused_chunk_values=64 * 8)
-            (loss / n).backward()
+        grads = {}
+        for fused in (True, False):  # both in one pair of processes: each spawn costs seconds of imports
+            model = DistributedDataParallel(_llama(tied=False))
+            batch = _batch(seed=rank, n=3)  # each process its own rows
+            for _ in range(2):  # the reducer is used again in a second step
+                model.zero_grad()
+                loss, n = causal_lm_loss_sum(model, batch, fused=head_mod if fused else None,
+                                             fused_chunk_values=64 * 8)
+                (loss / n).backward()
+            grads[fused] = {k: p.grad for k, p in model.module.named_parameters()}
         if rank == 0:
-            torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+            torch.save(grads, out)
         # Both processes close the group together: one that tore gloo down while the other still held its pair
         # aborted once ("terminate called without an active exception").
         dist.barrier()
@@ -314,18 +317,11 @@ def _ddp_worker(rank, fused, port, out):
 def test_under_ddp_the_fused_head_gives_the_unfused_gradients(tmp_path):
     """Under DDP the head runs outside the wrapped forward (full fine-tuning, untied head): its gradient is still
     all-reduced with the others, and every gradient equals the unfused run's."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    grads = {}
-    for fused in (True, False):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        out = tmp_path / f"grads_{fused}.pt"
-        mp.spawn(_ddp_worker, args=(fused, port, str(out)), nprocs=2, join=True)
-        grads[fused] = torch.load(out)
+    out = tmp_path / "grads.pt"
+    mp.spawn(_ddp_worker, args=(pick_free_port(), str(out)), nprocs=2, join=True)
+    grads = torch.load(out)
     assert grads[True].keys() == grads[False].keys() and "lm_head.weight" in grads[True]
     for k in grads[True]:
         assert _close(grads[True][k], grads[False][k], 1e-5), k
