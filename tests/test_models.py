@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,22 @@ def test_embedded_gguf_converts_once_encodes_squad_and_generates(tmp_path, monke
     with torch.no_grad():
         [out] = greedy_generate(model, [ex.prompt_ids], Decode(pad_token_id=tok.pad_token_id, eos_token_ids=[tok.eos_token_id], max_new_tokens=8, batch_size=1))
     assert "paris" in tok.decode(out).lower()
+
+
+@pytest.mark.slow
+def test_two_processes_converting_the_embedded_model_at_once_both_get_the_folder(tmp_path):
+    # torchrun's processes (or two runs) on a fresh machine each convert the GGUF file; the second rename onto the
+    # finished folder must leave both with it, not fail one of them.
+    import subprocess
+    import sys
+
+    code = ("from surefit.models.gguf import embedded_lm_path, gguf_to_folder;"
+            "print(gguf_to_folder(embedded_lm_path(), log=lambda *_: None))")
+    env = dict(os.environ, SUREFIT_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in outs]
+    folders = {o.strip().splitlines()[-1] for o, _ in outs}
+    assert len(folders) == 1 and (Path(folders.pop()) / "config.json").is_file()
+    assert not list((tmp_path / "cache" / "gguf").glob("*.tmp*"))  # the loser's copy removed

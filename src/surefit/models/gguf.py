@@ -89,6 +89,12 @@ def gguf_to_folder(gguf: str | Path, log=print) -> Path:
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, target)  # atomic: a half-written conversion is never mistaken for a finished one
+    try:
+        os.replace(tmp, target)  # atomic: a half-written conversion is never mistaken for a finished one
+    except OSError:
+        # Another process (torchrun's others, a second run) converted the same file meanwhile: theirs is as good.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():
+            raise
     log(f"converted in {time.perf_counter() - t0:.1f} s")
     return target
