@@ -306,13 +306,7 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     rows_cfg = replace(cfg, val_fraction=0.0, augmentation_factor=1)
     rows, _, report = load_data(rows_cfg, say)
     rejected = report.rejected or []
-    if rejected:
-        # inspect writes no run folder, so the rows left out are listed here (training writes rejected_rows.jsonl).
-        say(f"--on_bad_rows skip: {len(rejected)} row{'s' if len(rejected) != 1 else ''} rejected and left out:")
-        for r in rejected[:10]:
-            say(f"  {r.where}: {r.reason}")
-        if len(rejected) > 10:
-            say(f"  and {len(rejected) - 10} more")
+    _say_rejected(rejected, say)
     path = model_folder(source, log=say)
     tokenizer, _ = load_tokenizer(path, source, cfg.trust_remote_code)
     encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
@@ -321,17 +315,22 @@ def inspect(cfg: SFTConfig, out: str | None = None, show: int = 2, color: bool |
     return _inspect_report(cfg, tokenizer, examples, rep, rejected, (out, show, color), say)
 
 
-def _inspect_stored(found: EncodedData, out: str | None, show: int, color: bool | None,
-                    say: Say) -> dict[str, Any]:
-    """:func:`inspect` from the encoded-data cache: every row's example (training's and validation's), the counts
-    of both encoding reports added, the rejected, excluded and shortened rows as the encoding run found them."""
-    rejected = found.summary.rejected or []
+def _say_rejected(rejected: list[Any], say: Say) -> None:
+    """inspect writes no run folder, so the rows left out are listed here (training writes rejected_rows.jsonl)."""
     if rejected:
         say(f"--on_bad_rows skip: {len(rejected)} row{'s' if len(rejected) != 1 else ''} rejected and left out:")
         for r in rejected[:10]:
             say(f"  {r.where}: {r.reason}")
         if len(rejected) > 10:
             say(f"  and {len(rejected) - 10} more")
+
+
+def _inspect_stored(found: EncodedData, out: str | None, show: int, color: bool | None,
+                    say: Say) -> dict[str, Any]:
+    """:func:`inspect` from the encoded-data cache: every row's example (training's and validation's), the counts
+    of both encoding reports added, the rejected, excluded and shortened rows as the encoding run found them."""
+    rejected = found.summary.rejected or []
+    _say_rejected(rejected, say)
     say(f"encoded data: read from the cache {found.store.folder} (no encoding; --no_cache encodes again)")
     say(found.encoder.why)
     kind = ChatReport if found.summary.format_conversational else EncodeReport
