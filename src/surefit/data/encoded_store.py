@@ -35,7 +35,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from surefit.data.summary import DataSummary, TextFacts
+from surefit.data.summary import DataSummary, TaskFacts, TextFacts
 from surefit.errors import DataError, Problem
 from surefit.startup.cache import cache_dir, digest
 
@@ -64,6 +64,10 @@ class SplitArrays:
     supervised: np.ndarray
     source: np.ndarray
     where: list[str]
+    # Arrays a task keeps beside the tokens (classify: its label, its token_type_ids), by name: per example (the first
+    # dimension is the examples: a class id, a multi-hot row) or per token (one value a token, aligned with input_ids).
+    per_example: dict[str, np.ndarray] = field(default_factory=dict)
+    per_token: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def of(cls, examples: Sequence[Any]) -> SplitArrays:
@@ -106,6 +110,7 @@ class StoreWriter:
         self.tmp.mkdir(parents=True)
         self.files: dict[str, _File] = {}
         self.counts: dict[str, dict[str, int]] = {}
+        self.extra: dict[str, dict[str, Any]] = {}  # file name -> dtype and per-example shape (SplitArrays' extras)
 
     def _file(self, split: str, column: str) -> _File:
         name = f"{split}.{column}"
@@ -127,9 +132,27 @@ class StoreWriter:
         self._file(split, "where").write(b"".join(where))
         wends = c["where_bytes"] + np.cumsum(np.array([len(w) for w in where], dtype=np.int64), dtype=np.int64)
         self._file(split, "where_offsets").write(wends.astype("<i8").tobytes())
+        self._add_extra(split, arrays)
         c["examples"] += len(arrays.lengths)
         c["tokens"] += int(arrays.lengths.sum())
         c["where_bytes"] += sum(len(w) for w in where)
+
+    def _add_extra(self, split: str, arrays: SplitArrays) -> None:
+        """Append the chunk's per-example and per-token arrays (``SPLIT.example.NAME``, ``SPLIT.token.NAME``)."""
+        sizes = {"example": len(arrays.lengths), "token": int(arrays.lengths.sum())}
+        for per, columns in (("example", arrays.per_example), ("token", arrays.per_token)):
+            for name, values in columns.items():
+                values = np.asarray(values)
+                # Numbers only: a store is read back without pickle, whatever wrote it.
+                if values.dtype.kind not in "biuf" or len(values) != sizes[per]:
+                    raise ValueError(f"{per} array {name!r}: {values.dtype} x {len(values)}, expected numbers x "
+                                     f"{sizes[per]}")
+                dtype = values.dtype.newbyteorder("<") if values.dtype.byteorder != "|" else values.dtype
+                kind = {"dtype": dtype.str, "shape": list(values.shape[1:])}
+                column = f"{per}.{name}"
+                if self.extra.setdefault(f"{split}.{column}", kind) != kind:
+                    raise ValueError(f"{column} of {split}: {kind}, earlier chunks {self.extra[f'{split}.{column}']}")
+                self._file(split, column).write(np.ascontiguousarray(values, dtype=dtype).tobytes())
 
     def commit(self, record: dict[str, Any]) -> Path:
         """Close the files, write the header (key, counts, each file's size and CRC-32, ``record``) and rename the
@@ -141,7 +164,7 @@ class StoreWriter:
             f.fh.close()
         header = {"format": STORE_FORMAT, "key": digest(self.key), "key_value": self.key, "splits": self.counts,
                   "files": {name: {"size": f.size, "crc32": f.crc} for name, f in self.files.items()},
-                  "record": record}
+                  "record": record, "extra": self.extra}
         (self.tmp / HEADER).write_text(json.dumps(header, default=str), encoding="utf-8")
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -213,6 +236,12 @@ class EncodedStore:
     def split(self, name: str) -> EncodedSplit:
         """The examples of one split (``train``, ``validation``), read from disk by position."""
         return EncodedSplit(self.folder, name, int(self.header["splits"].get(name, {}).get("examples", 0)))
+
+    def extras(self, split: EncodedSplit) -> ExtraColumns:
+        """The per-example and per-token arrays a task stored beside ``split``'s tokens (``SplitArrays.per_example``,
+        ``per_token``), read by position."""
+        kinds = self.header.get("extra") or {}
+        return ExtraColumns(split, {k: v for k, v in kinds.items() if k.startswith(f"{split.name}.")})
 
 
 class IntColumn(Sequence[int]):
@@ -331,6 +360,78 @@ class EncodedSplit(Sequence[dict[str, list[int]]]):
     def source(self, i: int) -> int:
         """Example ``i``'s row index in its source."""
         return int(self._pread("source", i % self.n, 1)[0])
+
+
+class ExtraColumns:
+    """One split's extra arrays (``SplitArrays.per_example`` / ``per_token``) and its token ids, read with positioned
+    reads per access like :class:`EncodedSplit`'s (nothing of them stays in memory).
+
+    Args:
+        split: the split whose examples they belong to (its offsets place a per-token array's values).
+        kinds: ``SPLIT.example.NAME`` / ``SPLIT.token.NAME`` -> ``{"dtype", "shape"}`` (the header's ``extra``).
+    """
+
+    def __init__(self, split: EncodedSplit, kinds: dict[str, dict[str, Any]]) -> None:
+        self.split, self.kinds = split, kinds
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _read(self, file: str, dtype: np.dtype[Any], start: int, count: int) -> np.ndarray:
+        path = self.split.folder / file
+        with self._lock:
+            if file not in self._fds:
+                try:
+                    self._fds[file] = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise DataError(Problem(f"the encoded-data cache lost {file}: {e.strerror}", str(path),
+                                            "do not delete the cache while a run reads it; run again (it encodes the "
+                                            "data anew)")) from e
+            fd = self._fds[file]
+        out = np.empty(count, dtype=dtype)
+        view, offset = out.view(np.uint8).data, start * dtype.itemsize
+        while len(view):
+            got = os.preadv(fd, [view], offset)
+            if got == 0:
+                raise DataError(Problem(f"{file} in the encoded-data cache ended early", str(path),
+                                        "do not edit the cache; run again to rebuild it"))
+            view, offset = view[got:], offset + got
+        return out
+
+    def _kind(self, per: str, name: str) -> tuple[str, np.dtype[Any], tuple[int, ...]]:
+        file = f"{self.split.name}.{per}.{name}"
+        kind = self.kinds.get(file)
+        if kind is None:
+            raise KeyError(f"the encoded-data cache {self.split.folder} holds no {per} array {name!r}")
+        dtype = np.dtype(kind["dtype"])
+        if dtype.kind not in "biuf":  # never an object array (that would unpickle)
+            raise DataError(Problem(f"{file} in the encoded-data cache has the type {dtype}", str(self.split.folder),
+                                    "do not edit the cache; run again to rebuild it"))
+        return file, dtype, tuple(int(x) for x in kind["shape"])
+
+    def example(self, name: str, i: int) -> np.ndarray:
+        """Example ``i``'s value of the per-example array ``name`` (shape: the array's per-example shape)."""
+        file, dtype, shape = self._kind("example", name)
+        width = int(np.prod(shape)) if shape else 1
+        return self._read(file, dtype, (i % self.split.n) * width, width).reshape(shape)
+
+    def tokens(self, name: str, i: int) -> np.ndarray:
+        """Example ``i``'s values of the per-token array ``name``, or of ``input_ids``."""
+        a, b = self.split.span(i)
+        if name == "input_ids":
+            return self._read(f"{self.split.name}.input_ids", np.dtype(COLUMNS["input_ids"]), a, b - a)
+        file, dtype, _ = self._kind("token", name)
+        return self._read(file, dtype, a, b - a)
+
+    def close(self) -> None:
+        """Close the open files (reads reopen them)."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 @dataclass
@@ -482,11 +583,12 @@ def summary_record(summary: DataSummary) -> dict[str, Any]:
             [r.to_json() for r in summary.rejected]}
 
 
-def summary_of(record: dict[str, Any], where: str) -> DataSummary:
-    """The data summary that :func:`summary_record` saved (``where``: the store's header, for messages)."""
+def summary_of(record: dict[str, Any], where: str, facts: type[TaskFacts] = TextFacts) -> DataSummary:
+    """The data summary that :func:`summary_record` saved (``where``: the store's header, for messages; ``facts``: the
+    task's facts type)."""
     from surefit.data.readers import Rejected
 
-    summary = DataSummary.from_json(record.get("report"), where, TextFacts)
+    summary = DataSummary.from_json(record.get("report"), where, facts)
     rejected = record.get("rejected")
     if rejected is not None:
         summary.rejected = [Rejected(r["where"], r["reason"], r.get("raw")) for r in rejected]
