@@ -430,8 +430,10 @@ class ExtraColumns:
             self._fds.clear()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.close()
+        except Exception:  # noqa: BLE001, SIM105 - at interpreter exit the modules' globals may be gone already
+            pass
 
 
 @dataclass
