@@ -243,3 +243,39 @@ def test_a_store_encoded_to_another_length_than_the_model_takes_is_not_used(tmp_
     assert counted["rows"] == 39 and _status(got) == "not cacheable"
     plain = _prepare(_cfg(tmp_path, tiny_bert_dir, data, no_cache=True, **extra))
     assert got.work.features == plain.work.features and max(got.work.lengths) == 8
+
+
+def test_extra_arrays_per_example_and_per_token_are_read_back_by_position(tmp_path):
+    import numpy as np
+
+    from surefit.data.encoded_store import EncodedStore, SplitArrays, StoreWriter
+
+    def chunk(lengths, start):
+        n, t = len(lengths), int(sum(lengths))
+        lengths = np.array(lengths, dtype=np.int64)
+        return SplitArrays(np.arange(start, start + t, dtype=np.int32), np.zeros(0, dtype=np.int32), lengths,
+                           lengths.astype(np.int32), np.ones(n, dtype=np.int32), np.arange(n), [f"row {i}" for i in range(n)],
+                           per_example={"target": np.arange(2 * n, dtype=np.float64).reshape(n, 2) / 3},
+                           per_token={"kind": np.arange(t, dtype=np.int8) % 2})
+
+    writer = StoreWriter(tmp_path / "store", {"k": 1})
+    writer.add("train", chunk([2, 3], 0))
+    writer.add("train", chunk([1], 5))
+    with pytest.raises(ValueError, match="earlier chunks"):  # one dtype per array, whatever the chunk
+        writer.add("train", SplitArrays(**{**chunk([1], 0).__dict__, "per_token": {"kind": np.zeros(1, np.int32)}}))
+    with pytest.raises(ValueError, match="expected numbers"):
+        writer.add("train", SplitArrays(**{**chunk([1], 0).__dict__, "per_example": {"x": np.array([None])}}))
+    folder = writer.commit({})
+    store = EncodedStore.open(folder, {"k": 1})
+    split = store.split("train")
+    extras = store.extras(split)
+    assert [extras.tokens("input_ids", i).tolist() for i in range(3)] == [[0, 1], [2, 3, 4], [5]]
+    assert [extras.tokens("kind", i).tolist() for i in range(3)] == [[0, 1], [0, 1, 0], [0]]
+    assert extras.example("target", 1).tolist() == [2 / 3, 1.0] and extras.example("target", 2).tolist() == [0.0, 1 / 3]
+    header = json.loads((folder / "header.json").read_text())
+    assert header["extra"]["train.example.target"] == {"dtype": "<f8", "shape": [2]}
+    # A header edited to claim an object array is refused, never read with pickle.
+    header["extra"]["train.example.target"]["dtype"] = "|O"
+    edited = EncodedStore(folder, header)
+    with pytest.raises(DataError, match="has the type"):
+        edited.extras(edited.split("train")).example("target", 0)

@@ -240,7 +240,8 @@ class EncodedStore:
     def extras(self, split: EncodedSplit) -> ExtraColumns:
         """The per-example and per-token arrays a task stored beside ``split``'s tokens (``SplitArrays.per_example``,
         ``per_token``), read by position."""
-        kinds = self.header.get("extra") or {}
+        kinds = self.header.get("extra")
+        kinds = kinds if isinstance(kinds, dict) else {}
         return ExtraColumns(split, {k: v for k, v in kinds.items() if k.startswith(f"{split.name}.")})
 
 
@@ -402,11 +403,14 @@ class ExtraColumns:
         kind = self.kinds.get(file)
         if kind is None:
             raise KeyError(f"the encoded-data cache {self.split.folder} holds no {per} array {name!r}")
-        dtype = np.dtype(kind["dtype"])
+        try:
+            dtype, shape, shown = np.dtype(kind["dtype"]), tuple(int(x) for x in kind["shape"]), repr(kind)
+        except (TypeError, ValueError, KeyError) as e:
+            dtype, shape, shown = np.dtype("O"), (), f"{kind!r} ({type(e).__name__}: {e})"
         if dtype.kind not in "biuf":  # never an object array (that would unpickle)
-            raise DataError(Problem(f"{file} in the encoded-data cache has the type {dtype}", str(self.split.folder),
-                                    "do not edit the cache; run again to rebuild it"))
-        return file, dtype, tuple(int(x) for x in kind["shape"])
+            raise DataError(Problem(f"{file} in the encoded-data cache has the type {shown}", str(self.split.folder),
+                                    "do not edit the cache; delete the folder named here and run again to rebuild it"))
+        return file, dtype, shape
 
     def example(self, name: str, i: int) -> np.ndarray:
         """Example ``i``'s value of the per-example array ``name`` (shape: the array's per-example shape)."""
