@@ -452,6 +452,16 @@ class StoreUse:
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "folder": self.folder, "why": self.why}
 
+    def line(self, n: int) -> str:
+        """The line a run prints about it, ``n`` training examples."""
+        return {"hit": f"encoded data: {n} training examples read from the cache {self.folder} (no encoding; "
+                       "--no_cache encodes again)",
+                "miss": f"encoded data: {n} training examples encoded and written to the cache {self.folder} (the next "
+                        "run with the same data, tokenizer and settings reads them)",
+                "rebuilt": f"encoded data: the damaged cache was rebuilt, {n} training examples written to {self.folder}",
+                "off": "encoded data: in memory, not cached (--no_cache)",
+                "not cacheable": f"encoded data: in memory, not cached ({self.why})"}[self.status]
+
 
 def data_identity(paths: Sequence[str | None]) -> list[Any] | None:
     """The data files' content (name, size, SHA-256 of each file, or of each file in a folder), ``None`` when one is

@@ -161,12 +161,5 @@ class Record:
 
 def say_store(use: StoreUse, n: int, summary: DataSummary, say: Say) -> None:
     """One line on what the encoded-data cache did, also saved in ``data_report.json`` (``encoded_store``)."""
-    line = {"hit": f"encoded data: {n} training examples read from the cache {use.folder} (no encoding; "
-                   "--no_cache encodes again)",
-            "miss": f"encoded data: {n} training examples encoded and written to the cache {use.folder} (the next run "
-                    "with the same data, tokenizer and settings reads them)",
-            "rebuilt": f"encoded data: the damaged cache was rebuilt, {n} training examples written to {use.folder}",
-            "off": "encoded data: in memory, not cached (--no_cache)",
-            "not cacheable": f"encoded data: in memory, not cached ({use.why})"}[use.status]
-    say(line)
+    say(use.line(n))
     summary.facts_as(ClassifyFacts).encoded_store = use.to_json()
