@@ -19,7 +19,7 @@ from surefit.cli import main
 from surefit.config.dpo_config import DPOConfig
 from surefit.data import encoded_store
 from surefit.data.summary import TextFacts
-from surefit.tasks.dpo import train_dpo
+from surefit.tasks.dpo import train_dpo, use_dpo
 from surefit.tasks.dpo.dpo_store import StoredPairs
 
 CRASH = Path(__file__).parents[1] / "training" / "crash_run.py"
@@ -44,6 +44,7 @@ def counted(monkeypatch):
         return original(rows, *a, **k)
 
     monkeypatch.setattr(train_dpo, "encode_pairs", encode_pairs)
+    monkeypatch.setattr(use_dpo, "encode_pairs", encode_pairs)
     return calls
 
 
@@ -142,3 +143,19 @@ def test_a_run_killed_mid_epoch_and_resumed_from_the_store_ends_with_the_in_memo
     assert got.keys() == reference.keys()
     worst = max(float((got[k] - reference[k]).abs().max()) for k in got)
     assert worst <= 1e-6, worst
+
+
+def test_inspect_reads_a_training_runs_store_instead_of_encoding_again(tmp_path, tiny_lm_dir, counted):
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    _prepare(_cfg(tmp_path, tiny_lm_dir, data))  # a training run's encoding: 32 train + 8 validation pairs
+    counted["rows"] = 0
+    said: list[str] = []
+    got = use_dpo.inspect(_cfg(tmp_path, tiny_lm_dir, data), out=str(tmp_path / "hit.jsonl"), show=1, color=False,
+                  say=said.append)
+    assert counted["rows"] == 0 and any(x.startswith("encoded data: read from the cache") for x in said)
+    plain = use_dpo.inspect(_cfg(tmp_path, tiny_lm_dir, data, no_cache=True), out=str(tmp_path / "plain.jsonl"), show=1,
+                    color=False, say=lambda _: None)
+    assert counted["rows"] == 40  # --no_cache encodes
+    assert got == plain and got["rows"] == 40
+    lines = lambda p: sorted((tmp_path / p).read_text(encoding="utf-8").splitlines())  # noqa: E731
+    assert lines("hit.jsonl") == lines("plain.jsonl")

@@ -302,6 +302,20 @@ def load_encoded(cfg: DPOConfig, source: Any, say: Say, early: list[Problem]) ->
     return data
 
 
+def stored_pairs(cfg: DPOConfig, source: Any, say: Say) -> EncodedPairs | None:
+    """The encoded pairs of an earlier run with these settings, when the encoded-data cache holds them (a hit);
+    ``None`` otherwise. Never encodes nor writes (``surefit inspect`` reads a large file's pairs without encoding)."""
+    if cfg.no_cache or cfg.trust_remote_code:
+        return None
+    data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+    if data_key is None or not encoded_store.has_any(data_key):
+        return None
+    path, tokenizer = _tokenizer(cfg, source, say)
+    key = store_key(cfg, data_key, path, tokenizer)
+    store = None if key is None else EncodedStore.open(encoded_store.locate(data_key, key), key, say)
+    return None if store is None else _from_store(store, path, tokenizer, lambda _: None, StoreUse("hit"))
+
+
 def _from_store(store: EncodedStore, path: str, tokenizer: Any, say: Say, use: StoreUse,
                 val_ex: list[PairExample] | None = None) -> EncodedPairs:
     """The run's pairs from an opened store: the training pairs read by position, the validation pairs (and their
