@@ -236,6 +236,10 @@ class IntColumn(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self.values.tolist())
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        # The sampler indexes the whole column at once (data/sampling.py as_int_array): no copy, no Python ints.
+        return self.values if dtype is None else self.values.astype(dtype, copy=False)
+
 
 class EncodedSplit(Sequence[dict[str, list[int]]]):
     """One split of a store: ``split[i]`` is ``{"input_ids": [...], "labels": [...]}``, read from disk when asked.
