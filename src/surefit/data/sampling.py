@@ -100,17 +100,17 @@ class EpochSteps(Sequence[list[int]]):
         self.lengths = as_int_array(lengths)
         self.n, self.batch_size, self.group_factor = len(self.lengths), batch_size, group_factor
         self.window = batch_size * group_factor
-        self.count = -(-self.n // batch_size)
+        self.total = -(-self.n // batch_size)
         self.order = IndexShuffle(self.n, f"surefit-sampler-2/{seed}/{epoch}/order")
-        self.batch_order = IndexShuffle(self.count, f"surefit-sampler-2/{seed}/{epoch}/batches")
+        self.batch_order = IndexShuffle(self.total, f"surefit-sampler-2/{seed}/{epoch}/batches")
 
     def __len__(self) -> int:
-        return self.count
+        return self.total
 
     def step(self, k: int) -> list[int]:
         """Step ``k``'s example indices, longest first."""
-        if not 0 <= k < self.count:
-            raise IndexError(f"step {k} of {self.count}")
+        if not 0 <= k < self.total:
+            raise IndexError(f"step {k} of {self.total}")
         batch = int(self.batch_order(np.array([k]))[0])
         window, j = divmod(batch, self.group_factor)
         lo = window * self.window
@@ -124,19 +124,20 @@ class EpochSteps(Sequence[list[int]]):
     def __getitem__(self, k: slice) -> list[list[int]]: ...
     def __getitem__(self, k: int | slice) -> list[int] | list[list[int]]:
         if isinstance(k, slice):
-            return [self.step(i) for i in range(*k.indices(self.count))]
-        return self.step(k + self.count if k < 0 else k)
+            return [self.step(i) for i in range(*k.indices(self.total))]
+        return self.step(k + self.total if k < 0 else k)
 
 
-def epoch_steps(lengths: Sequence[int], batch_size: int, seed: int, epoch: int, version: int = SAMPLER_VERSION,
-                group_factor: int = 16) -> Sequence[list[int]]:
+def epoch_steps(lengths: Sequence[int] | np.ndarray, batch_size: int, seed: int, epoch: int,
+                version: int = SAMPLER_VERSION, group_factor: int = 16) -> Sequence[list[int]]:
     """The length-grouped steps of one epoch with the sampler ``version`` a run uses (see the module's docstring).
 
     Raises:
         ValueError: an unknown version (a checkpoint written by a newer surefit).
     """
     if version == 1:
-        return step_batches(lengths, batch_size, seed, epoch, group_factor)
+        return step_batches(lengths.tolist() if isinstance(lengths, np.ndarray) else lengths, batch_size, seed, epoch,
+                            group_factor)
     if version == 2:
         return EpochSteps(lengths, batch_size, seed, epoch, group_factor)
     raise ValueError(f"sampler version {version!r}; this surefit has versions {', '.join(map(str, SAMPLERS))}")
