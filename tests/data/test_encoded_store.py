@@ -313,3 +313,48 @@ def test_a_cache_folder_that_cannot_be_written_encodes_in_memory_and_says_why(tm
     assert isinstance(got.features, list) and len(got.features) == 32
     assert any(x.startswith("encoded data: in memory, not cached (the cache cannot be written") for x in said)
     assert blocker.read_text() == "not a folder"
+
+
+def test_cache_dir_holds_the_store_and_beats_the_environment(tmp_path, tiny_lm_dir, capsys):
+    data = _write(tmp_path / "train.jsonl", qa_rows(24))
+    cache = tmp_path / "my cache"
+    args = ["--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1", "--batch_size", "4", "--lora_r", "4",
+            "--val_fraction", "0.25", "--max_seq_length", "96", "--eval_generate", "false", "--cache_dir", str(cache)]
+    assert main(["train", *args, "--output_dir", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    stores = list((cache / "startup" / "encoded").glob("*/*/header.json"))
+    assert len(stores) == 1 and f"written to the cache {stores[0].parent}" in said
+    assert not encoded_store.store_root().exists()  # $SUREFIT_STARTUP_CACHE (set for every test) is not used
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert report["encoded_store"]["folder"] == str(stores[0].parent)
+    # inspect with the same flag reads that store instead of encoding again
+    assert main(["inspect", "--task", "sft", *args, "--output_dir", str(tmp_path / "unused"),
+                 "--out", str(tmp_path / "inspect.jsonl")]) == 0, capsys.readouterr().err
+    assert f"encoded data: read from the cache {stores[0].parent}" in capsys.readouterr().out
+
+
+def test_cache_dir_at_an_input_or_in_the_runs_records_is_refused_before_anything_is_written(
+        tmp_path, tiny_lm_dir, capsys):
+    data_dir = tmp_path / "c" / "startup"  # where --cache_dir c would keep its start-up entries
+    data_dir.mkdir(parents=True)
+    data = _write(data_dir / "train.jsonl", qa_rows(24))
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1", "--output_dir", str(out)]
+    model_files = sorted(p.name for p in tiny_lm_dir.iterdir())
+    cases = {str(tiny_lm_dir): f"--cache_dir {tiny_lm_dir} is --model",
+             str(tiny_lm_dir / "cache"): "is inside --model",
+             str(tmp_path / "c"): f"--cache_dir {data_dir} holds --data",
+             str(out / "checkpoints" / "cache"): "the run's checkpoints",
+             str(out / "final"): "the run's final"}
+    link = tmp_path / "link"
+    link.symlink_to(tiny_lm_dir)  # a path that resolves to the base model's folder
+    cases[str(link / "cache")] = f"(it resolves to {tiny_lm_dir.resolve() / 'cache'}) is inside --model"
+    for cache, expected in cases.items():
+        capsys.readouterr()
+        assert main([*args, "--cache_dir", cache]) == 2, cache
+        err = capsys.readouterr().err
+        assert expected in err and "pass another path for --cache_dir" in err, err
+    assert main([*args, "--cache_dir", str(data)]) == 2  # a file: not a folder
+    assert f"--cache_dir {data} is not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_lm_dir.iterdir()) == model_files
+    assert sorted(p.name for p in data_dir.iterdir()) == ["train.jsonl"] and not out.exists()
