@@ -137,3 +137,15 @@ def test_the_first_sampler_is_kept_for_runs_that_started_with_it():
     assert epoch_steps(lengths, 8, 0, 1, version=1) == step_batches(lengths, 8, 0, 1)
     with pytest.raises(ValueError, match="sampler version 3"):
         epoch_steps(lengths, 8, 0, 1, version=3)
+
+
+def test_longest_first_is_the_stable_descending_sort_in_slices():
+    from surefit.data.sampling import longest_first
+
+    rng = random.Random(1)
+    values = [rng.randint(1, 30) for _ in range(1000)]  # many ties: the lower index first, as sorted() keeps them
+    for k in (1, 5, 64, 1000, 2000):
+        want = sorted(range(1000), key=lambda i: -values[i])[:k]
+        assert longest_first(values, k, slice_size=97) == want
+        assert longest_first(np.array(values, dtype=np.int32), k) == want
+    assert longest_first([], 3) == []

@@ -39,6 +39,18 @@ def as_int_array(values: Sequence[int] | np.ndarray) -> np.ndarray:
     return np.fromiter(values, dtype=np.int64, count=len(values))
 
 
+def longest_first(values: Sequence[int] | np.ndarray, k: int, slice_size: int = 1 << 20) -> list[int]:
+    """The indices of the ``k`` largest values, largest first, ties by index: ``sorted(range(n), key=lambda i:
+    -values[i])[:k]`` without a Python list of every index (the planner's longest examples at 2M examples: seconds
+    and about 100 MB that way). Slices of ``slice_size`` bound the memory whatever ``n``."""
+    arr = as_int_array(values)
+    best = np.empty(0, dtype=np.int64)
+    for a in range(0, len(arr), slice_size):
+        idx = np.concatenate([best, np.arange(a, min(a + slice_size, len(arr)), dtype=np.int64)])
+        best = idx[np.lexsort((idx, -arr[idx].astype(np.int64)))[:k]]
+    return best.tolist()
+
+
 class IndexShuffle:
     """A keyed permutation of ``range(n)`` that maps any index without building the whole order.
 
