@@ -7,9 +7,9 @@ supervised-token counts (int32), the source row's index (int64) and its location
 encoding did (so a hit reports exactly what the miss reported). No pickle anywhere: numbers are raw arrays, the rest
 JSON.
 
-The folder of a key is ``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a run on new data knows it
-misses before loading a tokenizer), ``KEY_DIGEST`` adds the tokenizer, the template and every reading and encoding
-setting. Content, not time stamps: a file rewritten with the same size and mtime is another key.
+The folder of a key is ``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a
+run on new data knows it misses before loading a tokenizer), ``KEY_DIGEST`` adds the tokenizer, the template and
+every reading and encoding setting. Content, not time stamps: a file rewritten with the same size and mtime is another key.
 
 RAM: rows are read with positioned reads (``os.preadv``) into a fresh buffer, as :mod:`surefit.data.shards` does and
 for the same reason: pages touched through a memory mapping stay in the process RSS, which would grow to the size of
@@ -50,7 +50,7 @@ HEADER = "header.json"
 # name -> (dtype, per example: True for one value a row, False for concatenated tokens)
 COLUMNS: dict[str, str] = {"input_ids": "<i4", "labels": "<i4", "offsets": "<i8", "prompt_len": "<i4",
                            "supervised": "<i4", "source": "<i8", "where": "|u1", "where_offsets": "<i8"}
-_CHUNK = 1 << 22  # bytes per read while checking a file's CRC-32
+_CHUNK = 1 << 22  # bytes per read while checking a file's CRC-32 (a multiple of CHECK_BYTES: chunks never straddle)
 _SLICE = 1 << 16  # examples per read of the offsets at open
 
 
