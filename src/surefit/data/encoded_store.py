@@ -356,6 +356,8 @@ class IntColumn(Sequence[int]):
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         # The sampler indexes the whole column at once (data/sampling.py as_int_array): no copy, no Python ints.
+        if copy:
+            return np.array(self.values, dtype=dtype, copy=True)
         return self.values if dtype is None else self.values.astype(dtype, copy=False)
 
 
