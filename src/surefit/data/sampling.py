@@ -10,7 +10,7 @@ Two samplers, versioned (a checkpoint records which one its run uses, and a resu
 - version 2 (:class:`EpochSteps`, every new run): the epoch's order is a keyed bijection of the example indices
   (:class:`IndexShuffle`), computed for the window a step needs when the step is asked for. Nothing is held per
   example and nothing is built up front, so the memory and the start-up do not grow with the examples.
-- version 1 (:func:`step_batches`): ``random.Random`` shuffles of Python lists (about 40 bytes an example, 28 s at
+- version 1 (:func:`step_batches`): ``random.Random`` shuffles of Python lists (about 50 bytes an example, 10-28 s at
   2M examples), kept so that a run started with it resumes with its own order.
 """
 
