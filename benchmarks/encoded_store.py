@@ -1,14 +1,16 @@
 """The encoded-data cache (issue 35): peak RSS and start-up to step 1 on a cache hit as the rows grow, and encoding
 throughput on this machine's cores against ``datasets.map`` with the same tokenizer.
 
-Three parts, each in its own processes (peak RSS is the kernel's ``ru_maxrss`` of that child, from ``os.wait4``):
+Three parts, each in its own processes (peak RSS: ``cli``, the kernel's ``ru_maxrss`` of that child from ``os.wait4``,
+which on Linux also covers the driver's RSS at the fork; ``store``, the child's own ``VmHWM``):
 
 - ``cli``: ``surefit train`` on a synthetic Alpaca file (short rows, written here) with the embedded SmolLM2-135M,
   ``--max_steps 2 --eval_generate false`` and a fixed 20-row ``--val_data`` (so the evaluation before training is the
   same at every size); first run a miss (reads, encodes, writes the store), second run a hit. ``OMP_NUM_THREADS=1``.
 - ``store``: the store alone at sizes a full run cannot reach on this shared machine: a store of N synthetic examples
-  (token lengths like the Alpaca rows') written with ``StoreWriter``, then a child process opens it, builds epoch 0's
-  length-grouped steps (``step_batches``, the loop's own sampler) and reads the first 50 steps' examples.
+  (token lengths like the Alpaca rows') written with ``StoreWriter`` and opened once (as the run that wrote it does),
+  then a child process (a later run's hit) opens it, builds epoch 0's length-grouped steps with the loop's own
+  sampler and reads the first 50 steps' examples.
 - ``encoding``: rows/s of surefit's encoding of the Alpaca rows (read as one-turn conversations, rendered with the
   model's chat template: ``Encoder.encode_into``, one and two processes) against ``datasets.Dataset.map`` (batched,
   ``num_proc`` 1 and 2) rendering the same conversations with the same tokenizer's ``apply_chat_template``.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -95,26 +98,37 @@ STORE_CHILD = r"""
 import json, resource, sys, time
 t0 = time.perf_counter()
 from pathlib import Path
+import surefit.training.loop  # noqa: F401 - what a run has imported (torch, the loop) before it reads data
 from surefit.data.encoded_store import EncodedStore
-from surefit.data.sampling import step_batches
+def status():  # this process's own RSS and peak (VmHWM: of the address space exec made)
+    return {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in open("/proc/self/status"))
+            if k in ("VmRSS", "VmHWM")}
+after_imports = status()["VmRSS"]
+try:  # the loop's sampler: versioned (epoch_steps) since issue 35's read side; step_batches before
+    from surefit.data.sampling import epoch_steps as sampler
+except ImportError:
+    from surefit.data.sampling import step_batches as sampler
 folder, key = Path(sys.argv[1]), json.loads(sys.argv[2])
 t1 = time.perf_counter()
 store = EncodedStore.open(folder, key)
 split = store.split("train")
 t2 = time.perf_counter()
-steps = step_batches(split.lengths, 16, 0, 0)
+steps = sampler(split.lengths, 16, 0, 0)
 t3 = time.perf_counter()
 tokens = 0
-for step in steps[:50]:
-    tokens += sum(len(split[i]["input_ids"]) for i in step)
+for k in range(50):
+    tokens += sum(len(split[i]["input_ids"]) for i in steps[k])
 t4 = time.perf_counter()
+# ru_maxrss is not this process's own: Linux carries the parent's RSS at the fork over the exec, so it reported the
+# driver's memory (which grows with the store it writes) as the child's. VmHWM is.
 print(json.dumps({"examples": len(split), "imports_s": t1 - t0, "open_and_check_s": t2 - t1, "sampler_s": t3 - t2,
-                  "read_50_steps_s": t4 - t3, "tokens_read": tokens,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "read_50_steps_s": t4 - t3, "to_step_1_s": t4 - t0 - (t4 - t3) * 49 / 50, "tokens_read": tokens,
+                  "peak_rss_mb": status()["VmHWM"], "rss_after_imports_mb": after_imports,
+                  "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) -> None:
+def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any], repeats: int = 3) -> None:
     import numpy as np
 
     sys.path.insert(0, str(src))
@@ -139,18 +153,31 @@ def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) 
                                             np.arange(a, a + m), [f"alpaca.jsonl line {i + 1}" for i in range(a, a + m)]))
         writer.commit({})
         written = time.perf_counter() - t0
+        # What the run that wrote the store does next (tasks/sft): open it once. Since issue 35's read side this
+        # first open checks every byte and saves the chunks' checksums, so the child below is a later run's hit.
+        from surefit.data.encoded_store import EncodedStore
+
+        t0 = time.perf_counter()
+        assert EncodedStore.open(folder, key) is not None
+        first_open = time.perf_counter() - t0
         size_mb = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
-        result["loads"].append(loadavg())
         env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.Popen([sys.executable, "-c", STORE_CHILD, str(folder), json.dumps(key)], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        out = proc.stdout.read().decode() if proc.stdout else ""
-        status, usage = _wait(proc, 1800)
-        if status != 0:
-            raise SystemExit(out[-3000:])
-        rec = json.loads(out.strip().splitlines()[-1])
-        rec.update(rows=n, write_s=round(written, 2), store_mb=round(size_mb, 1),
-                   child_peak_rss_mb=round(usage.ru_maxrss / 1024, 1))
+        runs = []
+        for _ in range(repeats):  # the median of each figure: imports alone swing by seconds on a shared machine
+            result["loads"].append(loadavg())
+            proc = subprocess.Popen([sys.executable, "-c", STORE_CHILD, str(folder), json.dumps(key)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            out = proc.stdout.read().decode() if proc.stdout else ""
+            status, usage = _wait(proc, 1800)
+            if status != 0:
+                raise SystemExit(out[-3000:])
+            run = json.loads([x for x in out.strip().splitlines() if x.startswith("{")][-1])
+            run["child_ru_maxrss_mb"] = round(usage.ru_maxrss / 1024, 1)
+            run["data_s"] = run["to_step_1_s"] - run["imports_s"]  # open, sampler, first step: what rows could grow
+            runs.append(run)
+        rec = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        rec.update(rows=n, write_s=round(written, 2), first_open_s=round(first_open, 2), store_mb=round(size_mb, 1),
+                   repeats=runs)
         result["store"].append(rec)
         print(json.dumps(rec), flush=True)
         save(result)
@@ -224,6 +251,7 @@ def main() -> None:
     ap.add_argument("--parts", default="encoding,store,cli")
     ap.add_argument("--cli-sizes", default="20000,200000")
     ap.add_argument("--store-sizes", default="20000,200000,2000000")
+    ap.add_argument("--store-repeats", type=int, default=3, help="child runs per store size (medians reported)")
     ap.add_argument("--encoding-rows", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--quick", action="store_true", help="small sizes, no files written")
@@ -241,7 +269,8 @@ def main() -> None:
         if "encoding" in parts:
             part_encoding(2000 if args.quick else args.encoding_rows, work, src, result)
         if "store" in parts:
-            part_store([2000] if args.quick else [int(s) for s in args.store_sizes.split(",")], work, src, result)
+            part_store([2000] if args.quick else [int(s) for s in args.store_sizes.split(",")], work, src, result,
+                       args.store_repeats)
         if "cli" in parts:
             part_cli([500] if args.quick else [int(s) for s in args.cli_sizes.split(",")], work, args.timeout, src,
                      result)

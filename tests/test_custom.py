@@ -178,7 +178,7 @@ def test_npz_shards_under_a_bound_are_read_once_per_epoch(tmp_path, monkeypatch)
     for epoch in (1, 2):
         assert loads_for(p.work.epoch_batches(epoch)) <= 8 + 1  # each shard once (+1: the one cached from the check)
     assert p.work.epoch_batches(1) != p.work.epoch_batches(2)  # still shuffled per epoch
-    random_loads = loads_for(sampling.step_batches(p.work.lengths, 16, 0, 1))
+    random_loads = loads_for(sampling.epoch_steps(p.work.lengths, 16, 0, 1))  # the loop's own order
     assert random_loads > 3 * 8, random_loads  # what the plain shuffled order costs on the same data
 
 

@@ -17,8 +17,9 @@ from conftest import build_tiny_lm, chat_tokenizer, qa_rows
 from surefit.cli import main
 from surefit.config import SFTConfig
 from surefit.data import encoded_store
-from surefit.data.encoded_store import EncodedSplit, StoreWriter
+from surefit.data.encoded_store import EncodedSplit, EncodedStore, StoreWriter
 from surefit.data.summary import TextFacts
+from surefit.errors import DataError
 from surefit.models import resolve_model
 from surefit.tasks.sft import train_sft
 from surefit.tasks.sft.train_sft import Encoder, load_encoded
@@ -120,23 +121,79 @@ def test_a_damaged_store_is_rebuilt_with_a_note(tmp_path, tiny_lm_dir, counted):
     cfg = _cfg(tmp_path, tiny_lm_dir, data)
     first = _load(cfg)
     examples = list(first.features)
-    ids = Path(first.store.folder) / "train.input_ids"
+    folder = Path(first.store.folder)
+    assert (folder / encoded_store.CHUNK_CHECKS).is_file()  # the first open checked every byte and saved the chunks'
+    ids = folder / "train.input_ids"
     raw = bytearray(ids.read_bytes())
     raw[5] ^= 0xFF
     ids.write_bytes(bytes(raw))
+    # Opening checks the header and sizes only; the damaged chunk is found by the first read that touches it.
     counted["rows"] = 0
+    hit = _load(cfg)
+    assert hit.store.status == "hit" and counted["rows"] == 0
+    with pytest.raises(DataError) as e:
+        hit.features[0]
+    assert "train.input_ids bytes 0-" in str(e.value) and "do not match their checksum" in str(e.value)
+    assert "run the same command again" in str(e.value)
     said: list[str] = []
-    again = _load(cfg, said)
-    assert any("is damaged (train.input_ids does not match its checksum)" in x for x in said), said
+    again = _load(cfg, said)  # the mark the reader left: removed with a note and encoded anew
+    assert any("is damaged (a run reading it found train.input_ids bytes 0-" in x for x in said), said
     assert counted["rows"] == 40 and again.store.status == "rebuilt"
     assert list(again.features) == examples
-    # A store cut short (a partial copy) is not trusted either.
-    with (Path(again.store.folder) / "train.labels").open("r+b") as fh:
-        fh.truncate(8)
+    # Without the saved chunk checks (or with damaged ones) every file is checked whole at open, as at the first.
+    folder = Path(again.store.folder)
+    (folder / encoded_store.CHUNK_CHECKS).write_text("{not json")
+    raw = bytearray((folder / "train.labels").read_bytes())
+    raw[-1] ^= 0x01
+    (folder / "train.labels").write_bytes(bytes(raw))
     said.clear()
     third = _load(cfg, said)
+    assert any("is damaged (train.labels does not match its checksum)" in x for x in said), said
+    assert third.store.status == "rebuilt" and list(third.features) == examples
+    # A store cut short (a partial copy) is not trusted either.
+    with (Path(third.store.folder) / "train.labels").open("r+b") as fh:
+        fh.truncate(8)
+    said.clear()
+    fourth = _load(cfg, said)
     assert any("train.labels holds 8 bytes, the header says" in x for x in said)
-    assert list(third.features) == examples
+    assert list(fourth.features) == examples
+
+
+def test_each_chunk_is_checked_when_first_read_and_a_damaged_one_is_never_returned(tmp_path):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(40, 60, size=3000)
+    ids = rng.integers(0, 50_000, size=int(lengths.sum()), dtype=np.int32)
+    writer = StoreWriter(tmp_path / "store", {"k": 1})
+    writer.add("train", encoded_store.SplitArrays(ids, ids.copy(), lengths, np.ones(3000, np.int32),
+                                                  (lengths - 1).astype(np.int32), np.arange(3000),
+                                                  [f"line {i}" for i in range(3000)]))
+    folder = writer.commit({})
+    store = EncodedStore.open(folder, {"k": 1})
+    assert store is not None and (folder / encoded_store.CHUNK_CHECKS).is_file()
+    split = store.split("train")
+    offsets = np.fromfile(folder / "train.offsets", dtype="<i8")
+    chunk = encoded_store.CHECK_BYTES
+    # Damage one byte in the third 64 KiB chunk of the labels: the examples there are refused, the others read.
+    with (folder / "train.labels").open("r+b") as fh:
+        fh.seek(2 * chunk + 100)
+        byte = fh.read(1)
+        fh.seek(2 * chunk + 100)
+        fh.write(bytes([byte[0] ^ 0x10]))
+    bad = int(np.searchsorted(offsets, (2 * chunk + 100) // 4, side="right")) - 1
+    far = 2999
+    assert offsets[far] * 4 > 3 * chunk  # in another chunk
+    reopened = EncodedStore.open(folder, {"k": 1})  # sizes unchanged: opens without reading the data
+    assert reopened is not None
+    split = reopened.split("train")
+    assert split[far]["labels"] == ids[offsets[far] : offsets[far + 1]].tolist()
+    with pytest.raises(DataError, match=rf"train.labels bytes {2 * chunk}-{3 * chunk - 1} do not match"):
+        split[bad]
+    with pytest.raises(DataError):  # still refused on a second try: a chunk is marked checked only when it matches
+        split[bad]
+    assert (folder / encoded_store.DAMAGED).is_file()
+    said: list[str] = []
+    assert EncodedStore.open(folder, {"k": 1}, said.append) is None and not folder.exists()
+    assert "found train.labels bytes" in said[0]
 
 
 def test_no_cache_reads_and_writes_no_store(tmp_path, tiny_lm_dir, counted):
@@ -256,3 +313,48 @@ def test_a_cache_folder_that_cannot_be_written_encodes_in_memory_and_says_why(tm
     assert isinstance(got.features, list) and len(got.features) == 32
     assert any(x.startswith("encoded data: in memory, not cached (the cache cannot be written") for x in said)
     assert blocker.read_text() == "not a folder"
+
+
+def test_cache_dir_holds_the_store_and_beats_the_environment(tmp_path, tiny_lm_dir, capsys):
+    data = _write(tmp_path / "train.jsonl", qa_rows(24))
+    cache = tmp_path / "my cache"
+    args = ["--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1", "--batch_size", "4", "--lora_r", "4",
+            "--val_fraction", "0.25", "--max_seq_length", "96", "--eval_generate", "false", "--cache_dir", str(cache)]
+    assert main(["train", *args, "--output_dir", str(tmp_path / "run")]) == 0, capsys.readouterr().err
+    said = capsys.readouterr().out
+    stores = list((cache / "startup" / "encoded").glob("*/*/header.json"))
+    assert len(stores) == 1 and f"written to the cache {stores[0].parent}" in said
+    assert not encoded_store.store_root().exists()  # $SUREFIT_STARTUP_CACHE (set for every test) is not used
+    report = json.loads((tmp_path / "run" / "data_report.json").read_text())
+    assert report["encoded_store"]["folder"] == str(stores[0].parent)
+    # inspect with the same flag reads that store instead of encoding again
+    assert main(["inspect", "--task", "sft", *args, "--output_dir", str(tmp_path / "unused"),
+                 "--out", str(tmp_path / "inspect.jsonl")]) == 0, capsys.readouterr().err
+    assert f"encoded data: read from the cache {stores[0].parent}" in capsys.readouterr().out
+
+
+def test_cache_dir_at_an_input_or_in_the_runs_records_is_refused_before_anything_is_written(
+        tmp_path, tiny_lm_dir, capsys):
+    data_dir = tmp_path / "c" / "startup"  # where --cache_dir c would keep its start-up entries
+    data_dir.mkdir(parents=True)
+    data = _write(data_dir / "train.jsonl", qa_rows(24))
+    out = tmp_path / "run"
+    args = ["train", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1", "--output_dir", str(out)]
+    model_files = sorted(p.name for p in tiny_lm_dir.iterdir())
+    cases = {str(tiny_lm_dir): f"--cache_dir {tiny_lm_dir} is --model",
+             str(tiny_lm_dir / "cache"): "is inside --model",
+             str(tmp_path / "c"): f"--cache_dir {data_dir} holds --data",
+             str(out / "checkpoints" / "cache"): "the run's checkpoints",
+             str(out / "final"): "the run's final"}
+    link = tmp_path / "link"
+    link.symlink_to(tiny_lm_dir)  # a path that resolves to the base model's folder
+    cases[str(link / "cache")] = f"(it resolves to {tiny_lm_dir.resolve() / 'cache'}) is inside --model"
+    for cache, expected in cases.items():
+        capsys.readouterr()
+        assert main([*args, "--cache_dir", cache]) == 2, cache
+        err = capsys.readouterr().err
+        assert expected in err and "pass another path for --cache_dir" in err, err
+    assert main([*args, "--cache_dir", str(data)]) == 2  # a file: not a folder
+    assert f"--cache_dir {data} is not a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tiny_lm_dir.iterdir()) == model_files
+    assert sorted(p.name for p in data_dir.iterdir()) == ["train.jsonl"] and not out.exists()

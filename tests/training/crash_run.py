@@ -18,6 +18,12 @@ import surefit.training.loop as loop
 from surefit.cli import main
 
 mode = sys.argv[1]
+if os.environ.get("CRASH_OLD_SAMPLER"):
+    # A run started by a surefit before sampler versions: the first sampler, and checkpoints that do not name it.
+    import dataclasses
+
+    loop.SAMPLER_VERSION = 1
+    loop.asdict = lambda obj: {k: v for k, v in dataclasses.asdict(obj).items() if k != "sampler"}
 # mid-epoch: the optimizer step (counted in this process) at whose start to die; 5 unless CRASH_AT_STEP says otherwise
 at_step = int(os.environ.get("CRASH_AT_STEP", "5"))
 argv = sys.argv[sys.argv.index("--") + 1 :]

@@ -130,3 +130,34 @@ def test_retention_after_a_resume_past_a_corrupt_checkpoint_keeps_a_resumable_on
     assert main(["train", "--resume", "--output_dir", str(out)]) == 0
     assert f"resumed from {out / 'checkpoints' / 'step-0000004'}" in capsys.readouterr().out
     _assert_same(out / "final", reference)
+
+
+def test_a_run_started_before_sampler_versions_resumes_with_its_own_order(setup, monkeypatch, capsys):
+    """A run folder of an older surefit: its checkpoints hold no sampler version and its epochs were ordered by the
+    first sampler. Resumed by this surefit, it keeps that order and ends with the weights the old sampler's
+    uninterrupted run gets (the new sampler's order would give other weights: the setup's reference)."""
+    import surefit.training.loop as loop
+
+    tmp, args, new_order_weights, _ = setup
+    monkeypatch.setattr(loop, "SAMPLER_VERSION", 1)
+    assert main(["train", *args, "--output_dir", str(tmp / "old_reference")]) == 0
+    old_reference = load_file(tmp / "old_reference" / "final" / "adapter_model.safetensors")
+    assert max(float((old_reference[k] - new_order_weights[k]).abs().max()) for k in old_reference) > 1e-4
+    monkeypatch.undo()
+    assert loop.SAMPLER_VERSION == 2
+
+    out = tmp / "old_run"
+    env = {**os.environ, "CRASH_OLD_SAMPLER": "1",
+           "PYTHONPATH": os.pathsep.join([str(CRASH.parents[1]), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(CRASH), "mid-epoch", "--", *args, "--output_dir", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    state = json.loads((out / "checkpoints" / "step-0000003" / "trainer_state.json").read_text())
+    assert "sampler" not in state["position"]  # as an older surefit wrote it
+    capsys.readouterr()
+    assert main(["train", "--resume", "--output_dir", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert "this run started with sampler version 1" in said
+    _assert_same(out / "final", old_reference)
+    state = json.loads((out / "checkpoints" / "step-0000012" / "trainer_state.json").read_text())
+    assert state["position"]["sampler"] == 1  # and its later checkpoints say so

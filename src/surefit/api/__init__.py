@@ -17,6 +17,7 @@ from surefit.config import SFTConfig, TrainConfig
 from surefit.config.aliases import build_with_aliases
 from surefit.config.task_configs import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
+from surefit.startup.cache import using_cache_dir
 from surefit.tasks import inspector, task_of
 from surefit.tasks.runner import RunResult
 
@@ -48,7 +49,8 @@ def train(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
     cfg = _config(config, settings)
-    return task_of(cfg).run(cfg)
+    with using_cache_dir(cfg.cache_dir):
+        return task_of(cfg).run(cfg)
 
 
 def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> Any:
@@ -57,7 +59,8 @@ def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: An
     from surefit.tasks.runner import doctor as run_doctor
 
     cfg = _config(config, settings)
-    return run_doctor(cfg, task_of(cfg).prepare)
+    with using_cache_dir(cfg.cache_dir):
+        return run_doctor(cfg, task_of(cfg).prepare)
 
 
 def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2,
@@ -67,7 +70,8 @@ def inspect_sft(config: SFTConfig, out: str | None = None, show: int = 2,
     Raises:
         ConfigError: ``config`` is for a task without supervised spans (classify, custom).
     """
-    return inspector(config.task).inspect(config, out, show, say=say)
+    with using_cache_dir(config.cache_dir):
+        return inspector(config.task).inspect(config, out, show, say=say)
 
 
 def inspect_data(data: str, model: str | None = None, model_args: str | None = None,

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 from surefit.errors import ConfigError, Problem, raise_if
 from surefit.run_folder.guard import Output, atomic_file
+from surefit.startup.cache import cache_dir_scope, set_cache_dir
 from surefit.tasks import get_task
 
 
@@ -49,6 +50,7 @@ def _open(run: str | Path, allow_code: bool = False, trust_remote_code: bool = F
     r = open_run(run, allow_code=allow_code, trust_remote_code=trust_remote_code, say=say)
     task = get_task(r.task)
     r.require(*task.final_files(r.cfg))
+    set_cache_dir(getattr(r.cfg, "cache_dir", None))  # the run's --cache_dir: its converted GGUF base is there
     return r, task
 
 
@@ -110,6 +112,7 @@ def _check_options(o: UseOptions, command: str) -> None:
     _check_counts(batch_size=o.batch_size, max_new_tokens=o.max_new_tokens)
 
 
+@cache_dir_scope
 def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None = None,
              predictions: str | Path | None = None, say=print, allow_code: bool = False,
              trust_remote_code: bool = False, options: UseOptions | None = None) -> dict[str, Any]:
@@ -170,6 +173,7 @@ def evaluate(run: str | Path, data: str | None = None, *, out: str | Path | None
     return result
 
 
+@cache_dir_scope
 def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | Path | None = None, *,
             out: str | Path | None = None, say=print, allow_code: bool = False, trust_remote_code: bool = False,
             options: UseOptions | None = None) -> list[dict[str, Any]]:
@@ -222,6 +226,7 @@ def predict(run: str | Path, inputs: str | list[str] | None = None, file: str | 
     return records
 
 
+@cache_dir_scope
 def export(run: str | Path, to: str | Path, *, merge: bool = False, overwrite: bool = False, say=print,
            allow_code: bool = False, trust_remote_code: bool = False) -> Path:
     """Copy a run's final model to ``to``; with ``merge``, fold its LoRA adapter into the base weights first.

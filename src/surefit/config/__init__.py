@@ -21,6 +21,7 @@ import yaml
 from surefit.config.checks import (
     NONFINITE,
     at_least,
+    cache_dir_problems,
     divisors,
     nonfinite_problems,
     output_dir_problems,
@@ -122,6 +123,10 @@ class TrainConfig:
     no_cache: bool = opt(False, "Re-run the doctor's dry run and the memory planner's measurements, and encode the "
                          "data in memory, instead of reusing those of an identical earlier start (model files, data, "
                          "settings and code unchanged; docs/startup.md).")
+    cache_dir: str | None = opt(
+        None, "The folder of surefit's caches: converted GGUF models (gguf/) and the start-up cache (startup/: the "
+        "doctor's report, the planner's measurements, sft's encoded data). Default: $SUREFIT_CACHE, else "
+        "~/.cache/surefit; the flag beats $SUREFIT_CACHE and $SUREFIT_STARTUP_CACHE (docs/startup.md).")
     profile: bool = opt(False, "At the end, print where the run's wall time went (start-up phases, training steps, "
                         "evaluation loss, generation, checkpoints, final save, report) and write it to "
                         "OUTPUT/profile.json (docs/performance.md).")
@@ -198,6 +203,7 @@ class TrainConfig:
                              "pass --lora_r 16 (QLoRA), or drop --quantize for full fine-tuning"))
         p += report_to_problems(self.report_to)
         p += output_dir_problems(self.output_dir)
+        p += cache_dir_problems(self.cache_dir)
         if self.data is None:
             p.append(Problem("no training data given", "--data", "pass --data FILE (JSONL, JSON, CSV, TSV, Parquet, ...)"))
         p += training_control_problems(self)

@@ -150,6 +150,25 @@ def output_dir_problems(value: str) -> list[Problem]:
     return []
 
 
+def cache_dir_problems(value: str | None) -> list[Problem]:
+    """``--cache_dir`` that is (or is under) an existing file, or empty: found before anything is loaded. Where it
+    may not point (the inputs, a run's ``final/`` and ``checkpoints/``) is checked with the run's outputs
+    (run_folder/guard.py ``train_problems``)."""
+    if value is None:
+        return []
+    if not str(value).strip():
+        return [Problem("empty value", "--cache_dir", "pass a folder, or leave --cache_dir out for the default")]
+    path = Path(value).expanduser()
+    for at in [path, *path.parents]:
+        if at.exists():
+            if at.is_dir():
+                return []
+            where = "" if at == path else f" ({at} is a file)"
+            return [Problem(f"--cache_dir {value} is not a folder{where}", "--cache_dir",
+                            "pass a folder path (it is created if missing), or leave --cache_dir out for the default")]
+    return []
+
+
 def split_names(value: str) -> list[str]:
     return [t.strip().lower() for t in value.split(",") if t.strip()]
 

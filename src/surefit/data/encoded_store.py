@@ -7,17 +7,22 @@ supervised-token counts (int32), the source row's index (int64) and its location
 encoding did (so a hit reports exactly what the miss reported). No pickle anywhere: numbers are raw arrays, the rest
 JSON.
 
-Where: ``encoded/`` in the start-up cache (``$SUREFIT_STARTUP_CACHE``, else ``$SUREFIT_CACHE/startup``), as
-``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a run on new data knows it
-misses before loading a tokenizer), ``KEY_DIGEST`` adds the tokenizer, the template and every reading and encoding
-setting. Content, not time stamps: a file rewritten with the same size and mtime is another key.
+The folder of a key is ``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a
+run on new data knows it misses before loading a tokenizer), ``KEY_DIGEST`` adds the tokenizer, the template and
+every reading and encoding setting. Content, not time stamps: a file rewritten with the same size and mtime is another key.
 
 RAM: rows are read with positioned reads (``os.preadv``) into a fresh buffer, as :mod:`surefit.data.shards` does and
 for the same reason: pages touched through a memory mapping stay in the process RSS, which would grow to the size of
 the data over an epoch. What stays in memory per example is its length and supervised count (4 bytes each).
 
-A store is written under a temporary name and renamed into place whole; on open every file's size and CRC-32 is
-checked against the header, and a store that does not check out is removed and rebuilt, with a note saying why.
+A store is written under a temporary name and renamed into place whole. The first open checks every file's CRC-32
+against the header and saves a CRC-32 per 64 KiB chunk (``chunks.json``); later opens check the header and the sizes
+only (constant time), and every chunk is checked the first time a read touches it. A store that does not check out
+at open is removed and rebuilt, with a note saying why; a chunk found damaged on read stops the run with a
+:class:`~surefit.errors.DataError` and marks the store, which the next open then removes and rebuilds.
+
+Where: ``encoded/`` in the start-up cache (``--cache_dir``, else ``$SUREFIT_STARTUP_CACHE``, else
+``$SUREFIT_CACHE/startup``).
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ HEADER = "header.json"
 # name -> (dtype, per example: True for one value a row, False for concatenated tokens)
 COLUMNS: dict[str, str] = {"input_ids": "<i4", "labels": "<i4", "offsets": "<i8", "prompt_len": "<i4",
                            "supervised": "<i4", "source": "<i8", "where": "|u1", "where_offsets": "<i8"}
-_CHUNK = 1 << 22  # bytes per read while checking a file's CRC-32
+_CHUNK = 1 << 22  # bytes per read while checking a file's CRC-32 (a multiple of CHECK_BYTES: chunks never straddle)
+_SLICE = 1 << 16  # examples per read of the offsets at open
 
 
 def store_root() -> Path:
@@ -183,39 +189,149 @@ class StoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _check(folder: Path, key: Any) -> tuple[dict[str, Any] | None, str]:
-    """The header of the store in ``folder`` if every file matches it, else ``(None, why)``."""
-    try:
-        header = json.loads((folder / HEADER).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        return None, f"its header cannot be read ({type(e).__name__}: {e})"
-    if not isinstance(header, dict) or header.get("format") != STORE_FORMAT or header.get("key") != digest(key):
-        return None, "its header does not match this run's key"
-    files = header.get("files")
-    if not isinstance(files, dict) or not isinstance(header.get("splits"), dict) or \
-            not isinstance(header.get("record"), dict):
-        return None, "its header lacks the file list"
-    for name, want in files.items():
-        path = folder / name
+# Read side. The writer's header holds each file's CRC-32 (a whole-file check costs a pass over the data: 5 s at 2M
+# examples). The first open after a write makes that pass once and saves a CRC-32 for every 64 KiB of every file
+# beside the header (CHUNK_CHECKS); every later open checks the header and the sizes only, and each chunk is checked
+# the first time a read touches it, so no byte is used unchecked and opening does not grow with the data.
+CHUNK_CHECKS = "chunks.json"
+CHECK_BYTES = 1 << 16
+DAMAGED = "damaged.txt"  # left by a run that found a chunk damaged on read: the next open rebuilds the store
+_CHECKS_FORMAT = 1
+
+
+class ChunkChecks:
+    """The CRC-32 of every ``chunk`` bytes of a store's files, and which chunks this process has checked.
+
+    Args:
+        chunk: bytes per chunk (the last one of a file may be shorter).
+        crcs: file name -> its chunks' CRC-32 (``uint32``).
+        sizes: file name -> its size in bytes.
+    """
+
+    def __init__(self, chunk: int, crcs: dict[str, np.ndarray], sizes: dict[str, int]) -> None:
+        self.chunk, self.crcs, self.sizes = chunk, crcs, sizes
+        self.checked = {name: np.zeros(len(c), dtype=bool) for name, c in crcs.items()}
+
+    def to_json(self, files_digest: str) -> dict[str, Any]:
+        import base64
+
+        tables = {name: base64.b64encode(self.crcs[name].astype("<u4").tobytes()).decode("ascii")
+                  for name in sorted(self.crcs)}
+        return {"format": _CHECKS_FORMAT, "chunk": self.chunk, "files": files_digest, "crc32": tables,
+                "check": zlib.crc32(json.dumps(tables, sort_keys=True).encode())}
+
+    @classmethod
+    def from_json(cls, data: Any, files_digest: str, sizes: dict[str, int]) -> ChunkChecks | None:
+        """The checks saved by :meth:`to_json` if they belong to these files (``files_digest``) and are whole."""
+        import base64
+
         try:
-            if path.stat().st_size != want["size"]:
-                return None, f"{name} holds {path.stat().st_size} bytes, the header says {want['size']}"
-            crc = 0
-            with path.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(_CHUNK), b""):  # noqa: B023 - read at once, in this loop
-                    crc = zlib.crc32(chunk, crc)
-        except (OSError, KeyError, TypeError) as e:
+            tables = data["crc32"]
+            if (data["format"] != _CHECKS_FORMAT or data["files"] != files_digest or set(tables) != set(sizes)
+                    or data["check"] != zlib.crc32(json.dumps(tables, sort_keys=True).encode())):
+                return None
+            chunk = int(data["chunk"])
+            crcs = {name: np.frombuffer(base64.b64decode(t), dtype="<u4") for name, t in tables.items()}
+        except (KeyError, TypeError, ValueError):
+            return None
+        if chunk <= 0 or any(len(crcs[name]) != -(-size // chunk) for name, size in sizes.items()):
+            return None
+        return cls(chunk, crcs, sizes)
+
+    def verify(self, name: str, start: int, data: memoryview, read: Callable[[int, int], bytes]) -> str | None:
+        """Check the chunks of file ``name`` that ``data`` (its bytes from ``start``) touches and this process has not
+        checked yet; ``read(offset, size)`` reads a chunk's bytes outside ``data``. Returns what does not match."""
+        if not len(data):
+            return None
+        checked, crcs, chunk = self.checked[name], self.crcs[name], self.chunk
+        end = start + len(data)
+        for c in range(start // chunk, (end - 1) // chunk + 1):
+            if checked[c]:
+                continue
+            a, b = c * chunk, min((c + 1) * chunk, self.sizes[name])
+            got = data[a - start : b - start] if start <= a and b <= end else read(a, b - a)
+            if zlib.crc32(got) != int(crcs[c]):
+                return f"{name} bytes {a}-{b - 1} do not match their checksum"
+            checked[c] = True
+        return None
+
+
+def _full_check(folder: Path, files: dict[str, Any]) -> tuple[ChunkChecks | None, str]:
+    """Every file's whole CRC-32 against the header, with its chunks' CRC-32 on the way (one pass)."""
+    crcs: dict[str, np.ndarray] = {}
+    for name, want in files.items():
+        crc, chunks = 0, []
+        try:
+            with (folder / name).open("rb") as fh:
+                for block in iter(lambda: fh.read(_CHUNK), b""):  # noqa: B023 - read at once, in this loop
+                    crc = zlib.crc32(block, crc)
+                    view = memoryview(block)
+                    chunks += [zlib.crc32(view[i : i + CHECK_BYTES]) for i in range(0, len(view), CHECK_BYTES)]
+        except OSError as e:
             return None, f"{name} cannot be checked ({type(e).__name__}: {e})"
         if crc != want["crc32"]:
             return None, f"{name} does not match its checksum"
-    return header, ""
+        crcs[name] = np.array(chunks, dtype=np.uint32)
+    return ChunkChecks(CHECK_BYTES, crcs, {name: int(want["size"]) for name, want in files.items()}), ""
+
+
+def _check(folder: Path, key: Any) -> tuple[dict[str, Any] | None, ChunkChecks | None, str]:
+    """The header of the store in ``folder`` and its chunk checks if the store checks out, else ``(None, None, why)``.
+
+    Opening checks the header, the key and every file's size; the chunk checks saved by an earlier open are used if
+    they belong to these files, else every file's CRC-32 is checked whole and the chunk checks saved for later opens.
+    """
+    marker = folder / DAMAGED
+    if marker.is_file():
+        try:
+            found = marker.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError):
+            found = "a damaged chunk"
+        return None, None, f"a run reading it found {found}"
+    try:
+        header = json.loads((folder / HEADER).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, None, f"its header cannot be read ({type(e).__name__}: {e})"
+    if not isinstance(header, dict) or header.get("format") != STORE_FORMAT or header.get("key") != digest(key):
+        return None, None, "its header does not match this run's key"
+    files = header.get("files")
+    if not isinstance(files, dict) or not isinstance(header.get("splits"), dict) or \
+            not isinstance(header.get("record"), dict):
+        return None, None, "its header lacks the file list"
+    sizes: dict[str, int] = {}
+    for name, want in files.items():
+        path = folder / name
+        try:
+            size = path.stat().st_size
+            if size != want["size"] or not isinstance(want["crc32"], int):
+                return None, None, f"{name} holds {size} bytes, the header says {want['size']}"
+        except (OSError, KeyError, TypeError) as e:
+            return None, None, f"{name} cannot be checked ({type(e).__name__}: {e})"
+        sizes[name] = size
+    files_digest = digest(files)
+    try:
+        saved = json.loads((folder / CHUNK_CHECKS).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        saved = None
+    checks = None if saved is None else ChunkChecks.from_json(saved, files_digest, sizes)
+    if checks is None:
+        checks, why = _full_check(folder, files)
+        if checks is None:
+            return None, None, why
+        tmp = folder / f".{CHUNK_CHECKS}.tmp{os.getpid()}"
+        with contextlib.suppress(OSError):  # a read-only cache is checked whole at every open instead
+            tmp.write_text(json.dumps(checks.to_json(files_digest)), encoding="utf-8")
+            os.replace(tmp, folder / CHUNK_CHECKS)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return header, checks, ""
 
 
 class EncodedStore:
     """An opened, checked store: its splits (:meth:`split`) and the record the run that wrote it saved."""
 
-    def __init__(self, folder: Path, header: dict[str, Any]) -> None:
-        self.folder, self.header = folder, header
+    def __init__(self, folder: Path, header: dict[str, Any], checks: ChunkChecks | None = None) -> None:
+        self.folder, self.header, self.checks = folder, header, checks
         self.record: dict[str, Any] = header["record"]
         # What identifies the examples (the doctor's and planner's cache key): the header's checksums.
         self.digest = digest(header["files"])
@@ -226,16 +342,18 @@ class EncodedStore:
         encodes again and writes it anew)."""
         if not folder.is_dir():
             return None
-        header, why = _check(folder, key)
+        header, checks, why = _check(folder, key)
         if header is None:
             say(f"note: the encoded-data cache {folder} is damaged ({why}); it is removed and the data encoded again")
             shutil.rmtree(folder, ignore_errors=True)
             return None
-        return cls(folder, header)
+        return cls(folder, header, checks)
 
     def split(self, name: str) -> EncodedSplit:
-        """The examples of one split (``train``, ``validation``), read from disk by position."""
-        return EncodedSplit(self.folder, name, int(self.header["splits"].get(name, {}).get("examples", 0)))
+        """The examples of one split (``train``, ``validation``), read from disk by position, each chunk checked
+        against its CRC-32 the first time it is read."""
+        return EncodedSplit(self.folder, name, int(self.header["splits"].get(name, {}).get("examples", 0)),
+                            self.checks)
 
     def extras(self, split: EncodedSplit) -> ExtraColumns:
         """The per-example and per-token arrays a task stored beside ``split``'s tokens (``SplitArrays.per_example``,
@@ -266,6 +384,12 @@ class IntColumn(Sequence[int]):
     def __iter__(self) -> Iterator[int]:
         return iter(self.values.tolist())
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        # The sampler indexes the whole column at once (data/sampling.py as_int_array): no copy, no Python ints.
+        if copy:
+            return np.array(self.values, dtype=dtype, copy=True)
+        return self.values if dtype is None else self.values.astype(dtype, copy=False)
+
 
 class EncodedSplit(Sequence[dict[str, list[int]]]):
     """One split of a store: ``split[i]`` is ``{"input_ids": [...], "labels": [...]}``, read from disk when asked.
@@ -274,20 +398,20 @@ class EncodedSplit(Sequence[dict[str, list[int]]]):
     positioned reads per access, so the RSS does not grow with the number of examples read over an epoch.
     """
 
-    def __init__(self, folder: Path, split: str, n: int) -> None:
-        self.folder, self.name, self.n = folder, split, n
-        offsets = self._read_all("offsets")
-        self.lengths = IntColumn(np.diff(offsets).astype(np.int32))
-        del offsets
-        self.counts = IntColumn(self._read_all("supervised"))
+    def __init__(self, folder: Path, split: str, n: int, checks: ChunkChecks | None = None) -> None:
+        self.folder, self.name, self.n, self.checks = folder, split, n, checks
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        # Read in slices: the int64 offsets never sit in memory whole next to the int32 lengths made from them.
+        lengths = np.empty(n, dtype=np.int32)
+        for a in range(0, n, _SLICE):
+            b = min(a + _SLICE, n)
+            lengths[a:b] = np.diff(self._pread("offsets", a, b - a + 1))
+        self.lengths = IntColumn(lengths)
+        self.counts = IntColumn(self._pread("supervised", 0, n))
 
     def _path(self, column: str) -> Path:
         return self.folder / f"{self.name}.{column}"
-
-    def _read_all(self, column: str) -> np.ndarray:
-        return np.fromfile(self._path(column), dtype=COLUMNS[column])
 
     def _fd(self, column: str) -> int:
         with self._lock:
@@ -311,7 +435,22 @@ class EncodedSplit(Sequence[dict[str, list[int]]]):
                 raise DataError(Problem(f"{self._path(column).name} in the encoded-data cache ended early",
                                         str(self._path(column)), "do not edit the cache; run again to rebuild it"))
             view, offset = view[got:], offset + got
+        if self.checks is not None:
+            damage = self.checks.verify(f"{self.name}.{column}", start * dtype.itemsize, out.view(np.uint8).data,
+                                        lambda a, size: os.pread(fd, size, a))
+            if damage is not None:
+                raise self._damaged(column, damage)
         return out
+
+    def _damaged(self, column: str, why: str) -> DataError:
+        """The error for a chunk that does not match its CRC-32; the store is marked, so the next open rebuilds it."""
+        with contextlib.suppress(OSError):
+            (self.folder / DAMAGED).write_text(why + "\n", encoding="utf-8")
+        return DataError(Problem(
+            f"the encoded-data cache {self.folder} is damaged: {why} (the disk, or an edit, changed it after it was "
+            "written); nothing read from the damaged part was used", str(self._path(column)),
+            "run the same command again: the next run finds the mark this one left, removes the cache and encodes "
+            "the data anew (a run with a checkpoint continues with --resume)"))
 
     def close(self) -> None:
         """Close the open files (reads reopen them)."""

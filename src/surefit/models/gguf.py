@@ -26,8 +26,10 @@ EMBEDDED_ENCODER_NAME = "all-MiniLM-L6-v2 (embedded)"
 
 
 def cache_root() -> Path:
-    """The cache folder: ``$SUREFIT_CACHE`` if set, else ``~/.cache/surefit``."""
-    return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit")
+    """The cache folder: ``--cache_dir`` of the running command, else ``$SUREFIT_CACHE``, else ``~/.cache/surefit``."""
+    from surefit.startup.cache import cache_root as root
+
+    return root()
 
 
 def _package_folder(package: str, what: str, fix: str) -> Path:

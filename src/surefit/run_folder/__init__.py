@@ -82,7 +82,7 @@ RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, CO
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_changed_data", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
-                     "report_to", "profile",
+                     "report_to", "profile", "cache_dir",
                      # the memory plan changes how a step is cut, never the update (training/plan.py)
                      "gpu_memory_gb", "grad_accum", "gradient_checkpointing",
                      # what to do about a non-finite loss only matters once one happens

@@ -56,7 +56,7 @@ DATA_SETTINGS = frozenset({
     "keep_best", "input_field", "target_field", "template", "chat_format", "format", "role_map", "train_on",
     "truncation", "text_field", "text_pair_field", "label_field", "problem_type", "head_args", "model_args", "loss",
     "labels_key", "precision", "quantize", "lr_scheduler", "on_nonfinite", "on_bad_rows", "truncation_side",
-    "lora_variant", "sharding", "system_prompt", "thinking", "system_turn",
+    "lora_variant", "sharding", "system_prompt", "thinking", "system_turn", "cache_dir",
     # switches
     "overwrite", "allow_changed_data", "force", "no_cache", "eval_generate", "eval_merge_lora", "eval_share_prefixes", "share_prefixes",
     "fused_cross_entropy", "gradient_checkpointing", "chat_template", "precompute_ref", "profile",

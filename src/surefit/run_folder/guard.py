@@ -163,7 +163,7 @@ def config_inputs(cfg: TrainConfig) -> list[Input]:
     found = []
     here = _real(Path.cwd())
     for f in dataclasses.fields(cfg):
-        if f.name in ("output_dir", "resume"):
+        if f.name in ("output_dir", "resume", "cache_dir"):
             continue  # what the run writes, not what it reads
         value = getattr(cfg, f.name, None)
         for v in value if isinstance(value, list | tuple) else [value]:
@@ -198,7 +198,26 @@ def train_problems(cfg: TrainConfig) -> list[Problem]:
     problems += [Problem(f"--output_dir {out} is inside {i.what} ({i.path}); the run would write its files among the "
                          "ones it reads", "--output_dir", "pass an --output_dir outside the data and the base model")
                  for i in inside]
+    problems += cache_problems(cfg, [Input(out / name, f"the run's {name}", tree=name in folders)
+                                     for name in (LOCK, *RUN_FILES)])
     return list({p.what: p for p in problems}.values())
+
+
+def cache_problems(cfg: TrainConfig, run_files: list[Input]) -> list[Problem]:
+    """``--cache_dir`` against what the run reads and the run folder's own files: the caches write (and remove
+    damaged entries) under ``startup/`` and ``gguf/`` there, so it may be none of the inputs, inside none of them,
+    hold none of them there, and be inside no run's ``final/``, ``checkpoints/`` or other record."""
+    if not getattr(cfg, "cache_dir", None):
+        return []
+    root = Path(str(cfg.cache_dir)).expanduser()
+    outputs = [Output("--cache_dir", root), Output("--cache_dir", root / "startup", folder=True),
+               Output("--cache_dir", root / "gguf", folder=True)]
+    inputs = [*config_inputs(cfg), *run_files]
+    for output in outputs:  # the folder itself first: one report per input, not one per subfolder
+        found = conflicts([output], inputs)
+        if found:
+            return found
+    return []
 
 
 # ------------------------------------------------------------------------------------------------------ writing

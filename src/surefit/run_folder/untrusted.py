@@ -111,7 +111,7 @@ def data_hashes(cfg: TrainConfig) -> dict[str, dict[str, Any]]:
 
 
 # Settings that name paths the run writes (or reads as data, hashed above), not files it depends on.
-_NOT_INPUTS = {"output_dir", "resume", "data", "val_data"}
+_NOT_INPUTS = {"output_dir", "resume", "cache_dir", "data", "val_data"}
 
 
 def _file_hashes(value: str, limit: int = 10_000, remember: bool = True) -> dict[str, dict[str, Any]] | None:

@@ -7,13 +7,14 @@ pickles: a corrupt or edited entry is ignored with a note and recomputed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from surefit.config import TrainConfig
 
@@ -144,11 +145,59 @@ def code_identity() -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------------------ the cache
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+_ROOTS: list[Path] = []  # --cache_dir of the command running in this process (innermost last)
+
+
+@contextlib.contextmanager
+def using_cache_dir(folder: str | os.PathLike[str] | None) -> Iterator[None]:
+    """Within the block, :func:`cache_root` is ``folder`` (a command's ``--cache_dir``); ``None`` changes nothing."""
+    if folder is None:
+        yield
+        return
+    depth = len(_ROOTS)
+    set_cache_dir(folder)
+    try:
+        yield
+    finally:
+        del _ROOTS[depth:]
+
+
+def set_cache_dir(folder: str | os.PathLike[str] | None) -> None:
+    """Use ``folder`` as :func:`cache_root` until the enclosing :func:`cache_dir_scope` ends; ``None``: no change."""
+    if folder is not None:
+        _ROOTS.append(Path(folder).expanduser())
+
+
+def cache_dir_scope(fn: Callable[P, R]) -> Callable[P, R]:
+    """Decorator: a cache folder set inside ``fn`` (:func:`set_cache_dir`) ends with it."""
+
+    @functools.wraps(fn)
+    def scoped(*args: P.args, **kwargs: P.kwargs) -> R:
+        depth = len(_ROOTS)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            del _ROOTS[depth:]
+
+    return scoped
+
+
+def cache_root() -> Path:
+    """The folder of surefit's caches: ``--cache_dir`` of the running command, else ``$SUREFIT_CACHE``, else
+    ``~/.cache/surefit``."""
+    if _ROOTS:
+        return _ROOTS[-1]
+    return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit")
+
+
 def cache_dir() -> Path:
-    """``$SUREFIT_STARTUP_CACHE`` if set, else ``startup/`` in the model cache (``$SUREFIT_CACHE``, ``~/.cache/surefit``)."""
-    if os.environ.get("SUREFIT_STARTUP_CACHE"):
+    """The start-up cache: ``startup/`` under ``--cache_dir`` when a command gave it, else ``$SUREFIT_STARTUP_CACHE``
+    if set, else ``startup/`` under :func:`cache_root`."""
+    if not _ROOTS and os.environ.get("SUREFIT_STARTUP_CACHE"):
         return Path(os.environ["SUREFIT_STARTUP_CACHE"])
-    return Path(os.environ.get("SUREFIT_CACHE") or Path.home() / ".cache" / "surefit") / "startup"
+    return cache_root() / "startup"
 
 
 def _not_a_folder(folder: Path) -> str | None:
@@ -227,7 +276,7 @@ class StartupCache:
 
 # Settings that only steer the loop or the bookkeeping: neither the doctor nor the planner reads them, so changing
 # one still finds the cached work. Every other setting is part of the key.
-NOT_IN_KEY = {"output_dir", "overwrite", "allow_changed_data", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
+NOT_IN_KEY = {"output_dir", "cache_dir", "overwrite", "allow_changed_data", "resume", "force", "no_cache", "log_every", "save_every", "keep_checkpoints",
               "report_to", "log_samples", "profile", "epochs", "max_steps", "lr", "weight_decay", "warmup_ratio", "warmup",
               "min_lr", "lr_scheduler", "max_grad_norm", "eval_every", "early_stopping", "keep_best", "on_nonfinite"}
 

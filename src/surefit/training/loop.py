@@ -34,7 +34,7 @@ import torch
 
 import surefit.startup.walltime as walltime
 from surefit.config import TrainConfig
-from surefit.data.sampling import deal, micro_batches, step_batches
+from surefit.data.sampling import SAMPLER_VERSION, SAMPLERS, as_int_array, deal, epoch_steps, micro_batches
 from surefit.errors import Problem, SurefitError
 from surefit.training.distributed import (
     clip_grad_norm,
@@ -269,6 +269,9 @@ class Progress:
     window_items: int = 0
     examples: int = 0
     nonfinite_skipped: int = 0  # optimizer steps skipped under --on_nonfinite skip_step, in the whole run
+    # The length-grouped sampler's version (data/sampling.py): a run keeps the one it started with, so a resumed
+    # run's order is its own. Checkpoints written before versions existed hold none: version 1.
+    sampler: int = SAMPLER_VERSION
 
     def add(self, step: StepResult) -> None:
         self.global_step += 1
@@ -343,7 +346,7 @@ class _Fit:
         self.micro, self.accum = process_micro_batches(settings.batch_size, settings.micro_batch_size, self.world)
         if self.world > 1:
             say(describe_processes(settings.batch_size, settings.micro_batch_size, self.world))
-        self.progress = Progress()
+        self.progress = Progress(sampler=SAMPLER_VERSION)
         self.guard = OOMGuard()
         UNKEYED.clear()  # dropout modules that could not key their masks by example (training/dropout.py)
         self.unkeyed_said = False
@@ -413,7 +416,15 @@ class _Fit:
                                 optimizer=self.optimizer, scheduler=self.scheduler,
                                 scaler=getattr(self.accelerator, "scaler", None),
                                 sharded=sharded if self.sharded else None)
-        self.history, self.progress = state.history, Progress(**state.position)
+        self.history, self.progress = state.history, Progress(**{"sampler": 1, **state.position})
+        if self.progress.sampler not in SAMPLERS:
+            raise SurefitError(Problem(
+                f"the checkpoint {folder} was written with sampler version {self.progress.sampler}, which this surefit "
+                f"does not have (it has {', '.join(map(str, SAMPLERS))}): the rest of the epoch's order is unknown here",
+                str(folder), "resume with the surefit version that started the run"))
+        if self.progress.sampler != SAMPLER_VERSION:
+            self.say(f"note: this run started with sampler version {self.progress.sampler} (data/sampling.py); it "
+                     "keeps it, so the resumed epochs see the order they would have seen")
         self.guard.load(state.oom)
         self.selection.load(state.selection)  # the best so far and the early-stopping count go on
         if self.counters is not None:  # saved summed over processes: the main process carries them on
@@ -622,14 +633,16 @@ def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks
     with _StopSignal(announce=run.main) as stop:
         while p.epoch <= epochs:
             run.model.train()
+            # Version 2 computes each step when asked (data/sampling.py): nothing per example, nothing up front.
             batches = (work.epoch_batches(p.epoch) if work.epoch_batches is not None
-                       else step_batches(lengths, settings.batch_size, settings.seed, p.epoch))
+                       else epoch_steps(lengths if p.sampler == 1 else as_int_array(lengths), settings.batch_size,
+                                        settings.seed, p.epoch, p.sampler))
             # A bar on a terminal; in a log file one line per epoch, never glued to the evaluation's (eval/progress.py).
             bar = Progress(f"epoch {p.epoch}/{epochs}", total=len(batches), unit="step", enabled=run.main)
             bar.__enter__()
             bar.set(p.step_in_epoch)
-            for step_indices in batches[p.step_in_epoch :]:
-                step = run.optimizer_step(step_indices, stop)
+            for k in range(p.step_in_epoch, len(batches)):
+                step = run.optimizer_step(batches[k], stop)
                 p.add(step)
                 bar.update(1, note=f"loss={step.loss_sum / max(step.items, 1):.4f} "
                                    f"tok/s={step.tokens / max(step.seconds, 1e-9):.0f}")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from surefit.config import TrainConfig
+from surefit.data.sampling import longest_first
 from surefit.errors import Problem, SurefitError
 from surefit.models.lowbit import quantized_bits
 from surefit.training.loss import CHUNK_VALUES
@@ -404,8 +405,9 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
     cast = store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16) if frozen_half else 0
     store = work.activation_store
     pack_saved = frozen_half and store is not None and holds_bf16(device)
-    longest = max(work.lengths) if work.lengths else 1
-    order = sorted(range(len(work.lengths)), key=lambda i: -work.lengths[i])
+    # numpy over the whole column, never a Python list of every example (a store's 2M examples: data/sampling.py)
+    order = longest_first(work.lengths, max(share, requested_micro, 1))
+    longest = work.lengths[order[0]] if order else 1
     memo = {} if memo is None else memo
     known = memo.get("saved_activations")
     measured_act = (int(known[0]), int(known[1])) if known else None
@@ -420,8 +422,12 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
     sharded = request.sharding == "fsdp"
     fp = footprint(model, mixed=mixed, measured_act=measured_act, shards=processes if sharded else 1)
 
+    top_supervised: dict[int, int] = {}
+
     def sup(micro: int) -> int:
-        return sum(sorted(work.supervised, reverse=True)[:micro])
+        if micro not in top_supervised:
+            top_supervised[micro] = sum(work.supervised[i] for i in longest_first(work.supervised, micro))
+        return top_supervised[micro]
 
     def estimate(micro: int, ckpt: bool) -> dict[str, int]:
         return fp.at(micro, longest, sup(micro), ckpt)

@@ -406,7 +406,9 @@ class EncodedData:
         from surefit.doctor.checks_data import SCAN_ROWS
 
         head = list(self.features[:SCAN_ROWS])
-        longest = max(range(len(self.lengths)), key=self.lengths.__getitem__) if self.lengths else None
+        from surefit.data.sampling import longest_first
+
+        longest = next(iter(longest_first(self.lengths, 1)), None)  # numpy: no Python int per example
         if longest is not None and longest >= SCAN_ROWS:
             head.append(self.features[longest])
         return head
