@@ -425,7 +425,11 @@ class EncodedSplit(Sequence[dict[str, list[int]]]):
             return self._fds[column]
 
     def _pread(self, column: str, start: int, count: int) -> np.ndarray:
-        dtype = np.dtype(COLUMNS[column])
+        return self.read(column, np.dtype(COLUMNS[column]), start, count)
+
+    def read(self, column: str, dtype: np.dtype[Any], start: int, count: int) -> np.ndarray:
+        """``count`` values of ``dtype`` from file ``SPLIT.column`` at value ``start``, each chunk they touch checked
+        against its CRC-32 the first time this process reads it (extra arrays read through here too)."""
         out = np.empty(count, dtype=dtype)
         view, offset = out.view(np.uint8).data, start * dtype.itemsize
         fd = self._fd(column)
@@ -460,8 +464,10 @@ class EncodedSplit(Sequence[dict[str, list[int]]]):
             self._fds.clear()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        try:
             self.close()
+        except Exception:  # noqa: BLE001, SIM105 - at interpreter exit the modules' globals may be gone already
+            pass
 
     def __len__(self) -> int:
         return self.n
@@ -513,29 +519,10 @@ class ExtraColumns:
 
     def __init__(self, split: EncodedSplit, kinds: dict[str, dict[str, Any]]) -> None:
         self.split, self.kinds = split, kinds
-        self._fds: dict[str, int] = {}
-        self._lock = threading.Lock()
 
     def _read(self, file: str, dtype: np.dtype[Any], start: int, count: int) -> np.ndarray:
-        path = self.split.folder / file
-        with self._lock:
-            if file not in self._fds:
-                try:
-                    self._fds[file] = os.open(path, os.O_RDONLY)
-                except OSError as e:
-                    raise DataError(Problem(f"the encoded-data cache lost {file}: {e.strerror}", str(path),
-                                            "do not delete the cache while a run reads it; run again (it encodes the "
-                                            "data anew)")) from e
-            fd = self._fds[file]
-        out = np.empty(count, dtype=dtype)
-        view, offset = out.view(np.uint8).data, start * dtype.itemsize
-        while len(view):
-            got = os.preadv(fd, [view], offset)
-            if got == 0:
-                raise DataError(Problem(f"{file} in the encoded-data cache ended early", str(path),
-                                        "do not edit the cache; run again to rebuild it"))
-            view, offset = view[got:], offset + got
-        return out
+        # Through the split's reader: one positioned-read loop, and every chunk checked on its first read.
+        return self.split.read(file.removeprefix(f"{self.split.name}."), dtype, start, count)
 
     def _kind(self, per: str, name: str) -> tuple[str, np.dtype[Any], tuple[int, ...]]:
         file = f"{self.split.name}.{per}.{name}"
@@ -567,16 +554,7 @@ class ExtraColumns:
 
     def close(self) -> None:
         """Close the open files (reads reopen them)."""
-        with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001, SIM105 - at interpreter exit the modules' globals may be gone already
-            pass
+        self.split.close()
 
 
 @dataclass
