@@ -137,7 +137,7 @@ def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) 
                 labels[s:s + p] = -100
             writer.add("train", SplitArrays(ids, labels, lengths, prompt, (lengths - prompt).astype(np.int32),
                                             np.arange(a, a + m), [f"alpaca.jsonl line {i + 1}" for i in range(a, a + m)]))
-        writer.commit({})
+        writer.commit(None)
         written = time.perf_counter() - t0
         size_mb = sum(f.stat().st_size for f in folder.iterdir()) / 2**20
         result["loads"].append(loadavg())
@@ -159,6 +159,21 @@ def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) 
         shutil.rmtree(folder)
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its children that have ended (a pool's workers, once joined)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _rates(out: dict[str, Any], name: str, n: int, t0: float, c0: float) -> None:
+    """rows/s (wall), CPU seconds per 1,000 rows (every process together) and the cores the run kept busy: on a
+    shared machine the wall clock depends on the others' load, the CPU cost per row does not."""
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    out[f"{name}_rows_per_s"] = round(n / wall)
+    out[f"{name}_cpu_s_per_1000_rows"] = round(1000 * cpu / n, 3)
+    out[f"{name}_cores_busy"] = round(cpu / wall, 2)
+
+
 def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None:
     sys.path.insert(0, str(src))
     from surefit.config import SFTConfig, build_config
@@ -178,10 +193,10 @@ def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None
     for workers in (1, 2):
         writer = StoreWriter(work / f"enc_store_{workers}", {"w": workers})
         result["loads"].append(loadavg())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         encoder.encode_into(rows, "train", False, lambda a, w=writer: w.add("train", a), workers)
-        writer.commit({})
-        out[f"surefit_{workers}_process_rows_per_s"] = round(n / (time.perf_counter() - t0))
+        writer.commit(None)
+        _rates(out, f"surefit_{workers}_process", n, t0, c0)
         print(json.dumps(out), flush=True)
     # The anchor: datasets.map rendering the same conversations with the same tokenizer's chat template (the
     # prompt's render for the label mask, the whole conversation for the ids, as TRL-style preprocessing does),
@@ -202,10 +217,10 @@ def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None
 
     for procs in (1, 2):
         result["loads"].append(loadavg())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         ds.map(encode, batched=True, num_proc=procs if procs > 1 else None, remove_columns=["messages"],
                load_from_cache_file=False, keep_in_memory=True)
-        out[f"datasets_map_{procs}_process_rows_per_s"] = round(n / (time.perf_counter() - t0))
+        _rates(out, f"datasets_map_{procs}_process", n, t0, c0)
         print(json.dumps(out), flush=True)
     result["encoding"] = out
     save(result)
