@@ -174,6 +174,35 @@ def _rates(out: dict[str, Any], name: str, n: int, t0: float, c0: float) -> None
     out[f"{name}_cores_busy"] = round(cpu / wall, 2)
 
 
+def scheduler_probe(seconds: float = 3.0) -> dict[str, Any]:
+    """The cores 1 and 2 busy processes of this session get right now. With the kernel's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``), CPU is shared between sessions first: on a machine other
+    sessions keep busy, a second process of the same session gets no more CPU time, only a share of the same."""
+    def burn(k: int) -> float:
+        c0, t0 = os.times(), time.perf_counter()
+        pids = []
+        for _ in range(k):
+            pid = os.fork()
+            if pid == 0:
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    pass
+                os._exit(0)
+            pids.append(pid)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        c1 = os.times()
+        return round((c1.children_user + c1.children_system - c0.children_user - c0.children_system)
+                     / (time.perf_counter() - t0), 2)
+
+    try:
+        autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        autogroup = None
+    return {"autogroup": autogroup, "cores_1_busy_process": burn(1), "cores_2_busy_processes": burn(2),
+            "load": loadavg()}
+
+
 def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None:
     sys.path.insert(0, str(src))
     from surefit.config import SFTConfig, build_config
@@ -189,7 +218,7 @@ def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None
     tokenizer, _ = load_tokenizer(path, source, False)
     rows, _, report = load_data(cfg, lambda _: None, [])
     encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
-    out: dict[str, Any] = {"rows": n, "cores": os.cpu_count()}
+    out: dict[str, Any] = {"rows": n, "cores": os.cpu_count(), "scheduler_before": scheduler_probe()}
     for workers in (1, 2):
         writer = StoreWriter(work / f"enc_store_{workers}", {"w": workers})
         result["loads"].append(loadavg())
@@ -222,6 +251,7 @@ def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None
                load_from_cache_file=False, keep_in_memory=True)
         _rates(out, f"datasets_map_{procs}_process", n, t0, c0)
         print(json.dumps(out), flush=True)
+    out["scheduler_after"] = scheduler_probe()
     result["encoding"] = out
     save(result)
 

@@ -23,6 +23,7 @@ checked against the header, and a store that does not check out is removed and r
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -415,10 +416,15 @@ def chunked(fn: Callable[[int, int], Any], n: int, workers: int, chunk: int = 20
     # parallelism), and the variable silences the fast tokenizers' warning about it.
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Objects alive now are never collected by the workers: a collection in a worker would write to every one of
+    # them (its GC header) and so copy every page the parent's rows and modules lie on, in each worker.
+    gc.collect()
+    gc.freeze()
     try:
         with mp.get_context("fork").Pool(min(workers, len(bounds))) as pool:
             yield from pool.imap(_run_job, bounds)
     finally:
+        gc.unfreeze()
         _JOB = None
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
