@@ -11,7 +11,6 @@ target does not fit even with an empty input is excluded and reported with its r
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -120,16 +119,21 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@functools.cache
+_PLAIN: dict[type, bool] = {}
+
+
 def _plain_call(cls: type) -> bool:
     """Whether ``cls(text)`` is the transformers fast tokenizers' own call (no subclass changes what it encodes)."""
-    try:
-        from transformers import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: the call, always
-        return False
-    return issubclass(cls, TokenizersBackend) and cls.__call__ is PreTrainedTokenizerBase.__call__ and \
-        cls._encode_plus is TokenizersBackend._encode_plus and cls.encode is PreTrainedTokenizerBase.encode
+    if cls not in _PLAIN:
+        try:
+            from transformers import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers layout: the call, always
+            _PLAIN[cls] = False
+        else:
+            _PLAIN[cls] = issubclass(cls, TokenizersBackend) and cls.__call__ is PreTrainedTokenizerBase.__call__ \
+                and cls._encode_plus is TokenizersBackend._encode_plus
+    return _PLAIN[cls]
 
 
 def leading_special_ids(tokenizer: Any) -> list[int]:
