@@ -114,6 +114,47 @@ print(json.dumps({"examples": len(split), "imports_s": t1 - t0, "open_and_check_
 """
 
 
+MISS_CHILD = r"""
+import json, resource, sys, time
+from surefit.config import SFTConfig, build_config
+from surefit.models import resolve_model
+from surefit.tasks.sft.train_sft import load_encoded
+cfg = build_config(SFTConfig, None, {"data": sys.argv[1], "val_data": sys.argv[2], "output_dir": sys.argv[3]})
+source = resolve_model(cfg.model)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+t0 = time.perf_counter()
+data = load_encoded(cfg, source, lambda _: None, [])
+print(json.dumps({"store": data.store.status, "examples": len(data.features), "seconds": time.perf_counter() - t0,
+                  "peak_rss_before_data_mb": before,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def part_miss(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) -> None:
+    """A miss alone (``load_encoded``: read, split, encode on every core, write the store) in a child process, its
+    peak RSS as the rows grow (the model is not loaded: what is measured is the data's share)."""
+    val = work / "miss_val.jsonl"
+    write_rows(val, 20, start=10**8)
+    for n in sizes:
+        data = work / f"miss_{n}.jsonl"
+        write_rows(data, n)
+        result["loads"].append(loadavg())
+        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
+               "SUREFIT_STARTUP_CACHE": str(work / f"miss_cache_{n}")}
+        proc = subprocess.Popen([sys.executable, "-c", MISS_CHILD, str(data), str(val), str(work / f"miss_out_{n}")],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+        status, usage = _wait(proc, 7200)
+        if status != 0:
+            raise SystemExit(out[-3000:])
+        rec = json.loads([x for x in out.splitlines() if x.startswith("{")][-1])  # warnings may follow
+        rec.update(rows=n, child_peak_rss_mb=round(usage.ru_maxrss / 1024, 1), load_after=loadavg())
+        result.setdefault("miss", []).append(rec)
+        print(json.dumps(rec), flush=True)
+        save(result)
+        data.unlink()
+
+
 def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) -> None:
     import numpy as np
 
@@ -269,6 +310,7 @@ def main() -> None:
     ap.add_argument("--parts", default="encoding,store,cli")
     ap.add_argument("--cli-sizes", default="20000,200000")
     ap.add_argument("--store-sizes", default="20000,200000,2000000")
+    ap.add_argument("--miss-sizes", default="20000,200000")
     ap.add_argument("--encoding-rows", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--quick", action="store_true", help="small sizes, no files written")
@@ -285,6 +327,8 @@ def main() -> None:
         work = Path(tmp)
         if "encoding" in parts:
             part_encoding(2000 if args.quick else args.encoding_rows, work, src, result)
+        if "miss" in parts:
+            part_miss([2000] if args.quick else [int(x) for x in args.miss_sizes.split(",")], work, src, result)
         if "store" in parts:
             part_store([2000] if args.quick else [int(s) for s in args.store_sizes.split(",")], work, src, result)
         if "cli" in parts:
