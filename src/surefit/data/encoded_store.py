@@ -4,8 +4,8 @@ A store is a folder of flat little-endian arrays, one set per split: every examp
 one int32 file, its ``labels`` into another, the offsets (int64, one more than the examples), the prompt lengths and
 supervised-token counts (int32), the source row's index (int64) and its location in words (UTF-8, with offsets).
 ``header.json`` holds the key, the counts, each file's size and CRC-32, and the run's record of what reading and
-encoding did (so a hit reports exactly what the miss reported). No pickle anywhere: numbers are raw arrays, the rest
-JSON.
+encoding did (:class:`StoreRecord`, so a hit reports exactly what the miss reported). No pickle anywhere: numbers are
+raw arrays, the rest JSON.
 
 Where: ``encoded/`` in the start-up cache (``$SUREFIT_STARTUP_CACHE``, else ``$SUREFIT_CACHE/startup``), as
 ``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a run on new data knows it
@@ -43,7 +43,7 @@ from surefit.errors import DataError, Problem, SurefitError, raise_if
 from surefit.startup.cache import cache_dir, digest
 
 # Bumped when the layout changes: older stores then simply miss.
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: the record is a versioned StoreRecord
 HEADER = "header.json"
 # name -> (dtype, per example: True for one value a row, False for concatenated tokens)
 COLUMNS: dict[str, str] = {"input_ids": "<i4", "labels": "<i4", "offsets": "<i8", "prompt_len": "<i4",
