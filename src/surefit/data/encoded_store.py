@@ -38,7 +38,7 @@ import numpy as np
 
 from surefit.data.readers import Rejected
 from surefit.data.rows import Row
-from surefit.data.summary import DataSummary, Saved, TextFacts
+from surefit.data.summary import DataSummary, Saved, TaskFacts, TextFacts
 from surefit.errors import DataError, Problem, SurefitError, raise_if
 from surefit.startup.cache import cache_dir, digest
 
@@ -67,6 +67,10 @@ class SplitArrays:
     supervised: np.ndarray
     source: np.ndarray
     where: list[str]
+    # Arrays a task keeps beside the tokens (classify: its label, its token_type_ids), by name: per example (the first
+    # dimension is the examples: a class id, a multi-hot row) or per token (one value a token, aligned with input_ids).
+    per_example: dict[str, np.ndarray] = field(default_factory=dict)
+    per_token: dict[str, np.ndarray] = field(default_factory=dict)
 
     @classmethod
     def of(cls, examples: Sequence[Any]) -> SplitArrays:
@@ -109,6 +113,7 @@ class StoreWriter:
         self.tmp.mkdir(parents=True)
         self.files: dict[str, _File] = {}
         self.counts: dict[str, dict[str, int]] = {}
+        self.extra: dict[str, dict[str, Any]] = {}  # file name -> dtype and per-example shape (SplitArrays' extras)
 
     def _file(self, split: str, column: str) -> _File:
         name = f"{split}.{column}"
@@ -130,11 +135,29 @@ class StoreWriter:
         self._file(split, "where").write(b"".join(where))
         wends = c["where_bytes"] + np.cumsum(np.array([len(w) for w in where], dtype=np.int64), dtype=np.int64)
         self._file(split, "where_offsets").write(wends.astype("<i8").tobytes())
+        self._add_extra(split, arrays)
         c["examples"] += len(arrays.lengths)
         c["tokens"] += int(arrays.lengths.sum())
         c["where_bytes"] += sum(len(w) for w in where)
 
-    def commit(self, record: StoreRecord | None) -> Path:
+    def _add_extra(self, split: str, arrays: SplitArrays) -> None:
+        """Append the chunk's per-example and per-token arrays (``SPLIT.example.NAME``, ``SPLIT.token.NAME``)."""
+        sizes = {"example": len(arrays.lengths), "token": int(arrays.lengths.sum())}
+        for per, columns in (("example", arrays.per_example), ("token", arrays.per_token)):
+            for name, values in columns.items():
+                values = np.asarray(values)
+                # Numbers only: a store is read back without pickle, whatever wrote it.
+                if values.dtype.kind not in "biuf" or len(values) != sizes[per]:
+                    raise ValueError(f"{per} array {name!r}: {values.dtype} x {len(values)}, expected numbers x "
+                                     f"{sizes[per]}")
+                dtype = values.dtype.newbyteorder("<") if values.dtype.byteorder != "|" else values.dtype
+                kind = {"dtype": dtype.str, "shape": list(values.shape[1:])}
+                column = f"{per}.{name}"
+                if self.extra.setdefault(f"{split}.{column}", kind) != kind:
+                    raise ValueError(f"{column} of {split}: {kind}, earlier chunks {self.extra[f'{split}.{column}']}")
+                self._file(split, column).write(np.ascontiguousarray(values, dtype=dtype).tobytes())
+
+    def commit(self, record: StoreRecord | dict[str, Any] | None) -> Path:
         """Close the files, write the header (key, counts, each file's size and CRC-32, ``record``) and rename the
         folder into place. Another process that got there first wins: its store is the same."""
         for split in list(self.counts):
@@ -144,7 +167,8 @@ class StoreWriter:
             f.fh.close()
         header = {"format": STORE_FORMAT, "key": digest(self.key), "key_value": self.key, "splits": self.counts,
                   "files": {name: {"size": f.size, "crc32": f.crc} for name, f in self.files.items()},
-                  "record": record.to_json() if record is not None else {}}
+                  "record": record.to_json() if isinstance(record, StoreRecord) else record or {},
+                  "extra": self.extra}
         (self.tmp / HEADER).write_text(json.dumps(header, default=str), encoding="utf-8")
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -216,6 +240,13 @@ class EncodedStore:
     def split(self, name: str) -> EncodedSplit:
         """The examples of one split (``train``, ``validation``), read from disk by position."""
         return EncodedSplit(self.folder, name, int(self.header["splits"].get(name, {}).get("examples", 0)))
+
+    def extras(self, split: EncodedSplit) -> ExtraColumns:
+        """The per-example and per-token arrays a task stored beside ``split``'s tokens (``SplitArrays.per_example``,
+        ``per_token``), read by position."""
+        kinds = self.header.get("extra")
+        kinds = kinds if isinstance(kinds, dict) else {}
+        return ExtraColumns(split, {k: v for k, v in kinds.items() if k.startswith(f"{split.name}.")})
 
 
 class IntColumn(Sequence[int]):
@@ -336,6 +367,83 @@ class EncodedSplit(Sequence[dict[str, list[int]]]):
         return int(self._pread("source", i % self.n, 1)[0])
 
 
+class ExtraColumns:
+    """One split's extra arrays (``SplitArrays.per_example`` / ``per_token``) and its token ids, read with positioned
+    reads per access like :class:`EncodedSplit`'s (nothing of them stays in memory).
+
+    Args:
+        split: the split whose examples they belong to (its offsets place a per-token array's values).
+        kinds: ``SPLIT.example.NAME`` / ``SPLIT.token.NAME`` -> ``{"dtype", "shape"}`` (the header's ``extra``).
+    """
+
+    def __init__(self, split: EncodedSplit, kinds: dict[str, dict[str, Any]]) -> None:
+        self.split, self.kinds = split, kinds
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _read(self, file: str, dtype: np.dtype[Any], start: int, count: int) -> np.ndarray:
+        path = self.split.folder / file
+        with self._lock:
+            if file not in self._fds:
+                try:
+                    self._fds[file] = os.open(path, os.O_RDONLY)
+                except OSError as e:
+                    raise DataError(Problem(f"the encoded-data cache lost {file}: {e.strerror}", str(path),
+                                            "do not delete the cache while a run reads it; run again (it encodes the "
+                                            "data anew)")) from e
+            fd = self._fds[file]
+        out = np.empty(count, dtype=dtype)
+        view, offset = out.view(np.uint8).data, start * dtype.itemsize
+        while len(view):
+            got = os.preadv(fd, [view], offset)
+            if got == 0:
+                raise DataError(Problem(f"{file} in the encoded-data cache ended early", str(path),
+                                        "do not edit the cache; run again to rebuild it"))
+            view, offset = view[got:], offset + got
+        return out
+
+    def _kind(self, per: str, name: str) -> tuple[str, np.dtype[Any], tuple[int, ...]]:
+        file = f"{self.split.name}.{per}.{name}"
+        kind = self.kinds.get(file)
+        if kind is None:
+            raise KeyError(f"the encoded-data cache {self.split.folder} holds no {per} array {name!r}")
+        try:
+            dtype, shape, shown = np.dtype(kind["dtype"]), tuple(int(x) for x in kind["shape"]), repr(kind)
+        except (TypeError, ValueError, KeyError) as e:
+            dtype, shape, shown = np.dtype("O"), (), f"{kind!r} ({type(e).__name__}: {e})"
+        if dtype.kind not in "biuf":  # never an object array (that would unpickle)
+            raise DataError(Problem(f"{file} in the encoded-data cache has the type {shown}", str(self.split.folder),
+                                    "do not edit the cache; delete the folder named here and run again to rebuild it"))
+        return file, dtype, shape
+
+    def example(self, name: str, i: int) -> np.ndarray:
+        """Example ``i``'s value of the per-example array ``name`` (shape: the array's per-example shape)."""
+        file, dtype, shape = self._kind("example", name)
+        width = int(np.prod(shape)) if shape else 1
+        return self._read(file, dtype, (i % self.split.n) * width, width).reshape(shape)
+
+    def tokens(self, name: str, i: int) -> np.ndarray:
+        """Example ``i``'s values of the per-token array ``name``, or of ``input_ids``."""
+        a, b = self.split.span(i)
+        if name == "input_ids":
+            return self._read(f"{self.split.name}.input_ids", np.dtype(COLUMNS["input_ids"]), a, b - a)
+        file, dtype, _ = self._kind("token", name)
+        return self._read(file, dtype, a, b - a)
+
+    def close(self) -> None:
+        """Close the open files (reads reopen them)."""
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, SIM105 - at interpreter exit the modules' globals may be gone already
+            pass
+
+
 @dataclass
 class StoreUse:
     """What the store did for one run, for its output and ``data_report.json`` (``encoded_store``)."""
@@ -347,6 +455,16 @@ class StoreUse:
 
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "folder": self.folder, "why": self.why}
+
+    def line(self, n: int) -> str:
+        """The line a run prints about it, ``n`` training examples."""
+        return {"hit": f"encoded data: {n} training examples read from the cache {self.folder} (no encoding; "
+                       "--no_cache encodes again)",
+                "miss": f"encoded data: {n} training examples encoded and written to the cache {self.folder} (the next "
+                        "run with the same data, tokenizer and settings reads them)",
+                "rebuilt": f"encoded data: the damaged cache was rebuilt, {n} training examples written to {self.folder}",
+                "off": "encoded data: in memory, not cached (--no_cache)",
+                "not cacheable": f"encoded data: in memory, not cached ({self.why})"}[self.status]
 
 
 def data_identity(paths: Sequence[str | None]) -> list[Any] | None:
@@ -496,6 +614,22 @@ class HeaderValues(Saved):
                 "run encodes the data again) or pass --no_cache")
 
 
+def summary_record(summary: DataSummary) -> dict[str, Any]:
+    """A data summary as JSON (the rejected rows whole, which ``data_report.json`` only counts), for :func:`summary_of`."""
+    return {"report": summary.to_json(), "rejected": None if summary.rejected is None else
+            [r.to_json() for r in summary.rejected]}
+
+
+def summary_of(record: dict[str, Any], where: str, facts: type[TaskFacts] = TextFacts) -> DataSummary:
+    """The data summary that :func:`summary_record` saved (``where``: the store's header, for messages; ``facts``: the
+    task's facts type)."""
+    summary = DataSummary.from_json(record.get("report"), where, facts)
+    rejected = record.get("rejected")
+    if rejected is not None:
+        summary.rejected = [Rejected(r["where"], r["reason"], r.get("raw")) for r in rejected]
+    return summary
+
+
 @dataclass
 class StoreRecord:
     """What the run that wrote a store found and printed, saved in its header (``record``) so that a hit reports
@@ -524,9 +658,7 @@ class StoreRecord:
         """The record as JSON (the rows' values must be JSON-able: :func:`rows_record` says)."""
         rows = rows_record(self.validation_rows)
         assert rows is not None, "a validation row JSON cannot hold reached the store (rows_record says so first)"
-        summary = {"report": self.summary.to_json(), "rejected": None if self.summary.rejected is None else
-                   [r.to_json() for r in self.summary.rejected]}
-        return {"version": RECORD_VERSION, "summary": summary, "lines": list(self.lines),
+        return {"version": RECORD_VERSION, "summary": summary_record(self.summary), "lines": list(self.lines),
                 "excluded": list(self.excluded), "shortened": list(self.shortened),
                 "terminators": sorted(self.terminators), "longest_target": self.longest_target,
                 "validation_rows": rows}
@@ -589,6 +721,11 @@ def _records(saved: Saved, key: str, shape: dict[str, type | tuple[type, ...]]) 
                 for k, t in shape.items()))
             return None
     return got
+
+
+def rows_of(record: list[dict[str, Any]]) -> list[Row]:
+    """The rows :func:`rows_record` saved (read unchecked: :class:`StoreRecord` checks the sft record's)."""
+    return [Row(r["fields"], r["where"], r["index"], r["variant_of"], tuple(r["transforms"])) for r in record]
 
 
 def rows_record(rows: Sequence[Row]) -> list[dict[str, Any]] | None:

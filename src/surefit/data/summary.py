@@ -109,6 +109,7 @@ class ClassifyFacts:
         problem_type: ``single``, ``multi`` or ``regression``; label2id: class name -> id (``None`` for regression).
         text_field, pair_field, label_field: the columns read (saved as ``fields``; ``None``: runs from before they
             were recorded, whose ``columns.json`` names them).
+        encoded_store: what the encoded-data cache did (hit, miss, off ...), as :class:`TextFacts` says it.
     """
 
     problem_type: Literal["single", "multi", "regression"] | None = None
@@ -116,11 +117,14 @@ class ClassifyFacts:
     text_field: str | None = None
     pair_field: str | None = None
     label_field: str | None = None
+    encoded_store: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"problem_type": self.problem_type, "label2id": self.label2id}
         if self.text_field is not None:
             out["fields"] = {"text": self.text_field, "pair": self.pair_field, "label": self.label_field}
+        if self.encoded_store is not None:
+            out["encoded_store"] = self.encoded_store
         return out
 
     @classmethod
@@ -138,7 +142,8 @@ class ClassifyFacts:
         return cls(problem_type=problem_type, label2id=label2id,
                    text_field=fields.get("text", str) if fields else None,
                    pair_field=fields.get("pair", str) if fields else None,
-                   label_field=fields.get("label", str) if fields else None)
+                   label_field=fields.get("label", str) if fields else None,
+                   encoded_store=saved.get("encoded_store", dict))
 
 
 @dataclass

@@ -8,6 +8,7 @@ weights)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from surefit.config.dpo_config import DPOConfig
@@ -29,12 +30,12 @@ ENTRY_POINT_CODES = frozenset(DPO_CODES)
 MAX_SHOWN = 5
 
 
-def _where(examples: list[Any], bad: list[int]) -> str:
+def _where(examples: Sequence[Any], bad: list[int]) -> str:
     shown = ", ".join(examples[i].row.where for i in bad[:MAX_SHOWN])
     return shown + (f" and {len(bad) - MAX_SHOWN} more" if len(bad) > MAX_SHOWN else "")
 
 
-def label_findings(examples: list[Any]) -> list[Finding]:
+def label_findings(examples: Sequence[Any]) -> list[Finding]:
     """The check that reads only the encoded pairs (``PairExample``). ``encode_pairs`` already refuses identical pairs,
     labels the prompt -100 by construction and excludes a pair whose prompt would be emptied; what a chat template
     renders after the answer is not in its hands."""
@@ -46,7 +47,7 @@ def label_findings(examples: list[Any]) -> list[Finding]:
                     "keep EOS / the end-of-turn token in the labels", _where(examples, masked))]
 
 
-def check_pairs(model: Any, tokenizer: Any, examples: list[Any], features: list[dict[str, Any]], collate: Any,
+def check_pairs(model: Any, tokenizer: Any, examples: Sequence[Any], features: Sequence[dict[str, Any]], collate: Any,
                 loss_fn: Any, accelerator: Any, cfg: DPOConfig) -> Report:
     """Every dpo check on the setup training will use (nothing is trained; every change is put back)."""
     import torch

@@ -13,7 +13,7 @@ with its adapters switched off for one no-grad forward (peft's ``disable_adapter
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -198,7 +198,7 @@ class PreferenceLoss:
 
 
 @torch.no_grad()
-def compute_reference(model: Any, features: list[dict[str, Any]], collate: Any, batch_size: int, accelerator: Any,
+def compute_reference(model: Any, features: Sequence[dict[str, Any]], collate: Any, batch_size: int, accelerator: Any,
                       adapters: bool) -> list[list[float]]:
     """``[chosen, rejected]`` reference log-probabilities of every pair, computed once (before step 1): the model as
     it is (full fine-tuning, before any step) or with its adapters off (``adapters``)."""

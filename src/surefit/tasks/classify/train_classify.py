@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,10 @@ from torch import nn
 import surefit.startup as startup
 import surefit.startup.cache as startup_cache
 from surefit.config.task_configs import ClassifyConfig
+from surefit.data import encoded_store
 from surefit.data.classes import Fields, LabelSpec, build_label_spec, detect_fields
 from surefit.data.collate import PadCollator
+from surefit.data.encoded_store import EncodedStore, StoreUse, StoreWriter, chunked
 from surefit.data.readers import Rejected, check_text_fields, read_splits
 from surefit.data.rows import Row
 from surefit.data.split import normalize_key, split_or_check
@@ -35,8 +37,17 @@ from surefit.errors import (
     raise_with_rejected,
 )
 from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, per_class_f1
+from surefit.eval.progress import phase
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.run_folder import COLUMNS, Found
+from surefit.tasks.classify.classify_store import (
+    Record,
+    StoredExamples,
+    arrays_of,
+    merge_truncation,
+    say_store,
+    store_key,
+)
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loss import PROBLEM_LOSS, classification_loss_sum
@@ -179,12 +190,15 @@ def say_truncated(rep: dict[str, Any], max_len: int, say: Say, split: bool = Fal
             f"({longest}e.g. {', '.join(rep['truncated_rows'][:3])})")
 
 
-def column_table(rows: list[Row], fields: Fields, spec: LabelSpec, tokenizer_keys: list[str], accepted: set[str],
+def data_columns(rows: list[Row]) -> list[str]:
+    """The columns of the rows, in order of first appearance."""
+    return list(dict.fromkeys(c for r in rows for c in r.fields))
+
+
+def column_table(columns: list[str], fields: Fields, spec: LabelSpec, tokenizer_keys: list[str], accepted: set[str],
                  model_name: str) -> list[dict[str, str]]:
-    """What happens to each data column and each tokenizer output: kept (and as what) or dropped (and why)."""
-    columns: list[str] = []
-    for r in rows:
-        columns += [c for c in r.fields if c not in columns]
+    """What happens to each data column (:func:`data_columns`) and each tokenizer output: kept (and as what) or
+    dropped (and why)."""
     table = []
     for c in columns:
         if c == fields.text:
@@ -430,45 +444,269 @@ def evaluate_features(model: Any, data: Scored, collate: Any, batch_size: int, a
     return Evaluation({"eval_loss": loss, **metrics}, records)
 
 
+# ------------------------------------------------------------------------------------------------------------ encoded data
+
+
+@dataclass
+class ReadData:
+    """The run's data as read, or as the encoded-data cache holds it (a hit), before encoding.
+
+    Attributes:
+        summary, fields, spec: what reading found: the report, the columns read, the labels.
+        columns: the data's columns in order of appearance (the kept / dropped table).
+        train_rows: the training rows to encode; ``None`` on a hit (the store holds their examples).
+        val_rows: the validation rows (evaluation shows their text and gold label).
+        tokenizer: the model's tokenizer.
+        use: what the cache did or will do; store: the store a hit opened; target: ``(folder, key)`` a miss writes
+            to; lines: what reading printed (saved in the store, for a hit to print).
+    """
+
+    summary: DataSummary
+    fields: Fields
+    spec: LabelSpec
+    columns: list[str]
+    train_rows: list[Row] | None
+    val_rows: list[Row]
+    tokenizer: Any
+    use: StoreUse
+    store: EncodedStore | None = None
+    target: tuple[Path, Any] | None = None
+    lines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class EncodedClassify:
+    """A run's encoded examples: the training ones in memory (``--no_cache``) or read from the store by position.
+
+    Attributes:
+        features, lengths, counts: the training examples as the collator takes them, their lengths, 1 each.
+        where: a training example's index -> its source row in words.
+        val_feats: the validation examples (in memory: every evaluation scores them all).
+        identity: what identifies the training examples in the start-up cache's key (the store's checksums), or
+            ``None`` (hash the examples).
+    """
+
+    features: Sequence[dict[str, Any]]
+    lengths: Sequence[int]
+    counts: Sequence[int]
+    where: Callable[[int], str]
+    val_feats: list[dict[str, Any]]
+    identity: str | None = None
+
+    def doctor_sample(self) -> Sequence[dict[str, Any]]:
+        """What the doctor scans: every example in memory; from a store the rows its scans read (the first
+        ``SCAN_ROWS``) and the longest, so that a large file is checked without holding it."""
+        if isinstance(self.features, list):
+            return self.features
+        from surefit.doctor.checks_data import SCAN_ROWS
+
+        head = list(self.features[:SCAN_ROWS])
+        longest = max(range(len(self.lengths)), key=self.lengths.__getitem__) if self.lengths else None
+        if longest is not None and longest >= SCAN_ROWS:
+            head.append(self.features[longest])
+        return head
+
+
+def load_tokenizer(cfg: ClassifyConfig, name: str, path: str) -> Any:
+    """The model's tokenizer (``name``: the model as the user gave it, for messages)."""
+    from transformers import AutoTokenizer
+
+    with startup.phase("tokenizer"):
+        try:
+            return AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
+        except Exception as e:  # noqa: BLE001
+            raise ModelError(Problem(f"cannot load the tokenizer of {name}: {type(e).__name__}: {e}", "--model")) from e
+
+
+def read_data(cfg: ClassifyConfig, model: tuple[str, str] | None, say: Say, early: list[Problem]) -> ReadData:
+    """The run's rows, labels and split, or what the encoded-data cache holds for an identical run (the data files'
+    content, the tokenizer, the model's config, every reading and encoding setting and the code unchanged: a hit
+    prints what reading printed, and nothing is read or encoded). ``model``: ``(name, folder)``, ``None`` when it
+    could not be resolved (its problem is in ``early``, reported with the data's).
+
+    The data files are hashed first; the tokenizer is loaded before the rows are read only when a store for these
+    files exists, so a data problem in new data still costs seconds.
+    """
+    use = StoreUse("off", why="--no_cache")
+    data_key = None
+    if not cfg.no_cache:
+        use = StoreUse("not cacheable")
+        if cfg.trust_remote_code:
+            use.why = "--trust_remote_code: the tokenizer runs the model's own code"
+        else:
+            with startup.phase("data hash"):
+                data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+            if data_key is None:
+                use.why = "the data is not a file on disk"
+    tokenizer, key = None, None
+    if model is not None and data_key is not None and encoded_store.has_any(data_key):
+        tokenizer = load_tokenizer(cfg, *model)
+        key = store_key(cfg, data_key, model[1], tokenizer)
+        if key is not None:
+            folder = encoded_store.locate(data_key, key)
+            existed = folder.is_dir()
+            with startup.phase("encoding data"):  # a hit's: checking and opening the store
+                store = EncodedStore.open(folder, key, say)
+            if store is not None:
+                raise_with_rejected(early, [])  # the run folder's problems, found before the data
+                rec = Record.from_json(store.record)
+                for line in rec.lines:
+                    say(line)
+                return ReadData(rec.data_summary(str(store.folder / encoded_store.HEADER)), rec.fields_read(),
+                                rec.label_spec(), rec.columns, None, encoded_store.rows_of(rec.validation_rows),
+                                tokenizer, StoreUse("hit"), store=store)
+            use = StoreUse("rebuilt" if existed else "miss")
+    record = encoded_store.Recorder(say)
+    with startup.phase("reading data"), phase("reading data"):
+        train_rows, val_rows, fields, spec, report = load_data(cfg, record, early)
+    assert model is not None  # a model problem was raised above, with the data's
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg, *model)
+    if data_key is not None and key is None:
+        key = store_key(cfg, data_key, model[1], tokenizer)
+        use = StoreUse("miss") if key is not None else StoreUse("not cacheable", why="the model is not a local folder")
+    target = None
+    if key is not None:
+        if encoded_store.rows_record(val_rows) is None:
+            use = StoreUse("not cacheable", why="a validation row holds a value JSON cannot hold")
+        else:
+            target = (encoded_store.locate(data_key, key), key)
+    return ReadData(report, fields, spec, data_columns(train_rows + val_rows), train_rows, val_rows, tokenizer, use,
+                    target=target, lines=record.lines)
+
+
+def _encode_into(writer: StoreWriter, rows: list[Row], data: ReadData, max_len: int, keys: list[str],
+                 split: str) -> dict[str, Any]:
+    """Encode ``rows`` on every core, chunk by chunk, into ``writer``; the truncation report."""
+    tokenizer, fields, spec = data.tokenizer, data.fields, data.spec
+
+    def chunk(a: int, b: int) -> tuple[Any, dict[str, Any]]:
+        feats, rep = encode(rows[a:b], tokenizer, fields, spec, max_len, keys, split)
+        return arrays_of(feats, rows[a:b], spec, keys), rep
+
+    reports = []
+    for arrays, rep in chunked(chunk, len(rows), encoded_store.cores()):
+        writer.add(split, arrays)
+        reports.append(rep)
+    if not reports:
+        writer.add(split, arrays_of([], [], spec, keys))
+        return encode([], tokenizer, fields, spec, max_len, keys, split)[1]
+    return merge_truncation(reports)
+
+
+def encode_data(cfg: ClassifyConfig, data: ReadData, max_len: int, keys: list[str], say: Say) -> EncodedClassify:
+    """Tokenize (to ``max_len`` tokens, truncations counted) and label every example: into the encoded-data cache and
+    read back from it by position, or in memory (``--no_cache``, or not cacheable). A hit reads the store, after
+    checking that it was encoded to the same length and inputs, and prints what encoding printed."""
+    if data.store is not None:
+        rec = Record.from_json(data.store.record)
+        if (rec.max_len, rec.keys) == (max_len, keys):
+            for line in rec.encode_lines:
+                say(line)
+            return _from_store(data, data.store, keys, say)
+        # The key holds what decides both (the model's config, transformers' version): this is a safety net.
+        why = f"it was encoded to {rec.max_len} tokens of {rec.keys}, the model takes {max_len} of {keys}"
+        say(f"note: the encoded-data cache {data.store.folder} does not fit this model ({why}); the data is read and "
+            "encoded again, in memory")
+        data.train_rows, data.val_rows, *_ = load_data(cfg, lambda _: None)
+        data.store, data.use = None, StoreUse("not cacheable", why=why)
+    assert data.train_rows is not None
+    train_rows, val_rows, spec = data.train_rows, data.val_rows, data.spec
+    record = encoded_store.Recorder(say)
+    writer = None
+    if data.target is not None:
+        try:
+            writer = StoreWriter(*data.target)
+        except OSError as e:  # a cache is a speed-up: one that cannot be written costs the next run an encoding
+            data.use = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+    try:
+        with startup.phase("encoding data"), phase("encoding data"):
+            train_feats: list[dict[str, Any]] = []
+            if writer is None:
+                train_feats, train_rep = encode(train_rows, data.tokenizer, data.fields, spec, max_len, keys, "train")
+            else:
+                train_rep = _encode_into(writer, train_rows, data, max_len, keys, "train")
+            val_feats, val_rep = encode(val_rows, data.tokenizer, data.fields, spec, max_len, keys, "validation")
+        for rep in (train_rep, val_rep):
+            say_truncated(rep, max_len, record, split=True)
+        data.summary.encoding = {"train": train_rep, "validation": val_rep}
+        if writer is None:
+            say_store(data.use, len(train_feats), data.summary, say)
+            return EncodedClassify(train_feats, [len(f["input_ids"]) for f in train_feats], [1] * len(train_feats),
+                                   lambda i: train_rows[i].where, val_feats)
+        writer.add("validation", arrays_of(val_feats, val_rows, spec, keys))
+        rows = encoded_store.rows_record(val_rows)
+        assert rows is not None  # checked by read_data
+        rec = Record(encoded_store.summary_record(data.summary), data.lines, record.lines, asdict(spec),
+                     asdict(data.fields), data.columns, rows, max_len, keys)
+        with startup.phase("encoded data write"):
+            folder = writer.commit(rec.to_json())
+    except OSError as e:
+        if writer is None:
+            raise
+        writer.discard()
+        say(f"note: the encoded-data cache cannot be written ({e}); the data is encoded again, in memory")
+        data.target, data.use = None, StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+        encoded = encode_data(cfg, data, max_len, keys, lambda _: None)
+        say_store(data.use, len(encoded.features), data.summary, say)
+        return encoded
+    except BaseException:
+        if writer is not None:
+            writer.discard()
+        raise
+    assert data.target is not None
+    data.train_rows = None  # the rows are in the store now: what stays in memory does not grow with them
+    store = EncodedStore.open(folder, data.target[1], say)
+    assert store is not None, f"the encoded-data cache just written to {folder} does not check out"
+    return _from_store(data, store, keys, say)
+
+
+def _from_store(data: ReadData, store: EncodedStore, keys: list[str], say: Say) -> EncodedClassify:
+    """The examples of an opened store: the training ones read by position, the validation ones in memory."""
+    train, val = store.split("train"), store.split("validation")
+    features = StoredExamples(train, store.extras(train), keys, data.spec.problem_type)
+    held_out = StoredExamples(val, store.extras(val), keys, data.spec.problem_type)
+    val_feats = list(held_out)
+    held_out.close()
+    data.use.folder = str(store.folder)
+    say_store(data.use, len(features), data.summary, say)
+    return EncodedClassify(features, train.lengths, train.counts, train.where, val_feats,
+                           identity=f"store:{store.digest}")
+
+
 # ------------------------------------------------------------------------------------------------------------ prepare
 
 
 def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
-    """Everything the loop needs: rows -> typed labels and tokens, the classifier (with LoRA or a custom head), the
-    collator, the loss and the per-epoch evaluation. Nothing is written to the run folder."""
-    from transformers import AutoTokenizer
-
+    """Everything the loop needs: rows -> typed labels and tokens (through the encoded-data cache), the classifier
+    (with LoRA or a custom head), the collator, the loss and the per-epoch evaluation. Nothing is written to the run
+    folder."""
     early = list(problems or [])
+    model_at: tuple[str, str] | None = None
     try:
         source = resolve_model(cfg.model, default="encoder")
         # a GGUF causal LM can serve as a decoder-only classifier
-        path = model_folder(source, log=say) if source.kind == "gguf" else source.path
+        model_at = (source.name, model_folder(source, log=say) if source.kind == "gguf" else source.path)
     except ModelError as e:
-        early, source, path = early + e.problems, None, None
+        early = early + e.problems
     if cfg.head:
         try:
             load_factory(cfg.head)
         except ConfigError as e:
             early += e.problems
-    train_rows, val_rows, fields, spec, report = load_data(cfg, say, early)
-    assert source is not None and path is not None  # a model problem was raised above, with the data's
+    data = read_data(cfg, model_at, say, early)
+    assert model_at is not None  # a model problem was raised above, with the data's
+    name, path = model_at
+    fields, spec, report, tokenizer, val_rows = data.fields, data.spec, data.summary, data.tokenizer, data.val_rows
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except Exception as e:  # noqa: BLE001
-        raise ModelError(Problem(f"cannot load the tokenizer of {source.name}: {type(e).__name__}: {e}", "--model")) from e
     with startup.phase("model load"):
         model = build_model(cfg, path, spec, say)
     max_len, tokenizer_keys, accepted = model_inputs(cfg, model, tokenizer, say)
     keys = [k for k in tokenizer_keys if k in accepted]
-    table = column_table(train_rows + val_rows, fields, spec, tokenizer_keys, accepted, type(model).__name__)
+    table = column_table(data.columns, fields, spec, tokenizer_keys, accepted, type(model).__name__)
     say("columns:\n" + render_columns(table))
-
-    train_feats, train_rep = encode(train_rows, tokenizer, fields, spec, max_len, keys, "train")
-    val_feats, val_rep = encode(val_rows, tokenizer, fields, spec, max_len, keys, "validation")
-    for rep in (train_rep, val_rep):
-        say_truncated(rep, max_len, say, split=True)
-    report.encoding = {"train": train_rep, "validation": val_rep}
+    encoded = encode_data(cfg, data, max_len, keys, say)
+    train_feats, val_feats = encoded.features, encoded.val_feats
 
     if cfg.gradient_checkpointing:
         enable_gradient_checkpointing(model.backbone if cfg.head else model, lora=cfg.lora_r > 0)
@@ -477,7 +715,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     seed_dropout(model)  # masks fixed by (seed, step, example): an out-of-memory split draws the same ones
     accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
                                    project_dir=cfg.output_dir)
-    say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device} (the batch is "
+    say(f"model {name}; precision {precision_name(accelerator)}; device {accelerator.device} (the batch is "
         "cut as the memory plan below says)")
 
     collate = make_collator(tokenizer, spec)
@@ -491,20 +729,19 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
         return result
 
     loss_fn = make_loss_fn(spec.problem_type)
-    work = TrainingWork(features=train_feats, lengths=[len(f["input_ids"]) for f in train_feats],
-                        counts=[1] * len(train_feats), collate=collate, loss_fn=loss_fn, evaluate=evaluate,
-                        where=lambda i: train_rows[i].where,
+    work = TrainingWork(features=train_feats, lengths=encoded.lengths, counts=encoded.counts, collate=collate,
+                        loss_fn=loss_fn, evaluate=evaluate, where=encoded.where,
                         plan=PlanInputs(eval_lengths=[len(f["input_ids"]) for f in val_feats], lora=cfg.lora_r > 0),
                         activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work,
         save=lambda m, folder: save(m, tokenizer, cfg, spec, folder),
-        check=lambda: check(model, tokenizer, train_feats, val_feats or None, collate,
+        check=lambda: check(model, tokenizer, encoded.doctor_sample(), val_feats or None, collate,
                             args={"batch_size": cfg.micro_batch_size}, task="classify"),
         # A custom head is user code, and remote code is the model's: neither has a content identity to key on.
         cache_key=None if cfg.head or cfg.trust_remote_code or not Path(path).exists() else lambda: {
             "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
-            "labels": repr(spec), "train": startup_cache.features_digest(train_feats),
+            "labels": repr(spec), "train": encoded.identity or startup_cache.features_digest(train_feats),
             "validation": startup_cache.features_digest(val_feats)},
         found=Found(report, files={COLUMNS: table}),
         saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer")

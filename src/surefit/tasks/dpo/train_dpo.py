@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 import surefit.startup as startup
 from surefit.config.dpo_config import DPOConfig
+from surefit.data import encoded_store
 from surefit.data.encode import resolve_chat_template
+from surefit.data.encoded_store import EncodedStore, IntColumn, StoreUse, StoreWriter
 from surefit.data.formats import field_table
 from surefit.data.pairs import PairCollator, PairExample, PairReport, detect_pair_format, encode_pairs, to_pairs
 from surefit.data.readers import Rejected, read_splits
@@ -30,6 +35,7 @@ from surefit.eval.progress import phase
 from surefit.models import apply_lora, load_tokenizer, model_folder, resolve_model
 from surefit.models.lowbit import require_bitsandbytes
 from surefit.run_folder import EXCLUDED, Found
+from surefit.tasks.dpo.dpo_store import SIDES, StoredExamples, StoredPairs, side_arrays, store_key
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.tasks.sft.train_sft import load_model, save
 from surefit.training.dropout import seed_dropout
@@ -117,7 +123,7 @@ def choose_reference(cfg: DPOConfig) -> tuple[Reference, str]:
                             "of the model; --precompute_ref computes it once instead)")
 
 
-def features_digest(features: list[dict[str, Any]]) -> str:
+def features_digest(features: Sequence[dict[str, Any]]) -> str:
     """A hash of the encoded pairs (token ids and labels), in order."""
     h = hashlib.sha256()
     for f in features:
@@ -125,7 +131,7 @@ def features_digest(features: list[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-def reference_logps(cfg: DPOConfig, model: Any, accelerator: Any, collate: Any, splits: dict[str, list[dict]],
+def reference_logps(cfg: DPOConfig, model: Any, accelerator: Any, collate: Any, splits: dict[str, Sequence[dict]],
                     adapters: bool, say: Say) -> dict[str, Any]:
     """The stored reference of a resumed run (refused when its data changed), or the reference computed now."""
     digests = {name: features_digest(feats) for name, feats in splits.items()}
@@ -163,10 +169,186 @@ def _encode(rows: list[Row], tokenizer: Any, chat: Any, cfg: DPOConfig,
     return examples, report, terms
 
 
+@dataclass
+class EncodedPairs:
+    """A run's encoded pairs, read from the encoded-data cache or encoded in memory (``--no_cache``).
+
+    Attributes:
+        summary: what reading and encoding did; path, tokenizer: the model's folder and tokenizer.
+        examples, features, lengths: the training pairs (``PairExample``), as the collator takes them, and both
+            sequences' tokens of each (lists, or the store read by position).
+        where: a training pair's index -> its source row in words.
+        val_ex: the validation pairs (in memory, with their rows). excluded: the rows ``excluded_rows.jsonl`` lists.
+        terms: the end-of-turn ids encoding found. store: what the cache did (``data_report.json``'s
+            ``encoded_store``).
+    """
+
+    summary: DataSummary
+    path: str
+    tokenizer: Any
+    examples: Sequence[PairExample]
+    features: Sequence[dict[str, Any]]
+    lengths: Sequence[int]
+    where: Callable[[int], str]
+    val_ex: list[PairExample]
+    excluded: list[dict[str, Any]]
+    terms: set[int]
+    store: StoreUse = field(default_factory=lambda: StoreUse("off"))
+
+
+def _tokenizer(cfg: DPOConfig, source: Any, say: Say) -> tuple[str, Any]:
+    with startup.phase("model conversion"), phase("model conversion"):
+        path = model_folder(source, log=say)
+    with startup.phase("tokenizer"):
+        tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
+    for note in notes:
+        say(note)
+    return path, tokenizer
+
+
+def load_encoded(cfg: DPOConfig, source: Any, say: Say, early: list[Problem]) -> EncodedPairs:
+    """The run's pairs, encoded: read from the encoded-data cache when an identical run encoded them (the data files'
+    content, the tokenizer, every reading and encoding setting and the code unchanged: the lines it printed are
+    printed again), else read, split, encoded and written there (``--no_cache``: in memory, nothing read or written).
+    The tokenizer is loaded before the rows are read only when a store for these data files exists. ``source``:
+    the model, ``None`` when it could not be resolved (its problem is in ``early``, reported with the data's)."""
+    use = StoreUse("off", why="--no_cache")
+    data_key = None
+    if not cfg.no_cache:
+        use = StoreUse("not cacheable")
+        if cfg.trust_remote_code:
+            use.why = "--trust_remote_code: the tokenizer runs the model's own code"
+        else:
+            with startup.phase("data hash"):
+                data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+            if data_key is None:
+                use.why = "the data is not a file on disk"
+    loaded: tuple[str, Any] | None = None
+    key = None
+    if source is not None and data_key is not None and encoded_store.has_any(data_key):
+        loaded = _tokenizer(cfg, source, say)
+        key = store_key(cfg, data_key, *loaded)
+        if key is not None:
+            folder = encoded_store.locate(data_key, key)
+            existed = folder.is_dir()
+            with startup.phase("encoding data"):  # a hit's: checking and opening the store
+                store = EncodedStore.open(folder, key, say)
+            if store is not None:
+                raise_with_rejected(early, [])  # the run folder's problems, found before the data
+                return _from_store(store, *loaded, say, StoreUse("hit"))
+            use = StoreUse("rebuilt" if existed else "miss")
+    record = encoded_store.Recorder(say)
+    with startup.phase("reading data"), phase("reading data"):
+        train_rows, val_rows, data_report = load_pairs(cfg, record, early)
+    path, tokenizer = loaded or _tokenizer(cfg, source, say)
+    if data_key is not None and key is None:
+        key = store_key(cfg, data_key, path, tokenizer)
+        use = StoreUse("miss") if key is not None else StoreUse("not cacheable", why="the model is not a local folder")
+    chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
+    texts = all(isinstance(r.fields["pair_prompt"], str) for r in train_rows + val_rows)
+    if chat is None and not texts:
+        raise ConfigError(Problem(f"the pairs are conversations ({data_report.format}) and need a chat template, "
+                                  f"but {why}", "--chat_format", "pass --chat_format chatml (or llama3, gemma, or a "
+                                  "Jinja file); it is saved with the tokenizer"))
+    template = why if not texts else "prompts as written (text pairs: no template), answers end with EOS"
+    record(template)
+    with startup.phase("encoding data"), phase("encoding data"):
+        train_ex, train_rep, terms = _encode(train_rows, tokenizer, chat, cfg, "train")
+        val_ex, val_rep, _ = _encode(val_rows, tokenizer, chat, cfg, "validation")
+    excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
+    for rep in (train_rep, val_rep):
+        record(rep.summary())
+        for where, reason in rep.excluded[:10]:
+            record(f"  excluded {where}: {reason}")
+        if len(rep.excluded) > 10:
+            record(f"  ... and {len(rep.excluded) - 10} more (all listed in {Path(cfg.output_dir) / EXCLUDED})")
+    raise_if([Problem(f"no {r.split} pairs left after encoding: all {r.rows} were excluded (first: "
+                      f"{r.excluded[0][1] if r.excluded else '?'})", "--max_seq_length",
+                      f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the pairs")
+              for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
+    data_report.encoding = {r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"}
+                            | {"excluded": len(r.excluded)} for r in (train_rep, val_rep)}
+    data_report.facts_as(TextFacts).template = template
+    rows = encoded_store.rows_record([e.row for e in val_ex]) if key is not None else None
+    if key is not None and rows is None:
+        key, use = None, StoreUse("not cacheable", why="a validation row holds a value JSON cannot hold")
+    if key is not None:
+        writer = None
+        try:
+            writer = StoreWriter(encoded_store.locate(data_key, key), key)
+            for split, examples in (("train", train_ex), ("validation", val_ex)):
+                for side in SIDES:
+                    writer.add(f"{split}_{side}", side_arrays(examples, side))
+            rec = {"summary": encoded_store.summary_record(data_report), "lines": record.lines, "excluded": excluded,
+                   "terms": sorted(terms), "validation_rows": rows}
+            with startup.phase("encoded data write"):
+                folder = writer.commit(rec)
+        except OSError as e:  # a cache is a speed-up: one that cannot be written costs the next run an encoding
+            if writer is not None:
+                writer.discard()
+            say(f"note: the encoded-data cache cannot be written ({e}); the pairs stay in memory")
+            use = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+        except BaseException:
+            if writer is not None:
+                writer.discard()
+            raise
+        else:
+            store = EncodedStore.open(folder, key, say)
+            assert store is not None, f"the encoded-data cache just written to {folder} does not check out"
+            return _from_store(store, path, tokenizer, say, use, val_ex=val_ex)
+    data = EncodedPairs(data_report, path, tokenizer, train_ex, [e.features() for e in train_ex],
+                        [e.tokens for e in train_ex], lambda i: train_ex[i].row.where, val_ex, excluded, terms, use)
+    _say_store(data, say)
+    return data
+
+
+def stored_pairs(cfg: DPOConfig, source: Any, say: Say) -> EncodedPairs | None:
+    """The encoded pairs of an earlier run with these settings, when the encoded-data cache holds them (a hit);
+    ``None`` otherwise. Never encodes nor writes (``surefit inspect`` reads a large file's pairs without encoding)."""
+    if cfg.no_cache or cfg.trust_remote_code:
+        return None
+    data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
+    if data_key is None or not encoded_store.has_any(data_key):
+        return None
+    path, tokenizer = _tokenizer(cfg, source, say)
+    key = store_key(cfg, data_key, path, tokenizer)
+    store = None if key is None else EncodedStore.open(encoded_store.locate(data_key, key), key, say)
+    return None if store is None else _from_store(store, path, tokenizer, lambda _: None, StoreUse("hit"))
+
+
+def _from_store(store: EncodedStore, path: str, tokenizer: Any, say: Say, use: StoreUse,
+                val_ex: list[PairExample] | None = None) -> EncodedPairs:
+    """The run's pairs from an opened store: the training pairs read by position, the validation pairs (and their
+    rows) in memory; on a hit (``val_ex`` not given), the lines the encoding run printed."""
+    rec = store.record
+    summary = encoded_store.summary_of(rec["summary"], str(store.folder / encoded_store.HEADER))
+    if val_ex is None:
+        for line in rec["lines"]:
+            say(line)
+        chosen = store.split("validation_chosen")
+        held_out = StoredPairs(chosen, store.split("validation_rejected"), store.extras(chosen))
+        val_ex = [held_out.example(i, row) for i, row in enumerate(encoded_store.rows_of(rec["validation_rows"]))]
+        held_out.close()
+    chosen = store.split("train_chosen")
+    pairs = StoredPairs(chosen, store.split("train_rejected"), store.extras(chosen))
+    use.folder = str(store.folder)
+    data = EncodedPairs(summary, path, tokenizer, StoredExamples(pairs), pairs, IntColumn(pairs.lengths()),
+                        chosen.where, val_ex, rec["excluded"], set(rec["terms"]), use)
+    _say_store(data, say)
+    return data
+
+
+def _say_store(data: EncodedPairs, say: Say) -> None:
+    """One line on what the encoded-data cache did, also saved in ``data_report.json`` (``encoded_store``)."""
+    say(data.store.line(len(data.features)))
+    data.summary.facts_as(TextFacts).encoded_store = data.store.to_json()
+
+
 def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = None) -> Prepared:
     """Everything the loop needs: pairs -> encoded examples, the model with LoRA, the collator, the preference loss and
     the per-epoch evaluation. Nothing is written to the run folder (the reference is returned as a file to write)."""
     early = list(problems or [])
+    source: Any = None
     try:
         source = resolve_model(cfg.model)
     except ModelError as e:
@@ -176,39 +358,8 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
             require_bitsandbytes(cfg.quantize)
         except ConfigError as e:
             early += e.problems
-    with startup.phase("reading data"), phase("reading data"):
-        train_rows, val_rows, data_report = load_pairs(cfg, say, early)
-    with startup.phase("model conversion"), phase("model conversion"):
-        path = model_folder(source, log=say)
-    with startup.phase("tokenizer"):
-        tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
-    for note in notes:
-        say(note)
-    chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
-    texts = all(isinstance(r.fields["pair_prompt"], str) for r in train_rows + val_rows)
-    if chat is None and not texts:
-        raise ConfigError(Problem(f"the pairs are conversations ({data_report.format}) and need a chat template, "
-                                  f"but {why}", "--chat_format", "pass --chat_format chatml (or llama3, gemma, or a "
-                                  "Jinja file); it is saved with the tokenizer"))
-    template = why if not texts else "prompts as written (text pairs: no template), answers end with EOS"
-    say(template)
-    with startup.phase("encoding data"), phase("encoding data"):
-        train_ex, train_rep, terms = _encode(train_rows, tokenizer, chat, cfg, "train")
-        val_ex, val_rep, _ = _encode(val_rows, tokenizer, chat, cfg, "validation")
-    excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
-    for rep in (train_rep, val_rep):
-        say(rep.summary())
-        for where, reason in rep.excluded[:10]:
-            say(f"  excluded {where}: {reason}")
-        if len(rep.excluded) > 10:
-            say(f"  ... and {len(rep.excluded) - 10} more (all listed in {Path(cfg.output_dir) / EXCLUDED})")
-    raise_if([Problem(f"no {r.split} pairs left after encoding: all {r.rows} were excluded (first: "
-                      f"{r.excluded[0][1] if r.excluded else '?'})", "--max_seq_length",
-                      f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the pairs")
-              for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
-    data_report.encoding = {r.split: {k: v for k, v in r.__dict__.items() if k != "excluded"}
-                            | {"excluded": len(r.excluded)} for r in (train_rep, val_rep)}
-    data_report.facts_as(TextFacts).template = template
+    data = load_encoded(cfg, source, say, early)
+    data_report, path, tokenizer, val_ex, terms = data.summary, data.path, data.tokenizer, data.val_ex, data.terms
 
     with startup.phase("model load"), phase("model load"):
         model = load_model(cfg, path, source, say)
@@ -228,16 +379,19 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     say(f"loss: {LOSS_NAMES[cfg.loss]}, beta {cfg.beta}{extra} (--loss, --beta); reference: {why_ref}")
     say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device}")
     collate = PairCollator(pad_token_id=tokenizer.pad_token_id)
-    features = [e.features() for e in train_ex]
+    features = data.features
     val_features = [e.features() for e in val_ex]
     files: dict[str, Any] = {}
     if reference == "precomputed":
         stored = reference_logps(cfg, model, accelerator, collate, {"train": features, "validation": val_features},
                                  cfg.lora_r > 0, say)
         files[REFERENCE_FILE] = stored
+        if isinstance(features, StoredPairs):  # read from disk per access: the pairs carry the list instead
+            features.reference = list(stored["train"])
         for feats, name in ((features, "train"), (val_features, "validation")):
-            for f, ref in zip(feats, stored[name], strict=True):
-                f["reference_logps"] = ref
+            if isinstance(feats, list):
+                for f, ref in zip(feats, stored[name], strict=True):
+                    f["reference_logps"] = ref
     loss_fn = PreferenceLoss(cfg.loss, cfg.beta, reference, gamma=cfg.gamma, orpo_lambda=cfg.orpo_lambda)
     tokenizer.padding_side = "left"  # generation pads on the left; the saved tokenizer says so
     if terms:
@@ -249,14 +403,14 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
         return Evaluation(metrics, records)
 
     # A pair is one example of the loop: it counts 1 in the loss, and its two sequences are its length.
-    work = TrainingWork(features=features, lengths=[e.tokens for e in train_ex], counts=[1] * len(train_ex),
-                        collate=collate, loss_fn=loss_fn, evaluate=evaluate, where=lambda i: train_ex[i].row.where,
+    work = TrainingWork(features=features, lengths=data.lengths, counts=IntColumn(np.ones(len(features), np.int32)),
+                        collate=collate, loss_fn=loss_fn, evaluate=evaluate, where=data.where,
                         plan=PlanInputs(eval_lengths=[e.tokens for e in val_ex], lora=cfg.lora_r > 0),
                         activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: check_pairs(model, tokenizer, train_ex, features, collate, loss_fn, accelerator, cfg),
-        found=Found(data_report, files=files, jsonl={EXCLUDED: excluded}),
+        check=lambda: check_pairs(model, tokenizer, data.examples, features, collate, loss_fn, accelerator, cfg),
+        found=Found(data_report, files=files, jsonl={EXCLUDED: data.excluded}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 

@@ -5,18 +5,19 @@ final folder has the same form)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from surefit.config.dpo_config import DPOConfig
 from surefit.data.encode import Example, resolve_chat_template
 from surefit.data.formats import FormatChoice
-from surefit.data.pairs import PairCollator, detect_pair_format, encode_pairs, to_pairs
+from surefit.data.pairs import PairCollator, PairExample, PairReport, detect_pair_format, encode_pairs, to_pairs
 from surefit.data.readers import read_rows
 from surefit.errors import DataError, Problem, raise_input_problems
 from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-from surefit.tasks.dpo.train_dpo import REFERENCE_FILE, choose_reference, evaluate_pairs, load_pairs
+from surefit.tasks.dpo.train_dpo import REFERENCE_FILE, choose_reference, evaluate_pairs, load_pairs, stored_pairs
 from surefit.tasks.sft.use_sft import finished_base_model, load, marked_text
 from surefit.training.preference import PreferenceLoss, compute_reference
 
@@ -88,12 +89,29 @@ def inspect(cfg: DPOConfig, out: str | None = None, show: int = 2, color: bool |
     object per pair (``where``, ``prompt_len``, and ``input_ids`` / ``labels`` / ``text`` of each sequence)."""
     import sys
 
-    rows, _, report = load_pairs(replace(cfg, val_fraction=0.0), say)
     source = resolve_model(cfg.model)
-    tokenizer, _ = load_tokenizer(model_folder(source, log=say), source, cfg.trust_remote_code)
-    chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
-    examples, rep, failures, _ = encode_pairs(rows, tokenizer, chat, max_seq_length=cfg.max_seq_length,
-                                              truncation=cfg.truncation, split="all")
+    # A training run with these settings encoded every pair of --data already (training's and validation's, when no
+    # --val_data file is given): read them from the encoded-data cache instead of encoding a large file again.
+    found = stored_pairs(cfg, source, say) if cfg.val_data is None else None
+    examples: Sequence[PairExample]
+    failures: list[tuple[str, str]] = []
+    if found is not None:
+        say(f"encoded data: read from the cache {found.store.folder} (no encoding; --no_cache encodes again)")
+        tokenizer, fmt = found.tokenizer, found.summary.format
+        chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
+        examples, rep = _StoredAll(found.examples, found.val_ex), PairReport("all", excluded=[
+            (e["where"], e["reason"]) for e in found.excluded])
+        for split in ("train", "validation"):
+            counts = (found.summary.encoding or {}).get(split, {})
+            for name in ("rows", "encoded", "truncated", "tokens_cut", "tokens", "supervised_tokens", "prompt_tokens"):
+                setattr(rep, name, getattr(rep, name) + int(counts.get(name, 0)))
+    else:
+        rows, _, report = load_pairs(replace(cfg, val_fraction=0.0), say)
+        tokenizer, _ = load_tokenizer(model_folder(source, log=say), source, cfg.trust_remote_code)
+        chat, why = resolve_chat_template(tokenizer, cfg.chat_template, cfg.chat_format)
+        examples, rep, failures, _ = encode_pairs(rows, tokenizer, chat, max_seq_length=cfg.max_seq_length,
+                                                  truncation=cfg.truncation, split="all")
+        fmt = report.format
     if color is None:
         color = sys.stdout.isatty()
     on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
@@ -119,6 +137,28 @@ def inspect(cfg: DPOConfig, out: str | None = None, show: int = 2, color: bool |
                                                         "]]")}
                 f.write(json.dumps(record, ensure_ascii=False) + "\n")
         say(f"wrote {len(examples)} pairs to {path}")
-    return {"format": report.format, "rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens,
+    return {"format": fmt, "rows": rep.rows, "encoded": rep.encoded, "tokens": rep.tokens,
             "supervised_tokens": rep.supervised_tokens, "excluded": len(rep.excluded) + len(failures),
             "template": why if chat is not None else "prompts as written"}
+
+
+class _StoredAll(Sequence[PairExample]):
+    """Training's pairs (read from the store), then validation's."""
+
+    def __init__(self, train: Sequence[PairExample], val: list[PairExample]) -> None:
+        self.train, self.val = train, val
+
+    def __len__(self) -> int:
+        return len(self.train) + len(self.val)
+
+    @overload
+    def __getitem__(self, i: int) -> PairExample: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[PairExample]: ...
+    def __getitem__(self, i: int | slice) -> PairExample | list[PairExample]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"pair {i} of {len(self)}")
+        i %= len(self)
+        return self.train[i] if i < len(self.train) else self.val[i - len(self.train)]
