@@ -128,6 +128,47 @@ print(json.dumps({"examples": len(split), "imports_s": t1 - t0, "open_and_check_
 """
 
 
+MISS_CHILD = r"""
+import json, resource, sys, time
+from surefit.config import SFTConfig, build_config
+from surefit.models import resolve_model
+from surefit.tasks.sft.train_sft import load_encoded
+cfg = build_config(SFTConfig, None, {"data": sys.argv[1], "val_data": sys.argv[2], "output_dir": sys.argv[3]})
+source = resolve_model(cfg.model)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+t0 = time.perf_counter()
+data = load_encoded(cfg, source, lambda _: None, [])
+print(json.dumps({"store": data.store.status, "examples": len(data.features), "seconds": time.perf_counter() - t0,
+                  "peak_rss_before_data_mb": before,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def part_miss(sizes: list[int], work: Path, src: Path, result: dict[str, Any]) -> None:
+    """A miss alone (``load_encoded``: read, split, encode on every core, write the store) in a child process, its
+    peak RSS as the rows grow (the model is not loaded: what is measured is the data's share)."""
+    val = work / "miss_val.jsonl"
+    write_rows(val, 20, start=10**8)
+    for n in sizes:
+        data = work / f"miss_{n}.jsonl"
+        write_rows(data, n)
+        result["loads"].append(loadavg())
+        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1",
+               "SUREFIT_STARTUP_CACHE": str(work / f"miss_cache_{n}")}
+        proc = subprocess.Popen([sys.executable, "-c", MISS_CHILD, str(data), str(val), str(work / f"miss_out_{n}")],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+        status, usage = _wait(proc, 7200)
+        if status != 0:
+            raise SystemExit(out[-3000:])
+        rec = json.loads([x for x in out.splitlines() if x.startswith("{")][-1])  # warnings may follow
+        rec.update(rows=n, child_peak_rss_mb=round(usage.ru_maxrss / 1024, 1), load_after=loadavg())
+        result.setdefault("miss", []).append(rec)
+        print(json.dumps(rec), flush=True)
+        save(result)
+        data.unlink()
+
+
 def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any], repeats: int = 3) -> None:
     import numpy as np
 
@@ -151,7 +192,7 @@ def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any], 
                 labels[s:s + p] = -100
             writer.add("train", SplitArrays(ids, labels, lengths, prompt, (lengths - prompt).astype(np.int32),
                                             np.arange(a, a + m), [f"alpaca.jsonl line {i + 1}" for i in range(a, a + m)]))
-        writer.commit({})
+        writer.commit(None)
         written = time.perf_counter() - t0
         # What the run that wrote the store does next (tasks/sft): open it once. Since issue 35's read side this
         # first open checks every byte and saves the chunks' checksums, so the child below is a later run's hit.
@@ -186,6 +227,50 @@ def part_store(sizes: list[int], work: Path, src: Path, result: dict[str, Any], 
         shutil.rmtree(folder)
 
 
+def _cpu() -> float:
+    """CPU seconds of this process and of its children that have ended (a pool's workers, once joined)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _rates(out: dict[str, Any], name: str, n: int, t0: float, c0: float) -> None:
+    """rows/s (wall), CPU seconds per 1,000 rows (every process together) and the cores the run kept busy: on a
+    shared machine the wall clock depends on the others' load, the CPU cost per row does not."""
+    wall, cpu = time.perf_counter() - t0, _cpu() - c0
+    out[f"{name}_rows_per_s"] = round(n / wall)
+    out[f"{name}_cpu_s_per_1000_rows"] = round(1000 * cpu / n, 3)
+    out[f"{name}_cores_busy"] = round(cpu / wall, 2)
+
+
+def scheduler_probe(seconds: float = 3.0) -> dict[str, Any]:
+    """The cores 1 and 2 busy processes of this session get right now. With the kernel's autogroup scheduling
+    (``/proc/sys/kernel/sched_autogroup_enabled``), CPU is shared between sessions first: on a machine other
+    sessions keep busy, a second process of the same session gets no more CPU time, only a share of the same."""
+    def burn(k: int) -> float:
+        c0, t0 = os.times(), time.perf_counter()
+        pids = []
+        for _ in range(k):
+            pid = os.fork()
+            if pid == 0:
+                end = time.perf_counter() + seconds
+                while time.perf_counter() < end:
+                    pass
+                os._exit(0)
+            pids.append(pid)
+        for pid in pids:
+            os.waitpid(pid, 0)
+        c1 = os.times()
+        return round((c1.children_user + c1.children_system - c0.children_user - c0.children_system)
+                     / (time.perf_counter() - t0), 2)
+
+    try:
+        autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        autogroup = None
+    return {"autogroup": autogroup, "cores_1_busy_process": burn(1), "cores_2_busy_processes": burn(2),
+            "load": loadavg()}
+
+
 def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None:
     sys.path.insert(0, str(src))
     from surefit.config import SFTConfig, build_config
@@ -201,14 +286,14 @@ def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None
     tokenizer, _ = load_tokenizer(path, source, False)
     rows, _, report = load_data(cfg, lambda _: None, [])
     encoder = Encoder.build(cfg, tokenizer, str(report.format), bool(report.format_conversational))
-    out: dict[str, Any] = {"rows": n, "cores": os.cpu_count()}
+    out: dict[str, Any] = {"rows": n, "cores": os.cpu_count(), "scheduler_before": scheduler_probe()}
     for workers in (1, 2):
         writer = StoreWriter(work / f"enc_store_{workers}", {"w": workers})
         result["loads"].append(loadavg())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         encoder.encode_into(rows, "train", False, lambda a, w=writer: w.add("train", a), workers)
-        writer.commit({})
-        out[f"surefit_{workers}_process_rows_per_s"] = round(n / (time.perf_counter() - t0))
+        writer.commit(None)
+        _rates(out, f"surefit_{workers}_process", n, t0, c0)
         print(json.dumps(out), flush=True)
     # The anchor: datasets.map rendering the same conversations with the same tokenizer's chat template (the
     # prompt's render for the label mask, the whole conversation for the ids, as TRL-style preprocessing does),
@@ -229,11 +314,12 @@ def part_encoding(n: int, work: Path, src: Path, result: dict[str, Any]) -> None
 
     for procs in (1, 2):
         result["loads"].append(loadavg())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), _cpu()
         ds.map(encode, batched=True, num_proc=procs if procs > 1 else None, remove_columns=["messages"],
                load_from_cache_file=False, keep_in_memory=True)
-        out[f"datasets_map_{procs}_process_rows_per_s"] = round(n / (time.perf_counter() - t0))
+        _rates(out, f"datasets_map_{procs}_process", n, t0, c0)
         print(json.dumps(out), flush=True)
+    out["scheduler_after"] = scheduler_probe()
     result["encoding"] = out
     save(result)
 
@@ -252,6 +338,7 @@ def main() -> None:
     ap.add_argument("--cli-sizes", default="20000,200000")
     ap.add_argument("--store-sizes", default="20000,200000,2000000")
     ap.add_argument("--store-repeats", type=int, default=3, help="child runs per store size (medians reported)")
+    ap.add_argument("--miss-sizes", default="20000,200000")
     ap.add_argument("--encoding-rows", type=int, default=20000)
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--quick", action="store_true", help="small sizes, no files written")
@@ -268,6 +355,8 @@ def main() -> None:
         work = Path(tmp)
         if "encoding" in parts:
             part_encoding(2000 if args.quick else args.encoding_rows, work, src, result)
+        if "miss" in parts:
+            part_miss([2000] if args.quick else [int(x) for x in args.miss_sizes.split(",")], work, src, result)
         if "store" in parts:
             part_store([2000] if args.quick else [int(s) for s in args.store_sizes.split(",")], work, src, result,
                        args.store_repeats)

@@ -84,3 +84,25 @@ def test_chat_template_prompt_ends_with_assistant_header():
     assert fmt.name == "chat" and fmt.prefix == "<s>user: " and fmt.suffix == "\nassistant: "
     [ex], _ = encode_rows(_rows(("the cat", "mat")), tok, fmt, max_seq_length=64)
     assert tok.decode(ex.prompt_ids) == "<s>user: the cat\nassistant: "
+
+
+@pytest.mark.parametrize("state", ["plain", "truncation set", "split special tokens"])
+def test_ids_read_from_the_rust_tokenizer_are_what_the_tokenizer_call_gives(state):
+    """encode's fast path (the backend tokenizer) is taken only where it computes what the call computes."""
+    from conftest import chat_tokenizer
+    from surefit.data.encode import _ids
+
+    tok = chat_tokenizer("chatml")
+    if state == "truncation set":  # a tokenizer.json may ship with truncation on: the call turns it off
+        tok.backend_tokenizer.enable_truncation(max_length=3)
+    if state == "split special tokens":
+        tok.split_special_tokens = True
+    texts = ["<|im_start|>user\nwhere is the cat?<|im_end|>\n", "  two  spaces\n\ttab", "émoji 🙂", "a"]
+    for text in texts:
+        got = _ids(tok, text)
+        assert got == list(tok(text, add_special_tokens=False)["input_ids"]), text
+        assert len(got) > 3 or text == "a"  # the truncation the file set is not applied either way
+    specials = set(tok.all_special_ids)
+    assert (specials & set(_ids(tok, texts[0]))) == (set() if state == "split special tokens" else
+                                                      specials & set(tok.convert_tokens_to_ids(["<|im_start|>",
+                                                                                                "<|im_end|>"])))

@@ -238,7 +238,7 @@ def test_encoding_on_several_processes_is_the_serial_encoding_byte_for_byte(tmp_
         enc = Encoder.build(cfg, tok, str(summary.format), bool(summary.format_conversational))
         writer = StoreWriter(tmp_path / f"store{workers}", {"k": 1})
         rep = enc.encode_into(train_rows, "train", False, lambda a, w=writer: w.add("train", a), workers, chunk=chunk)
-        folders.append(writer.commit({}))
+        folders.append(writer.commit(None))
         reports.append((rep.__dict__, sorted(enc.terminators)))
     assert reports[0] == reports[1]
     names = sorted(p.name for p in folders[0].iterdir() if p.name != "header.json")
@@ -358,3 +358,39 @@ def test_cache_dir_at_an_input_or_in_the_runs_records_is_refused_before_anything
     assert f"--cache_dir {data} is not a folder" in capsys.readouterr().err
     assert sorted(p.name for p in tiny_lm_dir.iterdir()) == model_files
     assert sorted(p.name for p in data_dir.iterdir()) == ["train.jsonl"] and not out.exists()
+
+
+@pytest.mark.parametrize(("key", "value", "expected"), [
+    ("longest_target", "12", "'longest_target' is '12' (str); expected int"),
+    ("terminators", [2, "x"], "expected a list of int"),
+    ("validation_rows", [{"where": "a line 1"}], "'validation_rows[0]' is {'where': 'a line 1'} (dict); expected an "
+                                                 "object with 'fields' (dict)"),
+    ("version", 7, "'record' is version 7; this surefit reads version 1"),
+])
+def test_a_tampered_record_in_the_header_is_refused_naming_the_file_and_key(tmp_path, tiny_lm_dir, capsys, key,
+                                                                            value, expected):
+    data = _write(tmp_path / "train.jsonl", qa_rows(40))
+    first = _load(_cfg(tmp_path, tiny_lm_dir, data))
+    header = Path(first.store.folder) / "header.json"
+    saved = json.loads(header.read_text(encoding="utf-8"))
+    saved["record"][key] = value  # the header's own bytes are no part of the checksums: the record checks itself
+    header.write_text(json.dumps(saved), encoding="utf-8")
+    capsys.readouterr()
+    code = main(["inspect", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--val_fraction", "0.2",
+                 "--max_seq_length", "128", "--out", str(tmp_path / "x.jsonl")])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2 and "Traceback" not in text
+    assert expected in text and f"{header}" in text and f"'record' '{key}" in text, text
+    assert "delete that folder" in text and not (tmp_path / "x.jsonl").exists()
+
+
+def test_the_typed_record_reads_back_what_it_wrote(tmp_path, tiny_lm_dir):
+    data = _write(tmp_path / "train.jsonl", qa_rows(40))
+    first = _load(_cfg(tmp_path, tiny_lm_dir, data))
+    header = Path(first.store.folder) / "header.json"
+    saved = json.loads(header.read_text(encoding="utf-8"))["record"]
+    rec = encoded_store.StoreRecord.from_json(saved, str(header))
+    assert rec.to_json() == saved
+    assert rec.longest_target == first.longest_target and len(rec.validation_rows) == 8
+    assert rec.validation_rows == [e.row for e in first.val_ex]

@@ -225,3 +225,24 @@ def test_augment_summary_mentions_counts():
     for name in TRANSFORMS:
         assert f"{name} {stats.per_transform[name]}" in text
     assert stats.identical == 0 and "all variants distinct" in text
+
+
+def test_the_split_from_key_hashes_alone_is_the_split_of_the_rows():
+    """split_hashes (what a file read in chunks is split from: 16 bytes a row) gives split_rows' split and notes."""
+    import numpy as np
+
+    from surefit.data.split import KEY_DTYPE, key_hash, split_hashes
+
+    rows = [Row({"input": f"question {i % 700}" + (" again" if i % 7 == 0 else "")}, f"d.jsonl line {i + 1}", i)
+            for i in range(3000)]
+    key = lambda r: normalize_key(r.fields["input"])  # noqa: E731
+    train, val, notes = split_rows(rows, 0.1, 5, key)
+    hashes = np.frombuffer(b"".join(key_hash(key(r)) for r in rows), dtype=KEY_DTYPE)
+    in_val, notes_h = split_hashes(hashes, 0.1, 5)
+    assert [r.index for r in val] == np.flatnonzero(in_val).tolist() and notes_h == notes
+    assert len(val) >= 300 and "rows share their input with another row" in notes[1]
+    # Rows sharing a key are on one side: no key of validation is in train.
+    assert not {key(r) for r in val} & {key(r) for r in train}
+    # Another seed, another split; the same seed, the same split.
+    assert split_hashes(hashes, 0.1, 6)[0].tolist() != in_val.tolist()
+    assert split_hashes(hashes, 0.1, 5)[0].tolist() == in_val.tolist()

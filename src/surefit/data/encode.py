@@ -107,7 +107,33 @@ def build_prompt_format(tokenizer: Any, template: str | None = None, chat_templa
 
 
 def _ids(tokenizer: Any, text: str) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+    if not text:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None) if _plain_call(type(tokenizer)) else None
+    # The Rust tokenizer directly where that is what the call computes (no truncation or padding set on it, special
+    # tokens split as the tokenizer says): the call's Python wrapping cost more than the tokenization itself (a
+    # fifth of encoding a short conversation, benchmarks/results/encoded_store.md).
+    if backend is not None and backend.truncation is None and backend.padding is None and \
+            backend.encode_special_tokens == bool(getattr(tokenizer, "split_special_tokens", False)):
+        return backend.encode(text, add_special_tokens=False).ids
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+_PLAIN: dict[type, bool] = {}
+
+
+def _plain_call(cls: type) -> bool:
+    """Whether ``cls(text)`` is the transformers fast tokenizers' own call (no subclass changes what it encodes)."""
+    if cls not in _PLAIN:
+        try:
+            from transformers import PreTrainedTokenizerBase
+            from transformers.tokenization_utils_tokenizers import TokenizersBackend
+        except ImportError:  # another transformers layout: the call, always
+            _PLAIN[cls] = False
+        else:
+            _PLAIN[cls] = issubclass(cls, TokenizersBackend) and cls.__call__ is PreTrainedTokenizerBase.__call__ \
+                and cls._encode_plus is TokenizersBackend._encode_plus
+    return _PLAIN[cls]
 
 
 def leading_special_ids(tokenizer: Any) -> list[int]:
@@ -351,7 +377,7 @@ class Labelled:
 
 
 def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | None,
-                       settings: ChatEncodeSettings | str = "all_assistant") -> list[Labelled]:
+                       settings: ChatEncodeSettings | str = "all_assistant", full: str | None = None) -> list[Labelled]:
     """Token ids and labels of one conversation, labels by position.
 
     For each trained assistant turn, the prompt generation would build (the turns before it with the generation
@@ -382,11 +408,12 @@ def label_conversation(tokenizer: Any, fmt: ChatFormat, messages: list[dict], to
     def body(text: str) -> str:
         return text[: len(text) - len(closing)] if closing and text.endswith(closing) else text
 
-    full = r(messages, False)
+    full = r(messages, False) if full is None else full  # the caller's render of the same conversation, if any
     renders = []
     stable = True
     for k in turns:
-        before, upto = r(messages[:k], True), r(messages[: k + 1], False)
+        # The last turn's render up to it is the full render (rendered once: a quarter of a short row's encoding)
+        before, upto = r(messages[:k], True), full if k + 1 == len(messages) else r(messages[: k + 1], False)
         if not upto.startswith(before) and traits.prefill:
             # The generation prompt prefills what the template's render of the turn never writes (DeepSeek-R1's
             # "<think>\n"): the turn is written after that prompt, its reasoning (or an empty block) then the answer.
@@ -622,8 +649,13 @@ def _fit(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | No
     limit = settings.max_seq_length
     variables = row_variables(tokenizer, fmt, messages, settings.thinking)
 
+    def render(msgs: list[dict]) -> str:
+        return render_chat(tokenizer, fmt, msgs, tools, False, variables, settings.system_turn)
+
+    whole = render(messages)  # measured here and labelled below when it fits: rendered once
+
     def length(msgs: list[dict]) -> int:
-        return len(_ids(tokenizer, render_chat(tokenizer, fmt, msgs, tools, False, variables, settings.system_turn)))
+        return len(_ids(tokenizer, whole if msgs is messages else render(msgs)))
 
     cands = _drop_candidates(messages) if settings.truncation == "drop_oldest" else []
     cands = [c for c in cands if _trained_turns(c, settings.train_on)]
@@ -640,7 +672,7 @@ def _fit(tokenizer: Any, fmt: ChatFormat, messages: list[dict], tools: list | No
         first = lo + 1
         kept = cands[lo] if lo < len(cands) else None  # type: ignore[assignment]
     while kept is not None:
-        labelled = label_conversation(tokenizer, fmt, kept, tools, settings)
+        labelled = label_conversation(tokenizer, fmt, kept, tools, settings, whole if kept is messages else None)
         longest = max(len(lab.input_ids) for lab in labelled)
         if longest <= limit:
             return kept, labelled, len(messages) - len(kept), ""

@@ -4,8 +4,8 @@ A store is a folder of flat little-endian arrays, one set per split: every examp
 one int32 file, its ``labels`` into another, the offsets (int64, one more than the examples), the prompt lengths and
 supervised-token counts (int32), the source row's index (int64) and its location in words (UTF-8, with offsets).
 ``header.json`` holds the key, the counts, each file's size and CRC-32, and the run's record of what reading and
-encoding did (so a hit reports exactly what the miss reported). No pickle anywhere: numbers are raw arrays, the rest
-JSON.
+encoding did (:class:`StoreRecord`, so a hit reports exactly what the miss reported). No pickle anywhere: numbers are
+raw arrays, the rest JSON.
 
 The folder of a key is ``encoded/DATA_DIGEST/KEY_DIGEST/``: ``DATA_DIGEST`` is the data files' content alone (so a
 run on new data knows it misses before loading a tokenizer), ``KEY_DIGEST`` adds the tokenizer, the template and
@@ -28,6 +28,7 @@ Where: ``encoded/`` in the start-up cache (``--cache_dir``, else ``$SUREFIT_STAR
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -40,12 +41,14 @@ from typing import Any, overload
 
 import numpy as np
 
-from surefit.data.summary import DataSummary, TaskFacts, TextFacts
-from surefit.errors import DataError, Problem
+from surefit.data.readers import Rejected
+from surefit.data.rows import Row
+from surefit.data.summary import DataSummary, Saved, TaskFacts, TextFacts
+from surefit.errors import DataError, Problem, SurefitError, raise_if
 from surefit.startup.cache import cache_dir, digest
 
 # Bumped when the layout changes: older stores then simply miss.
-STORE_FORMAT = 1
+STORE_FORMAT = 2  # 2: the record is a versioned StoreRecord
 HEADER = "header.json"
 # name -> (dtype, per example: True for one value a row, False for concatenated tokens)
 COLUMNS: dict[str, str] = {"input_ids": "<i4", "labels": "<i4", "offsets": "<i8", "prompt_len": "<i4",
@@ -160,7 +163,7 @@ class StoreWriter:
                     raise ValueError(f"{column} of {split}: {kind}, earlier chunks {self.extra[f'{split}.{column}']}")
                 self._file(split, column).write(np.ascontiguousarray(values, dtype=dtype).tobytes())
 
-    def commit(self, record: dict[str, Any]) -> Path:
+    def commit(self, record: StoreRecord | dict[str, Any] | None) -> Path:
         """Close the files, write the header (key, counts, each file's size and CRC-32, ``record``) and rename the
         folder into place. Another process that got there first wins: its store is the same."""
         for split in list(self.counts):
@@ -170,7 +173,8 @@ class StoreWriter:
             f.fh.close()
         header = {"format": STORE_FORMAT, "key": digest(self.key), "key_value": self.key, "splits": self.counts,
                   "files": {name: {"size": f.size, "crc32": f.crc} for name, f in self.files.items()},
-                  "record": record, "extra": self.extra}
+                  "record": record.to_json() if isinstance(record, StoreRecord) else record or {},
+                  "extra": self.extra}
         (self.tmp / HEADER).write_text(json.dumps(header, default=str), encoding="utf-8")
         self.folder.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -647,10 +651,15 @@ def chunked(fn: Callable[[int, int], Any], n: int, workers: int, chunk: int = 20
     # parallelism), and the variable silences the fast tokenizers' warning about it.
     before = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Objects alive now are never collected by the workers: a collection in a worker would write to every one of
+    # them (its GC header) and so copy every page the parent's rows and modules lie on, in each worker.
+    gc.collect()
+    gc.freeze()
     try:
         with mp.get_context("fork").Pool(min(workers, len(bounds))) as pool:
             yield from pool.imap(_run_job, bounds)
     finally:
+        gc.unfreeze()
         _JOB = None
         if before is None:
             os.environ.pop("TOKENIZERS_PARALLELISM", None)
@@ -710,6 +719,18 @@ def code_digest() -> str:
     return digest([[str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(root.rglob("*.py"))])
 
 
+# The store record's layout: a store written by another layout is refused by name rather than misread.
+RECORD_VERSION = 1
+
+
+class HeaderValues(Saved):
+    """:class:`~surefit.data.summary.Saved` for a store's header: the fix names the store, which is only a cache."""
+
+    def fix(self) -> str:
+        return (f"the encoded-data cache {Path(self.where).parent} was changed by hand; delete that folder (the next "
+                "run encodes the data again) or pass --no_cache")
+
+
 def summary_record(summary: DataSummary) -> dict[str, Any]:
     """A data summary as JSON (the rejected rows whole, which ``data_report.json`` only counts), for :func:`summary_of`."""
     return {"report": summary.to_json(), "rejected": None if summary.rejected is None else
@@ -719,8 +740,6 @@ def summary_record(summary: DataSummary) -> dict[str, Any]:
 def summary_of(record: dict[str, Any], where: str, facts: type[TaskFacts] = TextFacts) -> DataSummary:
     """The data summary that :func:`summary_record` saved (``where``: the store's header, for messages; ``facts``: the
     task's facts type)."""
-    from surefit.data.readers import Rejected
-
     summary = DataSummary.from_json(record.get("report"), where, facts)
     rejected = record.get("rejected")
     if rejected is not None:
@@ -728,7 +747,105 @@ def summary_of(record: dict[str, Any], where: str, facts: type[TaskFacts] = Text
     return summary
 
 
-def rows_record(rows: Sequence[Any]) -> list[dict[str, Any]] | None:
+@dataclass
+class StoreRecord:
+    """What the run that wrote a store found and printed, saved in its header (``record``) so that a hit reports
+    exactly what the miss reported. Read back with :meth:`from_json`, which checks every value: the header is a file
+    anyone can edit, and its checksums cover the arrays only.
+
+    Attributes:
+        summary: the data summary (with the rejected rows whole, which ``data_report.json`` only counts).
+        lines: the lines the reading and encoding printed, replayed on a hit.
+        excluded: the rows encoding excluded, ``{"split", "where", "reason"}`` each.
+        shortened: the conversations shortened to fit, ``{"split", "where", "turns_dropped"}`` each.
+        terminators: the end-of-turn ids found after assistant turns.
+        longest_target: the longest training answer in tokens (with its terminator).
+        validation_rows: the validation examples' rows (what predictions and scores read).
+    """
+
+    summary: DataSummary
+    lines: list[str]
+    excluded: list[dict[str, Any]]
+    shortened: list[dict[str, Any]]
+    terminators: list[int]
+    longest_target: int
+    validation_rows: list[Row]
+
+    def to_json(self) -> dict[str, Any]:
+        """The record as JSON (the rows' values must be JSON-able: :func:`rows_record` says)."""
+        rows = rows_record(self.validation_rows)
+        assert rows is not None, "a validation row JSON cannot hold reached the store (rows_record says so first)"
+        return {"version": RECORD_VERSION, "summary": summary_record(self.summary), "lines": list(self.lines),
+                "excluded": list(self.excluded), "shortened": list(self.shortened),
+                "terminators": sorted(self.terminators), "longest_target": self.longest_target,
+                "validation_rows": rows}
+
+    @classmethod
+    def from_json(cls, value: Any, where: str) -> StoreRecord:
+        """The record of a store's header (``where``: the header file, for messages).
+
+        Raises:
+            SurefitError: naming the file and key of every value that is not what a store's record holds, or a
+                record of another layout.
+        """
+        if not isinstance(value, dict):
+            raise SurefitError(Problem(f"{where} 'record' holds a {type(value).__name__}, not a JSON object",
+                                       f"{where} 'record'", HeaderValues({}, where).fix()))
+        saved = HeaderValues(value, where, ("record",))
+        version = value.get("version")
+        if version != RECORD_VERSION:
+            raise SurefitError(Problem(f"{where} 'record' is version {version!r}; this surefit reads version "
+                                       f"{RECORD_VERSION}", f"{where} 'record' 'version'", saved.fix()))
+        summary_in = saved.inner("summary")
+        lines = saved.items("lines", str)
+        excluded = _records(saved, "excluded", {"split": str, "where": str, "reason": str})
+        shortened = _records(saved, "shortened", {"split": str, "where": str, "turns_dropped": int})
+        terminators = saved.items("terminators", int)
+        longest = saved.get("longest_target", int)
+        if longest is not None and longest < 0:
+            saved.wrong("longest_target", longest, "a count of tokens (0 or more)")
+        rows = _records(saved, "validation_rows", {"fields": dict, "where": str, "index": int,
+                                                   "variant_of": (int, type(None)), "transforms": list})
+        rejected = None if summary_in is None else _records(summary_in, "rejected",
+                                                             {"where": str, "reason": str, "raw": (str, type(None))})
+        for key, got in (("summary", summary_in), ("lines", lines), ("excluded", excluded), ("shortened", shortened),
+                         ("terminators", terminators), ("longest_target", longest), ("validation_rows", rows)):
+            if got is None and not any(f"'{key}" in p.where for p in saved.problems):
+                saved.problems.append(Problem(f"'{key}' is missing", f"{where} 'record' '{key}'", saved.fix()))
+        raise_if(saved.problems)
+        assert summary_in is not None and lines is not None and excluded is not None and shortened is not None
+        assert terminators is not None and longest is not None and rows is not None
+        summary = DataSummary.from_json(summary_in.value.get("report"), f"{where} 'record' 'summary' 'report'",
+                                        TextFacts)
+        if rejected is not None:
+            summary.rejected = [Rejected(r["where"], r["reason"], r.get("raw")) for r in rejected]
+        return cls(summary, lines, excluded, shortened, terminators, longest,
+                   [Row(r["fields"], r["where"], r["index"], r["variant_of"], tuple(r["transforms"])) for r in rows])
+
+
+def _records(saved: Saved, key: str, shape: dict[str, type | tuple[type, ...]]) -> list[dict[str, Any]] | None:
+    """``saved[key]``: a list of JSON objects whose every key in ``shape`` holds a value of its type(s)."""
+    got = saved.get(key, list)
+    if got is None:
+        return None
+    for i, item in enumerate(got):
+        bad = not isinstance(item, dict) or any(
+            k not in item or not isinstance(item[k], t) or (isinstance(item[k], bool) and t is int)
+            for k, t in shape.items())
+        if bad:
+            saved.wrong(f"{key}[{i}]", item, "an object with " + ", ".join(
+                f"'{k}' ({' or '.join('null' if x is type(None) else x.__name__ for x in (t if isinstance(t, tuple) else (t,)))})"
+                for k, t in shape.items()))
+            return None
+    return got
+
+
+def rows_of(record: list[dict[str, Any]]) -> list[Row]:
+    """The rows :func:`rows_record` saved (read unchecked: :class:`StoreRecord` checks the sft record's)."""
+    return [Row(r["fields"], r["where"], r["index"], r["variant_of"], tuple(r["transforms"])) for r in record]
+
+
+def rows_record(rows: Sequence[Row]) -> list[dict[str, Any]] | None:
     """Rows (validation: what predictions and scores read) as JSON; ``None`` when a field holds a value JSON cannot
     (then the run is not cached, and says so)."""
     out = [{"fields": r.fields, "where": r.where, "index": r.index, "variant_of": r.variant_of,
@@ -738,13 +855,6 @@ def rows_record(rows: Sequence[Any]) -> list[dict[str, Any]] | None:
     except (TypeError, ValueError):
         return None
     return out
-
-
-def rows_of(record: list[dict[str, Any]]) -> list[Any]:
-    """The rows :func:`rows_record` saved."""
-    from surefit.data.rows import Row
-
-    return [Row(r["fields"], r["where"], r["index"], r["variant_of"], tuple(r["transforms"])) for r in record]
 
 
 class Recorder:

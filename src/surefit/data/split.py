@@ -13,6 +13,8 @@ import random
 import re
 from collections.abc import Callable
 
+import numpy as np
+
 from surefit.data.rows import Row
 from surefit.errors import ConfigError, DataError, Problem
 
@@ -65,43 +67,66 @@ def split_rows(
     if val_fraction == 0:
         return list(rows), [], [f"no validation split: all {len(rows)} rows train (val_fraction 0)"]
 
-    # dict keeps first-appearance order, so the shuffle below is the only source of randomness.
-    groups: dict[bytes, list[int]] = {}
-    for pos, row in enumerate(rows):
-        groups.setdefault(key_hash(key(row)), []).append(pos)
-    if len(groups) < 2:
+    hashes = np.frombuffer(b"".join(key_hash(key(row)) for row in rows), dtype=KEY_DTYPE)
+    in_val, notes = split_hashes(hashes, val_fraction, seed)
+    train = [row for row, v in zip(rows, in_val.tolist(), strict=True) if not v]
+    val = [row for row, v in zip(rows, in_val.tolist(), strict=True) if v]
+    return train, val, notes
+
+
+# One row's key hash (:func:`key_hash`) as a numpy value: 16 bytes a row, however many rows there are.
+KEY_DTYPE = np.dtype([("hi", ">u8"), ("lo", ">u8")])
+
+
+def split_hashes(hashes: np.ndarray, val_fraction: float, seed: int) -> tuple[np.ndarray, list[str]]:
+    """The split of :func:`split_rows` from the rows' key hashes alone (``KEY_DTYPE``, in row order): which rows go to
+    validation (a boolean array) and the notes. Holds about 40 bytes a row, never the rows: a file read in chunks
+    is split from the hashes of a first pass.
+
+    Rows with equal hashes form a group; the groups, in order of first appearance, are shuffled with
+    ``random.Random(seed)`` and taken into validation until it holds ``round(n * val_fraction)`` rows (at least 1);
+    the last group stays in train.
+
+    Raises:
+        DataError: fewer than 2 distinct keys.
+    """
+    n = len(hashes)
+    uniq, first, inverse, sizes = np.unique(hashes, return_index=True, return_inverse=True, return_counts=True)
+    del uniq
+    if len(first) < 2:
         raise DataError(
             Problem(
-                f"cannot make a validation split from {len(rows)} row(s) with {len(groups)} distinct input(s); "
+                f"cannot make a validation split from {n} row(s) with {len(first)} distinct input(s); "
                 "at least 2 distinct inputs are needed because rows with the same input stay on the same side",
                 where="val_fraction",
                 fix="add rows with different inputs, or pass --val_data FILE with separate validation rows",
             )
         )
-
-    order = list(groups.values())
-    random.Random(seed).shuffle(order)
-    target = max(1, round(len(rows) * val_fraction))
-    val_positions: set[int] = set()
-    for group in order[:-1]:  # the last group always stays in train
-        if len(val_positions) >= target:
-            break
-        val_positions.update(group)
-
-    train = [row for pos, row in enumerate(rows) if pos not in val_positions]
-    val = [row for pos, row in enumerate(rows) if pos in val_positions]
-    notes = [
-        f"split {len(rows)} rows -> {len(train)} train / {len(val)} validation "
-        f"(val_fraction {val_fraction}, seed {seed})"
-    ]
-    shared = sum(len(g) for g in groups.values() if len(g) > 1)
+    # Groups numbered in order of first appearance, so the shuffle below is the only source of randomness.
+    appearance = np.argsort(first, kind="stable")
+    rank = np.empty_like(appearance)
+    rank[appearance] = np.arange(len(appearance))
+    group = rank[inverse.reshape(-1)]
+    sizes = sizes[appearance]
+    order = np.arange(len(sizes))
+    random.Random(seed).shuffle(order)  # type: ignore[arg-type]  # the same draws as shuffling a list of the groups
+    target = max(1, round(n * val_fraction))
+    # Groups are taken while validation holds fewer than ``target`` rows; never the last group.
+    taken = np.cumsum(sizes[order[:-1]])
+    k = int(np.searchsorted(taken, target)) + 1 if len(taken) else 0
+    chosen = np.zeros(len(sizes), dtype=bool)
+    chosen[order[: min(k, len(order) - 1)]] = True
+    in_val = chosen[group]
+    n_val = int(in_val.sum())
+    notes = [f"split {n} rows -> {n - n_val} train / {n_val} validation (val_fraction {val_fraction}, seed {seed})"]
+    shared = int(sizes[sizes > 1].sum())
     if shared:
         notes.append(f"{shared} rows share their input with another row; kept on the same side of the split")
-        if len(val) != target:
+        if n_val != target:
             notes.append(
-                f"validation has {len(val)} rows instead of {target} because duplicate inputs are kept together"
+                f"validation has {n_val} rows instead of {target} because duplicate inputs are kept together"
             )
-    return train, val, notes
+    return in_val, notes
 
 
 def leaked(train: list[Row], val: list[Row], key: Callable[[Row], str]) -> list[tuple[Row, Row]]:

@@ -51,7 +51,7 @@ class Saved:
         got = self.get(key, dict)
         if got is None:
             return None
-        nested = Saved(got, self.where, (*self.path, key))
+        nested = type(self)(got, self.where, (*self.path, key))  # a subclass keeps its own fix
         nested.problems = self.problems
         return nested
 

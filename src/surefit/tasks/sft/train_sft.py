@@ -34,7 +34,15 @@ from surefit.data.encode import (
     encode_rows,
     resolve_chat_template,
 )
-from surefit.data.encoded_store import EncodedStore, SplitArrays, StoreUse, StoreWriter, chunked, merge_reports
+from surefit.data.encoded_store import (
+    EncodedStore,
+    SplitArrays,
+    StoreRecord,
+    StoreUse,
+    StoreWriter,
+    chunked,
+    merge_reports,
+)
 from surefit.data.formats import (
     FormatChoice,
     ReadSettings,
@@ -527,10 +535,8 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
             _say_store(data, say)
             return data
         writer.add("validation", SplitArrays.of(val_ex))
-        rec = {"summary": encoded_store.summary_record(data_report), "lines": record.lines, "excluded": excluded,
-               "shortened": shortened, "terminators": sorted(encoder.terminators),
-               "longest_target": train_rep.longest_target,
-               "validation_rows": encoded_store.rows_record([e.row for e in val_ex])}
+        rec = StoreRecord(data_report, record.lines, excluded, shortened, sorted(encoder.terminators),
+                          train_rep.longest_target, [e.row for e in val_ex])
         with startup.phase("encoded data write"):
             folder = writer.commit(rec)
     except OSError as e:
@@ -597,25 +603,29 @@ def _from_store(cfg: SFTConfig, store: EncodedStore, path: str, tokenizer: Any, 
                 val_ex: list[Example] | None = None, replay: bool = True) -> EncodedData:
     """The run's data from an opened store: the training examples read by position, the validation examples (and
     their rows) rebuilt in memory, and, on a hit, the lines the encoding run printed."""
-    rec = store.record
-    summary = encoded_store.summary_of(rec["summary"], str(store.folder / "header.json"))
+    rec = StoreRecord.from_json(store.record, str(store.folder / encoded_store.HEADER))
+    summary = rec.summary
     encoder = Encoder.build(cfg, tokenizer, str(summary.format), bool(summary.format_conversational))
-    encoder.terminators = set(rec["terminators"])
+    encoder.terminators = set(rec.terminators)
     if replay:
-        for line in rec["lines"]:
+        for line in rec.lines:
             say(line)
         say(encoder.why)
     if val_ex is None:
         val = store.split("validation")
-        rows = encoded_store.rows_of(rec["validation_rows"])
+        if len(val) != len(rec.validation_rows):
+            where = str(store.folder / encoded_store.HEADER)
+            raise DataError(Problem(f"the cache holds {len(val)} validation examples, its header's record "
+                                    f"{len(rec.validation_rows)} validation rows", f"{where} 'record' 'validation_rows'",
+                                    encoded_store.HeaderValues({}, where).fix()))
         val_ex = []
-        for i, row in enumerate(rows):
+        for i, row in enumerate(rec.validation_rows):
             f = val[i]
             val_ex.append(Example(f["input_ids"], f["labels"], len(val.prompt_ids(i)), row))
         val.close()
     train = store.split("train")
     data = EncodedData(summary, encoder, path, tokenizer, train, train.lengths, train.counts, train.where, val_ex,
-                       int(rec["longest_target"]), rec["excluded"], rec["shortened"], identity=f"store:{store.digest}",
+                       rec.longest_target, rec.excluded, rec.shortened, identity=f"store:{store.digest}",
                        store=use or StoreUse("hit"))
     data.store.folder = str(store.folder)
     _say_store(data, say)
