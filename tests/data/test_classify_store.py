@@ -286,3 +286,27 @@ def test_extra_arrays_per_example_and_per_token_are_read_back_by_position(tmp_pa
     edited = EncodedStore(folder, header)
     with pytest.raises(DataError, match="has the type"):
         edited.extras(edited.split("train")).example("target", 0)
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda r: r["spec"].update(problem_type="ordinal"), "'record' 'spec' 'problem_type'"),
+    (lambda r: r.update(max_len="16"), "'max_len' is '16' (str); expected int"),
+    (lambda r: r["validation_rows"][0].pop("where"), "'validation_rows[0]'"),
+    (lambda r: r.pop("keys"), "'keys' is missing"),
+    (lambda r: r["fields"].update(label=3), "'record' 'fields' 'label'"),
+])
+def test_a_hand_edited_record_in_the_header_is_refused_naming_the_file_and_key(tmp_path, tiny_bert_dir, capsys,
+                                                                                edit, expected):
+    data, _ = _data(tmp_path, "multi")
+    first = _prepare(_cfg(tmp_path, tiny_bert_dir, data))
+    header = Path(first.found.data_report.facts_as(ClassifyFacts).encoded_store["folder"]) / "header.json"
+    saved = json.loads(header.read_text(encoding="utf-8"))
+    edit(saved["record"])  # the header's own bytes are no part of the checksums: the record checks itself
+    header.write_text(json.dumps(saved), encoding="utf-8")
+    capsys.readouterr()
+    code = main(["train", "--task", "classify", "--model", str(tiny_bert_dir), "--data", str(data), "--val_fraction",
+                 "0.25", "--batch_size", "4", "--output_dir", str(tmp_path / "again")])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2 and "Traceback" not in text, text
+    assert expected in text and str(header) in text and "delete that folder" in text, text

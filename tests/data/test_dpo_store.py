@@ -159,3 +159,27 @@ def test_inspect_reads_a_training_runs_store_instead_of_encoding_again(tmp_path,
     assert got == plain and got["rows"] == 40
     lines = lambda p: sorted((tmp_path / p).read_text(encoding="utf-8").splitlines())  # noqa: E731
     assert lines("hit.jsonl") == lines("plain.jsonl")
+
+
+@pytest.mark.parametrize(("edit", "expected"), [
+    (lambda r: r.update(terms=["2"]), "'terms' is ['2'] (list); expected a list of int"),
+    (lambda r: r["excluded"].append({"where": "x"}), "'excluded[0]'"),
+    (lambda r: r["validation_rows"][0].update(index="7"), "'validation_rows[0]'"),
+    (lambda r: r.pop("lines"), "'lines' is missing"),
+])
+def test_a_hand_edited_record_in_the_header_is_refused_naming_the_file_and_key(tmp_path, tiny_lm_dir, capsys,
+                                                                                edit, expected):
+    data = write_pairs(tmp_path / "pairs.jsonl")
+    cfg = _cfg(tmp_path, tiny_lm_dir, data)
+    header = Path(_store(_prepare(cfg))["folder"]) / "header.json"
+    saved = json.loads(header.read_text(encoding="utf-8"))
+    edit(saved["record"])  # the header's own bytes are no part of the checksums: the record checks itself
+    header.write_text(json.dumps(saved), encoding="utf-8")
+    capsys.readouterr()
+    code = main(["train", "--task", "dpo", "--model", str(tiny_lm_dir), "--data", str(data), "--max_seq_length", "128",
+                 "--val_fraction", "0.2", "--batch_size", "4", "--precision", "fp32", "--lora_r", "8",
+                 "--output_dir", str(tmp_path / "again")])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == 2 and "Traceback" not in text, text
+    assert expected in text and str(header) in text and "delete that folder" in text, text

@@ -804,8 +804,7 @@ class StoreRecord:
         longest = saved.get("longest_target", int)
         if longest is not None and longest < 0:
             saved.wrong("longest_target", longest, "a count of tokens (0 or more)")
-        rows = _records(saved, "validation_rows", {"fields": dict, "where": str, "index": int,
-                                                   "variant_of": (int, type(None)), "transforms": list})
+        rows = _records(saved, "validation_rows", ROW_SHAPE)
         rejected = None if summary_in is None else _records(summary_in, "rejected",
                                                              {"where": str, "reason": str, "raw": (str, type(None))})
         for key, got in (("summary", summary_in), ("lines", lines), ("excluded", excluded), ("shortened", shortened),
@@ -840,8 +839,41 @@ def _records(saved: Saved, key: str, shape: dict[str, type | tuple[type, ...]]) 
     return got
 
 
+Shape = dict[str, type | tuple[type, ...]]  # a JSON object's keys -> the types their values may have
+ROW_SHAPE: Shape = {"fields": dict, "where": str, "index": int,
+                                                 "variant_of": (int, type(None)), "transforms": list}
+
+
+def checked_record(value: Any, where: str, keys: Shape, objects: dict[str, Shape] | None = None,
+                   items: dict[str, type] | None = None) -> HeaderValues:
+    """A task's record in a store's header (``where``: the header file): its values of ``keys`` checked by type, each
+    list in ``items`` as a list of that type, each list in ``objects`` as a list of JSON objects of that shape (``ROW_SHAPE`` for what
+    :func:`rows_record` wrote); every wrong one is named by file and key, all together, with the fix (delete the
+    cache, or ``--no_cache``). The summary under ``summary`` is checked by :func:`summary_of`."""
+    if not isinstance(value, dict):
+        raise SurefitError(Problem(f"{where} 'record' holds a {type(value).__name__}, not a JSON object",
+                                   f"{where} 'record'", HeaderValues({}, where).fix()))
+    saved = HeaderValues(value, where, ("record",))
+    for key, types in keys.items():
+        if value.get(key) is None:
+            saved.problems.append(Problem(f"'{key}' is missing", f"{where} 'record' '{key}'", saved.fix()))
+        else:
+            saved.get(key, *(types if isinstance(types, tuple) else (types,)))
+    for key, shape in (objects or {}).items():
+        if isinstance(value.get(key), list):
+            _records(saved, key, shape)
+    for key, item in (items or {}).items():
+        if isinstance(value.get(key), list):
+            saved.items(key, item)
+    summary = saved.inner("summary")
+    if summary is not None:
+        _records(summary, "rejected", {"where": str, "reason": str, "raw": (str, type(None))})
+    raise_if(saved.problems)
+    return saved
+
+
 def rows_of(record: list[dict[str, Any]]) -> list[Row]:
-    """The rows :func:`rows_record` saved (read unchecked: :class:`StoreRecord` checks the sft record's)."""
+    """The rows :func:`rows_record` saved (checked first by :func:`checked_record` or :class:`StoreRecord`)."""
     return [Row(r["fields"], r["where"], r["index"], r["variant_of"], tuple(r["transforms"])) for r in record]
 
 

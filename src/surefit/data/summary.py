@@ -5,6 +5,9 @@ which checks every value it returns: a run folder is data from anywhere, and a c
 
 from __future__ import annotations
 
+import dataclasses
+import types
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -60,6 +63,59 @@ class Saved:
         shown = repr(got) if len(repr(got)) <= 80 else repr(got)[:77] + "..."
         self.problems.append(Problem(f"'{key}' is {shown} ({type(got).__name__}); expected {expected}",
                                      f"{self.where} {keys}", self.fix()))
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a parsed JSON value is what the annotation ``hint`` holds (a bool is no int; JSON has no tuples)."""
+    if hint is Any:
+        return True
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if origin is Literal:
+        return any(value == a and type(value) is type(a) for a in args)
+    if hint is type(None) or hint is None:
+        return value is None
+    if origin in (list, tuple) or hint in (list, tuple):
+        item = args[0] if args else Any
+        return isinstance(value, list) and all(_conforms(x, item) for x in value)
+    if origin is dict or hint is dict:
+        item = args[1] if len(args) == 2 else Any
+        return isinstance(value, dict) and all(isinstance(k, str) and _conforms(v, item) for k, v in value.items())
+    if dataclasses.is_dataclass(hint):
+        return isinstance(value, dict)  # its fields are checked by checked_fields on the way in
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def checked_fields(cls: type, saved: Saved) -> dict[str, Any] | None:
+    """The fields of dataclass ``cls`` from a saved JSON object, each checked against its annotation (nested
+    dataclasses too), for ``cls(**fields)``; every wrong or missing one joins ``saved.problems`` (then ``None``).
+    One checker for every typed record a file holds, so a hand-edited value is named by file and key, never a
+    ``TypeError`` from deep inside a run."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, Any] = {}
+    before = len(saved.problems)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if f.name not in saved.value:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                keys = " ".join(f"'{k}'" for k in (*saved.path, f.name))
+                saved.problems.append(Problem(f"'{f.name}' is missing", f"{saved.where} {keys}", saved.fix()))
+            continue
+        got = saved.value[f.name]
+        if not _conforms(got, hint):
+            saved.wrong(f.name, got, str(hint).replace("typing.", ""))
+        elif dataclasses.is_dataclass(hint) and isinstance(hint, type):
+            nested = saved.inner(f.name)
+            inner = None if nested is None else checked_fields(hint, nested)
+            out[f.name] = None if inner is None else hint(**inner)
+        else:
+            out[f.name] = tuple(got) if typing.get_origin(hint) is tuple or hint is tuple else got
+    return out if len(saved.problems) == before else None
 
 
 def saved_object(value: Any, where: str, what: str = "") -> Saved:

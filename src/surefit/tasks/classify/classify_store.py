@@ -22,7 +22,8 @@ from surefit.data import encoded_store
 from surefit.data.classes import Fields, LabelSpec
 from surefit.data.encoded_store import EncodedSplit, ExtraColumns, SplitArrays, StoreUse
 from surefit.data.rows import Row
-from surefit.data.summary import ClassifyFacts, DataSummary
+from surefit.data.summary import ClassifyFacts, DataSummary, checked_fields
+from surefit.errors import raise_if
 
 Say = Callable[[str], None]
 LABEL = "label"  # the per-example array holding the target
@@ -146,7 +147,18 @@ class Record:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, value: dict[str, Any]) -> Record:
+    def from_json(cls, value: Any, where: str) -> Record:
+        """The record of a store's header (``where``: the header file), every value checked (the label spec and
+        the columns read against their dataclasses' types): a hand-edited header is named by file and key."""
+        saved = encoded_store.checked_record(value, where, {
+            "summary": dict, "lines": list, "encode_lines": list, "spec": dict, "fields": dict, "columns": list,
+            "validation_rows": list, "max_len": int, "keys": list},
+            {"validation_rows": encoded_store.ROW_SHAPE}, dict.fromkeys(("lines", "encode_lines", "columns", "keys"), str))
+        for key, kind in (("spec", LabelSpec), ("fields", Fields)):
+            nested = saved.inner(key)
+            if nested is not None:
+                checked_fields(kind, nested)
+        raise_if(saved.problems)
         return cls(**{f.name: value[f.name] for f in dataclasses.fields(cls)})
 
     def label_spec(self) -> LabelSpec:

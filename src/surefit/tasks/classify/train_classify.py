@@ -549,7 +549,7 @@ def read_data(cfg: ClassifyConfig, model: tuple[str, str] | None, say: Say, earl
                 store = EncodedStore.open(folder, key, say)
             if store is not None:
                 raise_with_rejected(early, [])  # the run folder's problems, found before the data
-                rec = Record.from_json(store.record)
+                rec = Record.from_json(store.record, str(store.folder / encoded_store.HEADER))
                 for line in rec.lines:
                     say(line)
                 return ReadData(rec.data_summary(str(store.folder / encoded_store.HEADER)), rec.fields_read(),
@@ -599,7 +599,7 @@ def encode_data(cfg: ClassifyConfig, data: ReadData, max_len: int, keys: list[st
     read back from it by position, or in memory (``--no_cache``, or not cacheable). A hit reads the store, after
     checking that it was encoded to the same length and inputs, and prints what encoding printed."""
     if data.store is not None:
-        rec = Record.from_json(data.store.record)
+        rec = Record.from_json(data.store.record, str(data.store.folder / encoded_store.HEADER))
         if (rec.max_len, rec.keys) == (max_len, keys):
             for line in rec.encode_lines:
                 say(line)

@@ -320,8 +320,13 @@ def _from_store(store: EncodedStore, path: str, tokenizer: Any, say: Say, use: S
                 val_ex: list[PairExample] | None = None) -> EncodedPairs:
     """The run's pairs from an opened store: the training pairs read by position, the validation pairs (and their
     rows) in memory; on a hit (``val_ex`` not given), the lines the encoding run printed."""
+    header = str(store.folder / encoded_store.HEADER)
     rec = store.record
-    summary = encoded_store.summary_of(rec["summary"], str(store.folder / encoded_store.HEADER))
+    encoded_store.checked_record(rec, header, {
+        "summary": dict, "lines": list, "excluded": list, "terms": list, "validation_rows": list},
+        {"validation_rows": encoded_store.ROW_SHAPE, "excluded": {"split": str, "where": str, "reason": str}},
+        {"lines": str, "terms": int})
+    summary = encoded_store.summary_of(rec["summary"], header)
     if val_ex is None:
         for line in rec["lines"]:
             say(line)
