@@ -82,11 +82,35 @@ def reserve(cache: Any, room: int) -> int:
     return n
 
 
+class LastCast:
+    """The 16-bit copy of the last input cast, for the layers that read the same input in a row (q, k and v; gate and
+    up): one cast instead of three (two). Held strongly only for the generation; the input's identity, shape and
+    version counter (bumped by any in-place write) make sure the copy is of this tensor as it is now."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.source: torch.Tensor | None = None
+        self.cast: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if x.is_inference():  # no version counter to check: cast each time
+            return x.to(dtype)
+        key = (x.data_ptr(), x.shape, x.stride(), x._version, dtype)
+        if self.source is x and self.key == key and self.cast is not None:
+            return self.cast
+        self.source, self.key, self.cast = x, key, x.to(dtype)
+        return self.cast
+
+
 def _merged_forward(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
+                    out_dtype: torch.dtype, cast: LastCast) -> torch.Tensor:
     # The output in the adapter's dtype, as surefit's unmerged LoRA forward gives it (the residual stream stays fp32).
-    return F.linear(x.to(weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x, weight, bias
-                    ).to(out_dtype)
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) != weight.dtype:
+        return F.linear(x, weight, bias).to(out_dtype)  # autocast casts the weight too, as it always did
+    # The input cast to the weight's dtype as autocast would cast it, once for the layers that read it.
+    with torch.autocast(kind, enabled=False):
+        return F.linear(cast(x, weight.dtype), weight, None if bias is None else bias.to(weight.dtype)).to(out_dtype)
 
 
 def _mergeable(layer: Any) -> str | None:
@@ -125,6 +149,7 @@ def merged_lora(model: Any) -> Iterator[Merged]:
     """
     changed: list[tuple[Any, Any, list[str]]] = []
     info = Merged()
+    cast = LastCast()
 
     def restore() -> None:
         for layer, forward, merged in reversed(changed):
@@ -148,7 +173,7 @@ def merged_lora(model: Any) -> Iterator[Merged]:
             changed.append((layer, layer.__dict__.get("forward"), list(layer.merged_adapters)))
             layer.forward = functools.partial(_merged_forward, weight=merged_w,
                                               bias=None if base.bias is None else base.bias.detach(),
-                                              out_dtype=torch.promote_types(w.dtype, a.dtype))
+                                              out_dtype=torch.promote_types(w.dtype, a.dtype), cast=cast)
             layer.merged_adapters = [*layer.merged_adapters, name]
     except torch.OutOfMemoryError:
         # Free what was made before anything else (outside the except block, so the traceback holds no tensors).
@@ -159,4 +184,5 @@ def merged_lora(model: Any) -> Iterator[Merged]:
     try:
         yield info
     finally:
+        cast.source = cast.cast = None
         restore()
