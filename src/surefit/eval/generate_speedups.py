@@ -111,8 +111,8 @@ def _merged_forward(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor
     if torch.is_autocast_enabled(kind):
         if torch.get_autocast_dtype(kind) != weight.dtype:
             return F.linear(x, weight, bias)  # autocast casts the weight too, as it would for the plain Linear
-        # The input cast as autocast casts it, once for q/k/v, gate/up; the call stays under autocast, which picks
-        # its own 16-bit kernel (not the one a plain bf16 F.linear runs: the sums round differently).
+        # The input cast as autocast casts it, once for q/k/v, gate/up; the call stays under autocast, as the plain
+        # Linear's does.
         return F.linear(cast(x, weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
     return F.linear(cast(x, weight.dtype), weight, bias).to(out_dtype)
 
