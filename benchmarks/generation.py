@@ -18,6 +18,10 @@ caps it):
 - ``surefit``: the default: prompts prefilled ``--batch`` at a time, decoded together in the planner's batch
   (``training/plan.generation_batch``: up to 32 rows).
 - ``shared``: the default with ``--eval_share_prefixes``.
+- ``merged``: the default with ``--eval_merge_lora`` (the adapter merged into a 16-bit working copy of the weights:
+  one matmul per layer); ``merged_shared``: with both.
+- ``prefill``: not a goal, where the time goes: ``generate`` and the default with ``max_new_tokens`` 1 (the prompts'
+  forward and one token), once each.
 
 Agreement: rows identical to ``generate`` (same weights, same precision), and to an fp32 reference (the same base
 and adapter weights in fp32, no autocast, the exact path), with the share of the reference's tokens matched before a
@@ -123,14 +127,15 @@ def main() -> None:
         planned = generation_batch(model, [len(p) + max_new for p in prompts], args.batch, None, mixed)
 
         def ours(m: Any = model, rows: int = args.batch, share: bool = False, stats: dict | None = None,
-                 mixed_run: bool = True) -> list[list[int]]:
-            decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=max_new,
-                            batch_size=rows, prefill_batch=args.batch, share_prefixes=share and shareable)
+                 mixed_run: bool = True, merge: bool = False, new: int | None = None) -> list[list[int]]:
+            decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=new or max_new,
+                            batch_size=rows, prefill_batch=args.batch, share_prefixes=share and shareable,
+                            merge_lora=merge)
             return greedy_generate(m, prompts, decode, device=acc.device, autocast=acc.autocast if mixed_run else None,
                                    lora_context=lean_lora, stats=stats)
 
-        def anchor() -> list[list[int]]:
-            cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new, eos_token_id=eos,
+        def anchor(new: int | None = None) -> list[list[int]]:
+            cfg = GenerationConfig(do_sample=False, max_new_tokens=new or max_new, eos_token_id=eos,
                                    pad_token_id=tok.pad_token_id)
             collate = PadCollator(pad_token_id=tok.pad_token_id, padding_side="left")
             order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -150,6 +155,8 @@ def main() -> None:
             "exact": lambda: ours(),
             "surefit": lambda: ours(rows=planned.rows),
             "shared": lambda: ours(rows=planned.rows, share=True, stats=stats),
+            "merged": lambda: ours(rows=planned.rows, merge=True),
+            "merged_shared": lambda: ours(rows=planned.rows, share=True, merge=True),
         }
         cpu: dict[str, list[float]] = {k: [] for k in runs}
         wall: dict[str, list[float]] = {k: [] for k in runs}
@@ -161,6 +168,11 @@ def main() -> None:
                 outputs[name] = fn()
                 cpu[name].append(time.process_time() - c0)
                 wall[name].append(time.perf_counter() - t0)
+        prefill = {}
+        for name, fn in (("generate", lambda: anchor(1)), ("surefit", lambda: ours(rows=planned.rows, new=1))):
+            c0 = time.process_time()
+            fn()
+            prefill[name] = round(time.process_time() - c0, 2)
         load.append(os.getloadavg()[0])
         outputs["fp32"] = ours(ref, mixed_run=False)  # untimed
 
@@ -181,7 +193,10 @@ def main() -> None:
             "prefill_tokens_with_shared_prefixes": stats.get("prefill_tokens"), "load_average": load,
             "new_tokens": new_tokens, "cpu_seconds": cpu, "wall_seconds": wall, "best_cpu_seconds": best,
             "new_tokens_per_cpu_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
-            "rows_identical": {f"{k}_vs_{r}": same(k, r) for r in ("generate", "fp32") for k in runs if k != r},
+            "prefill_cpu_seconds": prefill,
+            "rows_identical": {**{f"{k}_vs_{r}": same(k, r) for r in ("generate", "fp32") for k in runs if k != r},
+                               "merged_vs_surefit": same("merged", "surefit"),
+                               "merged_shared_vs_shared": same("merged_shared", "shared")},
             "token_agreement_vs_fp32": {k: agree(k, "fp32") for k in runs},
             "speedup_vs_generate": {k: round(best["generate"] / best[k], 2) for k in runs if k != "generate"},
             "wall_speedup_vs_generate": {k: round(min(wall["generate"]) / min(wall[k]), 2)
@@ -215,22 +230,27 @@ def _report(results: dict[str, Any], args: Any) -> str:
         f"{args.batch}. `exact`: surefit with `--eval_generate_batch_size {args.batch}` (each batch prefilled and "
         "decoded alone). `surefit`: the default (prompts prefilled "
         f"{args.batch} at a time, decoded in the planner's batch). `shared`: the default with "
-        "`--eval_share_prefixes`. The machine was shared with other work: speeds are new tokens per CPU second of "
+        "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both. "
+        "The machine was shared with other work: speeds are new tokens per CPU second of "
         "the one-thread process, fastest of the repeats; the load average (1 min) at the start and end of each "
         "workload is listed.", "",
-        "| workload | rows | max new tokens | decode rows | load avg | generate | exact | surefit | shared |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | rows | max new tokens | decode rows | load avg | "
+        + " | ".join(next(iter(w.values()))["new_tokens_per_cpu_s"]) + " | prefill CPU s: generate / surefit |",
+        "|---|---|---|---|---|" + "---|" * (len(next(iter(w.values()))["new_tokens_per_cpu_s"]) + 1),
     ]
     for name, r in w.items():
         t = r["new_tokens_per_cpu_s"]
         lines.append(f"| {name} | {r['prompts']} | {r['max_new_tokens']} | {r['decode_rows']} | "
                      f"{r['load_average'][0]:.1f} / {r['load_average'][1]:.1f} | "
-                     + " | ".join(str(t[k]) for k in ("generate", "exact", "surefit", "shared")) + " |")
-    lines += ["", "| workload | goal | ratio (CPU s) | ratio (wall s) | result |", "|---|---|---|---|---|"]
+                     + " | ".join(str(v) for v in t.values())
+                     + f" | {r['prefill_cpu_seconds']['generate']} / {r['prefill_cpu_seconds']['surefit']} |")
+    lines += ["", "| workload | goal | CPU s (generate: this) | ratio (CPU s) | ratio (wall s) | result |",
+              "|---|---|---|---|---|---|"]
     for name, r in w.items():
         for goal, g in r["goals"].items():
             k = goal.split()[0]
-            lines.append(f"| {name} | {goal} >= {g['goal']}x | {g['ratio']}x | "
+            best = r["best_cpu_seconds"]
+            lines.append(f"| {name} | {goal} >= {g['goal']}x | {best['generate']:.1f}: {best[k]:.1f} | {g['ratio']}x | "
                          f"{r['wall_speedup_vs_generate'][k]}x | {g['result']} |")
     first = next(iter(w.values()))
     lines += ["", "Rows identical (greedy answers token for token) and, against the fp32 reference, the share of its "

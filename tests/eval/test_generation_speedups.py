@@ -273,3 +273,42 @@ def test_training_caps_answers_at_the_longest_reference_and_decodes_the_planners
     assert decodes and all(d.max_new_tokens == longest_val + 4 for d in decodes)
     assert all(d.batch_size == 12 and d.prefill_batch == 2 for d in decodes)
     assert "generation decodes up to 12 rows at once, their prompts run 2 at a time" in out
+
+
+def test_merged_generation_in_bf16_equals_generate_on_peft_merge_and_unload():
+    """--eval_merge_lora under bf16 autocast computes what peft's merged model computes: the tokens of generate() on a
+    merge_and_unload() copy, batch for batch (the exact path: decode batch = prefill batch)."""
+    import copy
+
+    model = _lora_model(bf16=True)
+    prompts = _prompts()
+    merged = copy.deepcopy(model).merge_and_unload().eval()
+    free = _plain(merged, prompts, set(), 10, _autocast(True), batch_size=4)
+    eos = {free[0][2], free[4][5]}
+    want = _plain(merged, prompts, eos, 10, _autocast(True), batch_size=4)
+    assert len(set(map(len, want))) > 2
+    stats: dict = {}
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
+                                                 batch_size=4, merge_lora=True), autocast=_autocast(True), stats=stats)
+    assert stats["merged_layers"] == 14 and got == want
+    # Tokens can agree by luck on a tiny model: the logits are equal bit for bit too.
+    x = torch.randint(2, 64, (3, 11))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with merged_lora(model):
+            ours = model(input_ids=x).logits
+        theirs = merged(input_ids=x).logits
+    assert torch.equal(ours, theirs)
+
+
+def test_one_cast_serves_the_layers_that_read_the_same_input_and_an_in_place_write_makes_a_new_one():
+    from surefit.eval.generate_speedups import LastCast
+
+    cast = LastCast()
+    x = torch.randn(3, 5)
+    first = cast(x, torch.bfloat16)
+    assert cast(x, torch.bfloat16) is first and torch.equal(first, x.to(torch.bfloat16))
+    x.mul_(2.0)  # same tensor, new values: the old copy must not be served
+    again = cast(x, torch.bfloat16)
+    assert again is not first and torch.equal(again, x.to(torch.bfloat16))
+    y = x.clone()  # equal values, another tensor
+    assert cast(y, torch.bfloat16) is not again

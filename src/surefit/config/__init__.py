@@ -288,8 +288,10 @@ class SFTConfig(TrainConfig):
         "prefilled and decoded alone, the tokens of generate() on the same batches.")
     eval_merge_lora: bool = opt(
         False, "Generate evaluation answers with the LoRA adapter merged into a temporary copy of the adapted weights "
-        "(one matmul per layer). Under 16-bit precision the merged weights round away part of a young adapter, so "
-        "answers can differ from the model training computes. false: the adapter applied as in training.")
+        "(one matmul per layer): under 16-bit autocast what peft's merge_and_unload() model computes, 16-bit layer "
+        "outputs with no casts around them (faster prompts). The merged weights round away part of a young adapter "
+        "and the layer outputs are not summed in fp32, so answers can differ from the model training computes "
+        "(agreement measured in docs/performance.md). false: the adapter applied as in training.")
     eval_share_prefixes: bool = opt(
         False, "Generation computes a prompt beginning that evaluation prompts share (16 tokens or more, e.g. one "
         "SQuAD paragraph) once. Computed in another batch shape, it can round differently under 16-bit precision and "

@@ -19,8 +19,10 @@ round differently in 16 bits and are off unless asked for:
   once: its keys and values are copied to each row, then each row's own rest is run. The same numbers in exact
   arithmetic; computed in another batch shape, 16-bit rounding can differ and flip a near-tie.
 - ``lora_context``: the caller's lean adapter forward (surefit's: the training forward's numbers without its
-  per-call casts and autograd bookkeeping), or ``merge_lora``: adapters merged into a temporary copy of the frozen
-  weights, one matmul per linear layer. The trained adapter and the base weights are never changed. Merging rounds
+  per-call casts and autograd bookkeeping; layers that read the same input share its 16-bit cast), or
+  ``merge_lora``: adapters merged into a temporary copy of the frozen weights, one matmul per linear layer, and
+  under autocast the numbers of peft's ``merge_and_unload()`` model (16-bit layer outputs, no fp32 adapter sum, no
+  casts around each layer). The trained adapter and the base weights are never changed. Merging rounds
   ``W + scale * B @ A`` to the weights' dtype (16 bits under mixed precision), so its answers can differ from the
   unmerged model's (counted in ``benchmarks/generation.py``); it is an option, not the default.
 """

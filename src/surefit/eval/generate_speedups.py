@@ -82,11 +82,39 @@ def reserve(cache: Any, room: int) -> int:
     return n
 
 
+class LastCast:
+    """The 16-bit copy of the last input cast, for the layers that read the same input in a row (q, k and v; gate and
+    up): one cast instead of three (two). Held strongly only for the generation; the input's identity, shape and
+    version counter (bumped by any in-place write) make sure the copy is of this tensor as it is now."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.source: torch.Tensor | None = None
+        self.cast: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if x.is_inference():  # no version counter to check: cast each time
+            return x.to(dtype)
+        key = (x.data_ptr(), x.shape, x.stride(), x._version, dtype)
+        if self.source is x and self.key == key and self.cast is not None:
+            return self.cast
+        self.source, self.key, self.cast = x, key, x.to(dtype)
+        return self.cast
+
+
 def _merged_forward(x: torch.Tensor, *, weight: torch.Tensor, bias: torch.Tensor | None,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    # The output in the adapter's dtype, as surefit's unmerged LoRA forward gives it (the residual stream stays fp32).
-    return F.linear(x.to(weight.dtype) if not torch.is_autocast_enabled(x.device.type) else x, weight, bias
-                    ).to(out_dtype)
+                    out_dtype: torch.dtype, cast: LastCast) -> torch.Tensor:
+    # What a plain Linear holding the merged weight gives (peft's merge_and_unload): under autocast its output in the
+    # 16-bit compute dtype, with no cast back to fp32 and the next layer's cast avoided with it; without autocast, in
+    # the adapter's dtype, as surefit's unmerged forward gives it (the residual stream stays fp32).
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        if torch.get_autocast_dtype(kind) != weight.dtype:
+            return F.linear(x, weight, bias)  # autocast casts the weight too, as it would for the plain Linear
+        # The input cast as autocast casts it, once for q/k/v, gate/up; the call stays under autocast, as the plain
+        # Linear's does.
+        return F.linear(cast(x, weight.dtype), weight, None if bias is None else bias.to(weight.dtype))
+    return F.linear(cast(x, weight.dtype), weight, bias).to(out_dtype)
 
 
 def _mergeable(layer: Any) -> str | None:
@@ -117,6 +145,11 @@ def merged_lora(model: Any) -> Iterator[Merged]:
     """Within this context, each plain LoRA ``Linear`` of ``model`` computes ``x @ (W + scale * B @ A)^T`` with one
     matmul on a merged copy of its weight; yields a :class:`Merged` (how many layers, and whether memory ran out).
 
+    Under autocast the model computes what peft's ``merge_and_unload()`` of it computes (tested token for token
+    against ``generate`` on such a copy): 16-bit layer outputs, no fp32 adapter sum. That drops the casts around
+    every layer (the prompts' forward on SmolLM2-135M took about 0.65x the time of the unmerged one in a measurement
+    on the shared machine; ``benchmarks/results/generation.md``).
+
     The copy is made in the base weight's dtype (so 16-bit weights stay 16-bit), and costs the memory of the adapted
     layers' weights while it lives. Neither the base weight nor the adapter is written: the layer's ``forward`` is
     replaced for the duration (peft's ``merged_adapters`` says the adapter is in it, so no fused path adds it twice)
@@ -125,6 +158,7 @@ def merged_lora(model: Any) -> Iterator[Merged]:
     """
     changed: list[tuple[Any, Any, list[str]]] = []
     info = Merged()
+    cast = LastCast()
 
     def restore() -> None:
         for layer, forward, merged in reversed(changed):
@@ -142,13 +176,15 @@ def merged_lora(model: Any) -> Iterator[Merged]:
                 continue
             base, a, b = layer.base_layer, layer.lora_A[name].weight, layer.lora_B[name].weight
             w = base.weight
-            delta = (b.detach().float() @ a.detach().float()) * float(layer.scaling[name])
-            merged_w = (w.detach().float() + delta.to(w.device)).to(w.dtype)
+            # fp32 whatever autocast is on where the context is entered (as peft's merge computes it)
+            with torch.autocast(w.device.type, enabled=False):
+                delta = (b.detach().float() @ a.detach().float()) * float(layer.scaling[name])
+                merged_w = (w.detach().float() + delta.to(w.device)).to(w.dtype)
             del delta
             changed.append((layer, layer.__dict__.get("forward"), list(layer.merged_adapters)))
             layer.forward = functools.partial(_merged_forward, weight=merged_w,
                                               bias=None if base.bias is None else base.bias.detach(),
-                                              out_dtype=torch.promote_types(w.dtype, a.dtype))
+                                              out_dtype=torch.promote_types(w.dtype, a.dtype), cast=cast)
             layer.merged_adapters = [*layer.merged_adapters, name]
     except torch.OutOfMemoryError:
         # Free what was made before anything else (outside the except block, so the traceback holds no tensors).
@@ -159,4 +195,5 @@ def merged_lora(model: Any) -> Iterator[Merged]:
     try:
         yield info
     finally:
+        cast.source = cast.cast = None
         restore()

@@ -19,14 +19,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from surefit.eval.generate_speedups import LastCast
 from surefit.training.speedups.lora_fast import fast_adapter, fused_forward, is_lora_linear
 
 
 def _lean_mixed(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, ah: torch.Tensor, bh: torch.Tensor,
-                scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
-    # _LoraMixed.forward with p = 0, its 16-bit adapter copies made once.
+                scaling: float, out_dtype: torch.dtype, cast: LastCast) -> torch.Tensor:
+    # _LoraMixed.forward with p = 0, its 16-bit adapter copies made once, the input's cast shared.
     with torch.autocast(x.device.type, enabled=False):
-        xh = x.to(w.dtype)
+        xh = cast(x, w.dtype)
         u = (xh @ ah.t()).mul_(scaling)
         out = F.linear(xh, w).to(out_dtype)
         out.add_(u @ bh.t())
@@ -49,6 +50,7 @@ def lean_lora(model: Any) -> Iterator[int]:
     with fewer operations; yields how many layers. Layers on peft's own forward are left as they are. Restored on
     exit, also after an error; the adapter and base weights are only read."""
     changed: list[tuple[Any, Any]] = []
+    cast = LastCast()
     try:
         for layer in model.modules():
             forward = layer.__dict__.get("forward")
@@ -64,12 +66,13 @@ def lean_lora(model: Any) -> Iterator[int]:
                     and (base.bias is None or not base.bias.requires_grad):
                 bias = None if base.bias is None else base.bias.detach().to(a.dtype)
                 lean = functools.partial(_lean_mixed, w=w.detach(), bias=bias, ah=a.to(w.dtype), bh=b.to(w.dtype),
-                                         scaling=scaling, out_dtype=a.dtype)
+                                         scaling=scaling, out_dtype=a.dtype, cast=cast)
             else:
                 lean = functools.partial(_lean_full, base=base, a=a, b=b, scaling=scaling)
             changed.append((layer, forward))
             layer.forward = lean
         yield len(changed)
     finally:
+        cast.source = cast.cast = None
         for layer, forward in reversed(changed):
             layer.forward = forward
