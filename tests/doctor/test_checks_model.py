@@ -409,3 +409,21 @@ def test_nan_and_inf_weights_of_the_model_are_named_not_blamed_on_rows(tok, tmp_
 
 def test_finite_weights_are_not_reported(tok, lm):
     healthy(check(lm, tok, lm_items(tok), data_collator=PadCollator(tok.pad_token_id)), "nonfinite-weights")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_one_pass_finiteness_test_agrees_with_counting_every_value(dtype):
+    from surefit.doctor.checks_model import all_finite
+
+    for shape in [(), (1,), (7, 5), (3, 1, 4097)]:
+        clean = torch.randn(shape).to(dtype)
+        assert all_finite(clean)
+        n = clean.numel()
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for at in {0, n // 2, n - 1}:
+                t = clean.clone().reshape(-1)
+                t[at] = bad
+                t = t.reshape(shape)
+                assert not all_finite(t) and not bool(torch.isfinite(t).all()), (shape, bad, at)
+    # finite values whose sum overflows are still finite (no sum is taken)
+    assert all_finite(torch.full((4,), torch.finfo(dtype).max, dtype=dtype))
