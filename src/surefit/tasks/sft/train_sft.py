@@ -424,6 +424,8 @@ NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
 def _tokenizer(cfg: SFTConfig, source: Any, say: Say) -> tuple[str, Any]:
     with startup.phase("model conversion"), phase("model conversion"):  # GGUF: once, then a cached folder
         path = model_folder(source, log=say)
+    if not cfg.no_cache and not cfg.trust_remote_code and Path(path).exists():
+        startup_cache.hash_ahead(path)  # the cache key's hashes, read on another core while the model loads
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:
