@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import surefit.doctor  # noqa: F401 - importing it registers the checks that run_checks runs
 import surefit.startup as startup
 import surefit.startup.cache as startup_cache
 from surefit.config import SFTConfig
@@ -49,7 +50,7 @@ from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.data.summary import DataSummary, TextFacts
 from surefit.data.system_prompt import describe as describe_system
 from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
-from surefit.doctor import check
+from surefit.doctor.core import Setup, run_checks
 from surefit.errors import (
     ConfigError,
     DataError,
@@ -73,7 +74,7 @@ from surefit.run_folder import EXCLUDED, SHORTENED, Found
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
-from surefit.training.loss import causal_lm_loss_sum
+from surefit.training.loss import causal_lm_dry_run, causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.plan import GenerationBatch, generation_batch, resolve_budget
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
@@ -778,9 +779,10 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, data.doctor_sample(), val_features or None,
-                                                           collate,
-                                                           args=doctor_args, task="sft")),
+        # the dry run calls the model as step 1 will (training/loss.py: causal_lm_dry_run)
+        check=lambda: _autocast(accelerator, lambda: run_checks(Setup(
+            model, tokenizer, data.doctor_sample(), val_features or None, collate, args=doctor_args, task="sft",
+            call=causal_lm_dry_run))),
         cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
