@@ -26,7 +26,7 @@ from surefit.cli import main
 def counted(monkeypatch):
     """Counts of the doctor's runs and of the planner's measurements."""
     calls = {"doctor": 0, "planner": 0}
-    check, measure = sft.check, plan_module.measure_saved_bytes
+    check, measure = sft.run_checks, plan_module.measure_saved_bytes
 
     def counting_check(*a, **k):
         calls["doctor"] += 1
@@ -36,7 +36,7 @@ def counted(monkeypatch):
         calls["planner"] += 1
         return measure(*a, **k)
 
-    monkeypatch.setattr(sft, "check", counting_check)
+    monkeypatch.setattr(sft, "run_checks", counting_check)
     monkeypatch.setattr(plan_module, "measure_saved_bytes", counting_measure)
     return calls
 
