@@ -96,7 +96,7 @@ def hash_ahead(path: str | Path) -> None:
         return
     with _ahead_lock:
         jobs = [(key, f) for key, f in jobs if key not in _ahead]
-        futures = {key: Future() for key, _ in jobs}
+        futures: dict[tuple[str, tuple[int, ...]], Future[str]] = {key: Future() for key, _ in jobs}
         _ahead.update(futures)
     if not jobs:
         return

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections import Counter
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Any, Literal, Protocol
 
@@ -99,7 +100,7 @@ def model_attention_mask(model: Any, mask: torch.Tensor | None) -> torch.Tensor 
     return None
 
 
-def causal_lm_dry_run(model: Any, batch: dict[str, torch.Tensor]) -> Any:
+def causal_lm_dry_run(model: Any, batch: Mapping[str, Any]) -> Any:
     """The doctor's dry run of a causal-LM training step: the model called as :func:`causal_lm_loss_sum` calls it
     (no labels passed in, the attention mask as :func:`model_attention_mask` gives it), then the next-token
     cross-entropy of the supervised positions, as the run computes it (a label the head cannot score fails here).
