@@ -76,7 +76,7 @@ from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_dry_run, causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
-from surefit.training.plan import GenerationBatch, generation_batch, resolve_budget
+from surefit.training.plan import GenerationBatch, MeasuringDryRun, generation_batch, resolve_budget
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
 from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
@@ -769,20 +769,26 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
         "train": data.identity or startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
+    plan_inputs = PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
+                             generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
+                             loss_fn=base_loss)  # the planner measures with the plain loss: a shared layout is never larger
+    dry_run: Callable[[Any, Any], Any] = causal_lm_dry_run
+    if accelerator.device.type == "cpu" and accelerator.num_processes == 1:
+        # the model trains where it sits now: the doctor's one forward counts what the planner would have
+        dry_run = MeasuringDryRun(base_loss, cfg.lora_r > 0, precision_name(accelerator), accelerator.device,
+                                  SavedActivationsIn, plan_inputs.measured)
     work = TrainingWork(
         features=features, lengths=data.lengths, counts=data.counts,
         collate=collate, loss_fn=train_loss, evaluate=evaluate, on_epoch=on_epoch, counters=sharing,
         where=data.where,
-        plan=PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
-                        generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
-                        loss_fn=base_loss),  # the planner measures with the plain loss: a shared layout is never larger
+        plan=plan_inputs,
         activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
-        # the dry run calls the model as step 1 will (training/loss.py: causal_lm_dry_run)
+        # the dry run calls the model as step 1 will; on a CPU it is the planner's measurement too (plan.py)
         check=lambda: _autocast(accelerator, lambda: run_checks(Setup(
             model, tokenizer, data.doctor_sample(), val_features or None, collate, args=doctor_args, task="sft",
-            call=causal_lm_dry_run))),
+            call=dry_run))),
         cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
