@@ -26,7 +26,7 @@ from surefit.cli import main
 def counted(monkeypatch):
     """Counts of the doctor's runs and of the planner's measurements."""
     calls = {"doctor": 0, "planner": 0}
-    check, measure = sft.check, plan_module.measure_saved_bytes
+    check, measure = sft.run_checks, plan_module.measure_saved_bytes
 
     def counting_check(*a, **k):
         calls["doctor"] += 1
@@ -36,7 +36,7 @@ def counted(monkeypatch):
         calls["planner"] += 1
         return measure(*a, **k)
 
-    monkeypatch.setattr(sft, "check", counting_check)
+    monkeypatch.setattr(sft, "run_checks", counting_check)
     monkeypatch.setattr(plan_module, "measure_saved_bytes", counting_measure)
     return calls
 
@@ -197,3 +197,39 @@ def test_planner_measurements_are_reused_from_the_memo_and_the_choice_made_afres
     assert (again.micro_batch_size, again.grad_accum, again.measured) == (first.micro_batch_size, first.grad_accum,
                                                                           first.measured)
     assert again.changes == first.changes
+
+
+
+def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny_lm_dir, counted):
+    """A cold CPU run runs one forward before step 1 for the doctor and the planner together; the saved activations
+    the plan reports are those of the doctor's batch (its first rows and the longest, padded as training pads),
+    counted exactly as a separate measurement of that batch in training mode counts them, and the RNG is left as
+    it was."""
+    from surefit.cli import parse_train_config
+    from surefit.doctor.core import Setup
+    from surefit.training.work import PlanInputs
+
+    data = _data(tmp_path / "train.jsonl")
+    first = _train(tiny_lm_dir, data, tmp_path / "a")
+    assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed"}
+    how = json.loads((tmp_path / "a" / "memory_plan.json").read_text())["measured"]["how"]
+    assert "of the doctor's dry-run batch (" in how and "counted, not estimated" in how
+
+    cfg = parse_train_config(["--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--lora_r", "4",
+                              "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25",
+                              "--output_dir", str(tmp_path / "c"), "--no_cache"])
+    p = sft.prepare(cfg, say=lambda s: None)
+    assert isinstance(p.work.plan, PlanInputs) and not p.work.plan.measured
+    rng = torch.get_rng_state()
+    assert not p.check().has_errors
+    assert torch.equal(torch.get_rng_state(), rng)
+    got = p.work.plan.measured["saved_activations"]
+    batch, _ = Setup(p.model, None, p.work.features, None, p.work.collate, {"batch_size": 4}).batch()
+    assert got[1] == batch["input_ids"].numel() == len(batch["input_ids"]) * max(p.work.lengths)
+    store = p.work.activation_store if plan_module.packs_saved(
+        True, plan_module.precision_name(p.accelerator), p.work.activation_store, p.accelerator.device) else None
+    p.model.train()
+    with p.accelerator.autocast():
+        alone = plan_module.run_with_restored_rng(lambda: plan_module.measure_saved_bytes(
+            p.model, lambda: p.work.plan.loss_fn(p.model, batch)[0], store(torch.bfloat16) if store else None))
+    assert got[0] == alone > 0

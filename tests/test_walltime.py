@@ -145,7 +145,7 @@ def test_final_is_exported_afresh_when_the_weights_changed_after_the_last_export
 
 def test_the_doctor_runs_before_step_1(tmp_path, tiny_lm_dir, monkeypatch):
     order: list[str] = []
-    check, end = sft.check, runner.end_startup
+    check, end = sft.run_checks, runner.end_startup
 
     def doctor(*a, **k):
         order.append("doctor")
@@ -155,7 +155,7 @@ def test_the_doctor_runs_before_step_1(tmp_path, tiny_lm_dir, monkeypatch):
         order.append("step 1")
         return end(*a, **k)
 
-    monkeypatch.setattr(sft, "check", doctor)
+    monkeypatch.setattr(sft, "run_checks", doctor)
     monkeypatch.setattr(runner, "end_startup", step1)
     assert main(_argv(tiny_lm_dir, _data(tmp_path / "train.jsonl"), tmp_path / "run", "--epochs", "1",
                       "--no_cache")) == 0

@@ -409,3 +409,55 @@ def test_nan_and_inf_weights_of_the_model_are_named_not_blamed_on_rows(tok, tmp_
 
 def test_finite_weights_are_not_reported(tok, lm):
     healthy(check(lm, tok, lm_items(tok), data_collator=PadCollator(tok.pad_token_id)), "nonfinite-weights")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_one_pass_finiteness_test_agrees_with_counting_every_value(dtype):
+    from surefit.doctor.checks_model import all_finite
+
+    for shape in [(), (1,), (7, 5), (3, 1, 4097)]:
+        clean = torch.randn(shape).to(dtype)
+        assert all_finite(clean)
+        n = clean.numel()
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for at in {0, n // 2, n - 1}:
+                t = clean.clone().reshape(-1)
+                t[at] = bad
+                t = t.reshape(shape)
+                assert not all_finite(t) and not bool(torch.isfinite(t).all()), (shape, bad, at)
+    # finite values whose sum overflows are still finite (no sum is taken)
+    assert all_finite(torch.full((4,), torch.finfo(dtype).max, dtype=dtype))
+
+
+# ------------------------------------------------------------------------------------------- the run's own call
+
+
+def test_a_dry_run_through_the_runs_own_call_is_the_forward_step_1_runs(tok, lm):
+    """sft's dry run (Setup.call = causal_lm_dry_run): the model gets no labels and, for right padding, no mask, as
+    in training; the logits the checks read are the model's own; a label the head cannot score is found before
+    step 1 as the run's loss would fail on it."""
+    from surefit.doctor.core import Setup, run_checks
+    from surefit.training.loss import causal_lm_dry_run
+
+    seen: list[dict] = []
+    handle = lm.register_forward_pre_hook(lambda m, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
+    try:
+        setup = Setup(lm, tok, lm_items(tok), None, PadCollator(tok.pad_token_id), {"batch_size": 4}, task="sft",
+                      call=causal_lm_dry_run)
+        healthy(run_checks(setup), "forward-failed")
+        assert seen and "labels" not in seen[0] and seen[0]["attention_mask"] is None
+        batch, _ = setup.batch()
+        with torch.no_grad():
+            plain = lm(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        assert setup.logits().shape == plain.shape
+        real = batch["attention_mask"].bool()  # right padding: the mask changes no real position's output
+        assert torch.allclose(setup.logits()[real], plain[real], atol=1e-5)
+
+        items = lm_items(tok)
+        items[1]["labels"][-1] = lm.config.vocab_size + 5  # a supervised target outside the head's rows
+        bad = Setup(lm, tok, items, None, PadCollator(tok.pad_token_id), {"batch_size": 4}, task="sft",
+                    call=causal_lm_dry_run)
+        found = only(run_checks(bad), "forward-failed")
+        assert found.severity == "error" and "dry-run forward pass" in found.message
+    finally:
+        handle.remove()

@@ -185,6 +185,10 @@ class Setup:
         args: normalised settings (see :func:`normalise_args`).
         signature_columns: the columns a Trainer keeps (its own ``_signature_columns`` when a trainer was given);
             ``None``: derived from the model.
+        call: how the run calls the model on a collated batch, ``(model, batch) -> output with logits``, when it is
+            not a Trainer's ``model(**batch)``: surefit's own tasks hand in theirs (sft passes no labels to the model
+            and computes the loss itself), so the dry run is the forward training runs. ``None``: ``model(**keys the
+            forward accepts)``. Probes that replace keys always call the model directly.
     """
 
     SAMPLE: ClassVar[int] = 4  # items in the dry run: the first few plus the longest
@@ -198,6 +202,7 @@ class Setup:
     peft_config: Any = None
     task: str | None = None
     signature_columns: Sequence[str] | None = None
+    call: Callable[[Any, Mapping[str, Any]], Any] | None = None
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -356,7 +361,8 @@ class Setup:
         return self._cache["batch"]
 
     def forward(self) -> tuple[Any, Exception | None]:
-        """One forward pass on the dry-run batch (keys the forward accepts), under no_grad."""
+        """One forward pass on the dry-run batch (keys the forward accepts, or as :attr:`call` runs it), under
+        no_grad."""
         if "forward" not in self._cache:
             import torch
 
@@ -372,7 +378,7 @@ class Setup:
                 try:
                     self.model.eval()
                     with torch.no_grad():
-                        out = self.model(**inputs)
+                        out = self.model(**inputs) if self.call is None else self.call(self.model, batch)
                 except Exception as e:  # noqa: BLE001 - explained or reported as forward-failed
                     ferr = e
                 finally:

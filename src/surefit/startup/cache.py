@@ -11,7 +11,9 @@ import functools
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
@@ -75,13 +77,69 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
+# Hashes being computed ahead by :func:`hash_ahead`, by (real path, stat key): a reader waits for the one it needs.
+_ahead: dict[tuple[str, tuple[int, ...]], Future[str]] = {}
+_ahead_lock = threading.Lock()
+
+
+def hash_ahead(path: str | Path) -> None:
+    """Start hashing the files of a model folder (or file) in a background thread, smallest first, remembering them
+    as :func:`file_sha256` does; its later calls for these files wait for the result instead of reading them again.
+
+    Why: a cold start-up hashed the model's weights (about 1 s for 500 MB) while nothing else ran. Started when the
+    model's folder is known, the reading and hashing (both release the GIL) run on another core while the tokenizer
+    and the model load, which are single-threaded Python. Any failure there is left to the caller's own read."""
+    p = Path(path)
+    try:
+        found = [p] if p.is_file() else sorted((f for f in p.rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+        jobs = [((os.path.realpath(f), tuple(_stat_key(f.stat()))), f) for f in found]
+    except OSError:
+        return
+    with _ahead_lock:
+        jobs = [(key, f) for key, f in jobs if key not in _ahead]
+        futures: dict[tuple[str, tuple[int, ...]], Future[str]] = {key: Future() for key, _ in jobs}
+        _ahead.update(futures)
+    if not jobs:
+        return
+
+    memos = cache_dir() / "hashes"  # now: the thread may outlive a change of the environment
+
+    def work() -> None:
+        for key, f in jobs:
+            fut: Future[str] = futures[key]
+            try:
+                value = _read_sha256(f, memos)
+                if tuple(_stat_key(f.stat())) != key[1]:
+                    raise OSError(f"{f} changed while it was hashed")
+                fut.set_result(value)
+            except BaseException as e:  # noqa: BLE001 - handed to the reader, which reads the file itself
+                fut.set_exception(e)
+
+    threading.Thread(target=work, name="surefit-hash-ahead", daemon=True).start()
+
+
 def file_sha256(path: str | Path, remember: bool = True) -> str:
     """SHA-256 of a file's content, remembered under ``hashes/`` in the start-up cache by the file's device, inode,
     size, modification and change times: a hit is used only while all five still match (else the file is read).
     ``remember=False`` (``--no_cache``): read the file, and store nothing."""
     path = Path(path)
+    if remember and _ahead:
+        key = (os.path.realpath(path), tuple(_stat_key(path.stat())))
+        with _ahead_lock:
+            fut = _ahead.pop(key, None)
+        if fut is not None:
+            try:
+                return fut.result()
+            except Exception:  # noqa: BLE001 - read it here, where an error reaches the caller
+                pass
+    return _read_sha256(path, cache_dir() / "hashes" if remember else None)
+
+
+def _read_sha256(path: Path, memos: Path | None) -> str:
+    """:func:`file_sha256`'s work; ``memos``: the folder of remembered hashes, ``None`` to read and store nothing."""
+    remember = memos is not None
     st = path.stat()
-    memo = cache_dir() / "hashes" / f"{digest(os.path.realpath(path))}.json"
+    memo = (memos or Path()) / f"{digest(os.path.realpath(path))}.json"
     try:
         if not remember:
             raise OSError("not remembered")
@@ -96,7 +154,7 @@ def file_sha256(path: str | Path, remember: bool = True) -> str:
             h.update(chunk)
     value = h.hexdigest()
     if remember and _stat_key(path.stat()) == _stat_key(st):  # unchanged while it was read
-        tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}")
+        tmp = memo.with_name(f"{memo.name}.tmp{os.getpid()}.{threading.get_ident()}")  # hash_ahead's thread too
         try:
             memo.parent.mkdir(parents=True, exist_ok=True)
             tmp.write_text(json.dumps({"stat": _stat_key(st), "sha256": value}), encoding="utf-8")

@@ -404,7 +404,7 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
     quant = quantized_bits(model)
     cast = store_frozen_in(model, torch.bfloat16 if precision == "bf16" else torch.float16) if frozen_half else 0
     store = work.activation_store
-    pack_saved = frozen_half and store is not None and holds_bf16(device)
+    pack_saved = packs_saved(lora, precision, store, device)
     # numpy over the whole column, never a Python list of every example (a store's 2M examples: data/sampling.py)
     order = longest_first(work.lengths, max(share, requested_micro, 1))
     longest = work.lengths[order[0]] if order else 1
@@ -522,8 +522,10 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
         if eval_bs < eval_batch_size:
             changes.append(f"evaluation batch {eval_batch_size} -> {eval_bs} to fit the budget")
     if not measured.get("how") and measured_act:
-        measured["how"] = (f"{human_bytes(measured_act[0])} of activations saved for the backward pass of the longest "
-                           f"example ({measured_act[1]} token{'s' if measured_act[1] != 1 else ''}; counted, not estimated), scaled to the micro-batch")
+        of = memo.get("saved_activations_of") or \
+            f"the longest example ({measured_act[1]} token{'s' if measured_act[1] != 1 else ''}"
+        measured["how"] = (f"{human_bytes(measured_act[0])} of activations saved for the backward pass of {of}; "
+                           "counted, not estimated), scaled to the micro-batch")
     return Plan(batch_size=batch_size, processes=processes, micro_batch_size=micro, grad_accum=accum,
                 gradient_checkpointing=ckpt, precision=precision,
                 frozen_dtype={"bf16": "bf16", "fp16": "fp16"}[precision] if frozen_half else None,
@@ -531,6 +533,86 @@ def make_plan(model: Any, work: Workload, request: PlanRequest, probe: Callable[
                 estimate=estimate(micro, ckpt), measured=measured, changes=changes,
                 saved_activations="bf16" if pack_saved else None, quantized=quant, sharding=request.sharding,
                 checkpoint_host_bytes=fp.checkpoint_host_bytes(processes, request.sharding))
+
+
+def packs_saved(lora: bool, precision: str, store: Callable[[torch.dtype], ActivationStore] | None,
+                device: torch.device) -> bool:
+    """Whether the run stores fp32 saved activations in bf16 (LoRA on 16-bit frozen weights), so that a
+    measurement of them must count through the same store."""
+    return bool(lora and precision in ("bf16", "fp16") and store is not None and holds_bf16(device))
+
+
+@dataclass
+class MeasuringDryRun:
+    """The doctor's dry run that is also the planner's measurement (``Setup.call``): one forward of the doctor's
+    batch in training mode through the planner's loss, its saved activations counted as :func:`make_plan` counts
+    them, so a cold start runs one forward before step 1 instead of two.
+
+    The batch is the first rows and the longest, padded to the longest as training pads a micro-batch, so bytes per
+    token are those of a micro-batch at the longest length (the planner scales them the same way). The logits the
+    doctor's checks read come from the decoder's output through the output layer, without gradients; then the
+    run's cross-entropy on the supervised positions, as ``training/loss.py: causal_lm_dry_run`` does. Every RNG is
+    put back. Used where the model already sits on the device it trains on and one process plans (a CPU run):
+    elsewhere the planner measures on its device, as before.
+
+    Attributes:
+        loss_fn: the planner's loss (``PlanInputs.loss_fn``); lora, precision, device, store: as the run's.
+        into: where the measurement goes (``PlanInputs.measured``).
+    """
+
+    loss_fn: Callable[[Any, dict[str, torch.Tensor]], Any]
+    lora: bool
+    precision: str
+    device: torch.device
+    store: Callable[[torch.dtype], ActivationStore] | None
+    into: dict[str, Any]
+
+    def __call__(self, model: Any, batch: Any) -> Any:
+        import types
+
+        import torch.nn.functional as F  # noqa: N812
+
+        from surefit.data.collate import IGNORE_INDEX
+        from surefit.models import inner_model
+
+        inner = inner_model(model)
+        get_decoder, get_head = getattr(inner, "get_decoder", None), getattr(inner, "get_output_embeddings", None)
+        decoder = get_decoder() if callable(get_decoder) else None
+        head = get_head() if callable(get_head) else None
+        hidden: list[torch.Tensor] = []
+
+        def keep(module: Any, args: Any, out: Any) -> None:
+            h = getattr(out, "last_hidden_state", None)
+            h = h if h is not None else out[0] if isinstance(out, tuple) and out else None
+            if isinstance(h, torch.Tensor):
+                hidden[:] = [h.detach()]
+
+        store = self.store
+        packer = store(torch.bfloat16) if store is not None and packs_saved(self.lora, self.precision, store,
+                                                                            self.device) else None
+        handle = decoder.register_forward_hook(keep) if isinstance(decoder, torch.nn.Module) else None
+        was = model.training
+        try:
+            with torch.enable_grad():
+                model.train()
+                saved = run_with_restored_rng(
+                    lambda: measure_saved_bytes(model, lambda: self.loss_fn(model, batch)[0], packer))
+        finally:
+            model.train(was)
+            if handle is not None:
+                handle.remove()
+        rows, length = (int(n) for n in batch["input_ids"].shape)
+        self.into.update(saved_activations=[int(saved), rows * length], saved_activations_of=(
+            f"the doctor's dry-run batch ({rows} x {length} tokens: its first rows and the longest, padded as "
+            "training pads them"))
+        if not hidden or head is None:
+            return types.SimpleNamespace(loss=None)  # no logits here: the doctor finds them its own way
+        with torch.no_grad():
+            logits = head(hidden[0])
+        labels = batch["labels"]
+        supervised = labels[:, 1:] != IGNORE_INDEX
+        F.cross_entropy(logits[:, :-1][supervised].float(), labels[:, 1:][supervised], reduction="sum")
+        return types.SimpleNamespace(logits=logits)
 
 
 def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) -> Callable[[int, bool], int]:
@@ -660,6 +742,10 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
                     generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward,
                     activation_store=work.activation_store)
     budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
+    if memo is not None and "saved_activations" not in memo:
+        memo.update(work.plan.measured)  # the doctor's dry run counted them (MeasuringDryRun)
+    elif memo is None and work.plan.measured:
+        memo = dict(work.plan.measured)
     plan = run_with_restored_rng(
         lambda: make_plan(model, load, PlanRequest(
             batch_size=cfg.batch_size, processes=accelerator.num_processes, requested_micro=cfg.micro_batch_size,

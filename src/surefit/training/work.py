@@ -52,6 +52,9 @@ class PlanInputs:
         eval_lengths: tokens per validation example; generate_lengths: prompt + new tokens, when evaluation generates.
         lora: only adapters train (frozen weights may then be stored in 16 bits under mixed precision).
         collate, loss_fn: the probe's own where they differ from training's (``None``: training's).
+        measured: measurements taken before the planner runs, in its memo's terms (``saved_activations``: [bytes,
+            tokens], ``saved_activations_of``: of what, in words): the doctor's dry run on a CPU counts them
+            (``training/plan.py: MeasuringDryRun``), so the planner does not run a forward of its own.
     """
 
     eval_lengths: Sequence[int] = ()
@@ -59,6 +62,7 @@ class PlanInputs:
     lora: bool = False
     collate: Collate | None = None
     loss_fn: LossFn | None = None
+    measured: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

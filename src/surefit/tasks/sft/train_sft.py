@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import surefit.doctor  # noqa: F401 - importing it registers the checks that run_checks runs
 import surefit.startup as startup
 import surefit.startup.cache as startup_cache
 from surefit.config import SFTConfig
@@ -57,7 +58,7 @@ from surefit.data.split import leaked, normalize_key, split_or_check
 from surefit.data.summary import DataSummary, TextFacts
 from surefit.data.system_prompt import describe as describe_system
 from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
-from surefit.doctor import check
+from surefit.doctor.core import Setup, run_checks
 from surefit.errors import (
     ConfigError,
     DataError,
@@ -81,9 +82,9 @@ from surefit.run_folder import EXCLUDED, SHORTENED, Found
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
-from surefit.training.loss import causal_lm_loss_sum
+from surefit.training.loss import causal_lm_dry_run, causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
-from surefit.training.plan import GenerationBatch, generation_batch, resolve_budget
+from surefit.training.plan import GenerationBatch, MeasuringDryRun, generation_batch, resolve_budget
 from surefit.training.precision import make_accelerator, precision_name, resolve_precision
 from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
@@ -434,6 +435,8 @@ NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
 def _tokenizer(cfg: SFTConfig, source: Any, say: Say) -> tuple[str, Any]:
     with startup.phase("model conversion"), phase("model conversion"):  # GGUF: once, then a cached folder
         path = model_folder(source, log=say)
+    if not cfg.no_cache and not cfg.trust_remote_code and Path(path).exists():
+        startup_cache.hash_ahead(path)  # the cache key's hashes, read on another core while the model loads
     with startup.phase("tokenizer"):
         tokenizer, notes = load_tokenizer(path, source, cfg.trust_remote_code)
     for note in notes:
@@ -778,19 +781,26 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer), "doctor_args": doctor_args,
         "train": data.identity or startup_cache.features_digest(features), "validation": startup_cache.features_digest(val_features),
         "stop_ids": eos_ids, "plan": {"eval_lengths": [len(e.input_ids) for e in val_ex], "max_new_tokens": max_new}}
+    plan_inputs = PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
+                             generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
+                             loss_fn=base_loss)  # the planner measures with the plain loss: a shared layout is never larger
+    dry_run: Callable[[Any, Any], Any] = causal_lm_dry_run
+    if accelerator.device.type == "cpu" and accelerator.num_processes == 1:
+        # the model trains where it sits now: the doctor's one forward counts what the planner would have
+        dry_run = MeasuringDryRun(base_loss, cfg.lora_r > 0, precision_name(accelerator), accelerator.device,
+                                  SavedActivationsIn, plan_inputs.measured)
     work = TrainingWork(
         features=features, lengths=data.lengths, counts=data.counts,
         collate=collate, loss_fn=train_loss, evaluate=evaluate, on_epoch=on_epoch, counters=sharing,
         where=data.where,
-        plan=PlanInputs(eval_lengths=[len(e.input_ids) for e in val_ex],
-                        generate_lengths=[len(e.prompt_ids) + max_new for e in val_ex], lora=cfg.lora_r > 0,
-                        loss_fn=base_loss),  # the planner measures with the plain loss: a shared layout is never larger
+        plan=plan_inputs,
         activation_store=SavedActivationsIn)
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
-        check=lambda: _autocast(accelerator, lambda: check(model, tokenizer, data.doctor_sample(), val_features or None,
-                                                           collate,
-                                                           args=doctor_args, task="sft")),
+        # the dry run calls the model as step 1 will; on a CPU it is the planner's measurement too (plan.py)
+        check=lambda: _autocast(accelerator, lambda: run_checks(Setup(
+            model, tokenizer, data.doctor_sample(), val_features or None, collate, args=doctor_args, task="sft",
+            call=dry_run))),
         cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
