@@ -53,6 +53,7 @@ from surefit.training.distributed import (
     tell_ddp_about_unused,
 )
 from surefit.training.dropout import UNKEYED, training_rows
+from surefit.training.heap import release_free_memory
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
 from surefit.training.processes import barrier, max_over_processes, share_from_main, sum_over_processes, world_size
@@ -110,6 +111,10 @@ class LoopSettings:
         return plan_schedule(n_examples=n_examples, batch_size=self.batch_size, epochs=self.epochs, lr=self.lr,
                              kind=self.lr_scheduler, warmup=Warmup(self.warmup, self.warmup_ratio), min_lr=self.min_lr,
                              max_steps=self.max_steps)
+
+
+# On a CPU, give the C heap's free pages back after every optimizer step and evaluation (see _Fit.__init__).
+RELEASE_HEAP = True
 
 # The task configs' training-control settings, passed to the loop under the same names.
 CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
@@ -350,6 +355,9 @@ class _Fit:
         self.history: list[dict[str, Any]] = []
         self.selection = Selection(settings.keep_best, settings.early_stopping)
         self.stopped_early = False
+        # On a CPU activations live in the C heap: its freed pages go back after every step and evaluation, so the
+        # peak is the largest step's rather than what every batch shape left behind (training/heap.py).
+        self.release_heap = accelerator.device.type == "cpu" and RELEASE_HEAP
 
     # -- evaluation and resume
 
@@ -366,6 +374,8 @@ class _Fit:
             unwrapped = self.model if self.sharded else self.accelerator.unwrap_model(self.model)
             with gathered(self.model):  # FSDP: the main process evaluates (and generates) on the full parameters
                 metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
+        if self.release_heap:
+            release_free_memory()
         return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
 
     def evaluate_mid_epoch(self) -> Path | None:
@@ -397,6 +407,8 @@ class _Fit:
 
         folder = self.checkpointing.resume_from
         self.say(self.selection.describe())
+        if self.release_heap:  # what the set-up left (the doctor's and the planner's forwards, encoding)
+            release_free_memory()
         if folder is None:
             if self.evaluate_fn is None:
                 return  # no validation data: no evaluation before training (said once by the task runner)
@@ -469,6 +481,8 @@ class _Fit:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.release_heap:
+            release_free_memory()
         return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
                           seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)
 
