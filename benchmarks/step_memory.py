@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--mmap-threshold", type=int, default=None, help="glibc M_MMAP_THRESHOLD in bytes (fixed)")
     ap.add_argument("--byte-masks", action="store_true", help="save dropout masks a byte per element (as before)")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) after each step (training/heap.py)")
+    ap.add_argument("--trim-every-mb", type=int, default=None,
+                    help="also malloc_trim(0) every N MB of activations packed in the forward pass")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
@@ -93,6 +95,8 @@ def main() -> None:
     from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, fuse_lora
 
     lora_fast.PACK_MASKS = not args.byte_masks
+    if args.trim_every_mb is not None:
+        SavedActivationsIn.release_every = args.trim_every_mb << 20
 
     torch.manual_seed(0)
     source = resolve_model(None)
@@ -118,7 +122,7 @@ def main() -> None:
     record: dict[str, Any] = {"batch": {"rows": len(big), "tokens": sum(lengths[i] for i in big),
                                         "padded": len(big) * max(lengths[i] for i in big)},
                               "mmap_threshold": args.mmap_threshold, "byte_masks": args.byte_masks,
-                              "trim": args.trim, "torch_threads": torch.get_num_threads(),
+                              "trim": args.trim, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
                               "rss_before_mb": round(_status_mb("VmRSS"))}
 
     # One forward with its saved tensors counted (distinct storages, parameters excluded), by kind.

@@ -46,3 +46,27 @@ def test_without_glibc_it_does_nothing_and_says_so(monkeypatch):
         assert heap.release_free_memory() is False
     finally:
         heap._glibc.cache_clear()
+
+
+def test_saved_activations_can_hand_the_heap_back_every_n_bytes_packed(monkeypatch):
+    import torch
+
+    from surefit.training.speedups import lora_fast
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
+
+    calls = []
+    monkeypatch.setattr(lora_fast, "release_free_memory", lambda: calls.append(1) or True)
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def forward_backward(store):
+        with store:
+            y = x
+            for _ in range(8):
+                y = torch.tanh(y * 1.01)  # tanh saves its fp32 output: 32 KB packed in bf16
+        y.sum().backward()
+
+    forward_backward(SavedActivationsIn())
+    assert calls == []  # off by default
+    monkeypatch.setattr(SavedActivationsIn, "release_every", 3 * 64 * 256 * 2)
+    forward_backward(SavedActivationsIn())
+    assert len(calls) == 2  # 8 packed tensors of 32 KB: after the third and the sixth

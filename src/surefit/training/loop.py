@@ -28,7 +28,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -113,8 +113,9 @@ class LoopSettings:
                              max_steps=self.max_steps)
 
 
-# On a CPU, give the C heap's free pages back after every optimizer step and evaluation (see _Fit.__init__).
-RELEASE_HEAP = True
+# On a CPU, when to give the C heap's free pages back (see _Fit.__init__): "steps" after every optimizer step and at
+# the phases' ends (set-up, each evaluation), "phases" at the phases' ends only, "never".
+RELEASE_HEAP: Literal["steps", "phases", "never"] = "steps"
 
 # The task configs' training-control settings, passed to the loop under the same names.
 CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
@@ -357,7 +358,9 @@ class _Fit:
         self.stopped_early = False
         # On a CPU activations live in the C heap: its freed pages go back after every step and evaluation, so the
         # peak is the largest step's rather than what every batch shape left behind (training/heap.py).
-        self.release_heap = accelerator.device.type == "cpu" and RELEASE_HEAP
+        on_cpu = accelerator.device.type == "cpu"
+        self.release_heap = on_cpu and RELEASE_HEAP != "never"
+        self.release_heap_steps = on_cpu and RELEASE_HEAP == "steps"
 
     # -- evaluation and resume
 
@@ -481,7 +484,7 @@ class _Fit:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.release_heap:
+        if self.release_heap_steps:
             release_free_memory()
         return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
                           seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)

@@ -26,6 +26,7 @@ from torch import nn
 
 from surefit.models import plain_lora_adapter
 from surefit.training.dropout import SeededDropout
+from surefit.training.heap import release_free_memory
 
 _SPAN = 1 << 16
 _LOWEST = -(1 << 15)
@@ -500,6 +501,8 @@ class SavedActivationsIn:
     """
 
     MIN_NUMEL = 4096
+    # Bytes of packed activations between two hand-backs of the C heap's free pages (None: never); see RELEASE_EVERY.
+    release_every: int | None = None
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         if dtype != torch.bfloat16:
@@ -507,6 +510,13 @@ class SavedActivationsIn:
         self.dtype = dtype
         self._memo: dict[int, tuple[Any, int, Packed]] = {}
         self._hooks: Any = None
+        self._since_release = 0
+
+    def _count(self, nbytes: int) -> None:
+        self._since_release += nbytes
+        if self.release_every is not None and self._since_release >= self.release_every:
+            self._since_release = 0
+            release_free_memory()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor | Packed | _Kept:
         if t.dtype != torch.float32 or t.is_leaf or t.numel() < self.MIN_NUMEL \
@@ -517,6 +527,8 @@ class SavedActivationsIn:
             return hit[2]
         packed = Packed(t.detach().to(self.dtype), t.dtype)
         self._memo[id(t)] = (weakref.ref(t), t._version, packed)
+        if t.is_cpu:
+            self._count(packed.tensor.nbytes)
         return packed
 
     @staticmethod
