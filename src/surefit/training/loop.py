@@ -113,9 +113,10 @@ class LoopSettings:
                              max_steps=self.max_steps)
 
 
-# On a CPU, when to give the C heap's free pages back (see _Fit.__init__): "steps" after every optimizer step and at
-# the phases' ends (set-up, each evaluation), "phases" at the phases' ends only, "never".
-RELEASE_HEAP: Literal["steps", "phases", "never"] = "steps"
+# On a CPU, when to give the C heap's free pages back (see _Fit.__init__): "phases" before and after each evaluation
+# and after the set-up; "steps" after every optimizer step too (a chat run's peak -0.13 GB, but each step faults its
+# memory in again: about +9% CPU, benchmarks/results/step_memory.md); "never".
+RELEASE_HEAP: Literal["steps", "phases", "never"] = "phases"
 
 # The task configs' training-control settings, passed to the loop under the same names.
 CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
@@ -356,8 +357,8 @@ class _Fit:
         self.history: list[dict[str, Any]] = []
         self.selection = Selection(settings.keep_best, settings.early_stopping)
         self.stopped_early = False
-        # On a CPU activations live in the C heap: its freed pages go back after every step and evaluation, so the
-        # peak is the largest step's rather than what every batch shape left behind (training/heap.py).
+        # On a CPU activations live in the C heap: its freed pages go back between training and evaluation, so
+        # neither phase's peak holds the other's leftovers (training/heap.py).
         on_cpu = accelerator.device.type == "cpu"
         self.release_heap = on_cpu and RELEASE_HEAP != "never"
         self.release_heap_steps = on_cpu and RELEASE_HEAP == "steps"
@@ -371,6 +372,8 @@ class _Fit:
         if self.evaluate_fn is None:
             return {}
         t0 = time.perf_counter()
+        if self.release_heap:  # what the training steps left
+            release_free_memory()
         if self.world == 1 and not self.sharded:
             metrics = self.evaluate_fn(self.model, epoch, **step)
         else:
