@@ -1,7 +1,8 @@
 """Where a chat training step's resident memory goes: saved tensors, the C heap, and what glibc keeps.
 
 The embedded SmolLM2-135M-Instruct as surefit trains it by default on a CPU with bf16 (frozen weights stored in bf16,
-LoRA r=16 alpha 32 dropout 0.05 on every block linear, fused LoRA forward, keyed dropout, activations saved in bf16),
+LoRA r=16 alpha 32 dropout 0.05 on every block linear, fused LoRA forward, keyed dropout, activations saved in bf16,
+the fused LM head and loss),
 on the longest batch of 4 of the first 16 rows of the chat workload (benchmarks/cpu_sft.py --workload chat). It runs
 one forward whose saved tensors are counted by kind, then --steps optimizer steps on the same batch, each with the
 kernel's peak-RSS mark reset before it (``/proc/self/clear_refs``), and reports per step: peak RSS, RSS after, process
@@ -9,6 +10,8 @@ CPU time, minor page faults, and glibc's heap (``mallinfo2``: arena size, bytes 
 
     .venv/bin/python benchmarks/step_memory.py                          # glibc's defaults
     .venv/bin/python benchmarks/step_memory.py --mmap-threshold 1048576  # every block >= 1 MB mapped on its own
+    .venv/bin/python benchmarks/step_memory.py --byte-masks             # dropout masks saved a byte per element
+    .venv/bin/python benchmarks/step_memory.py --trim                   # the heap's free pages given back per step
 
 Prints one JSON object and writes it to --out (default: nothing written). Use one torch thread on a shared machine
 (OMP_NUM_THREADS=1); compare CPU seconds rather than wall seconds when other work runs.
@@ -61,6 +64,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--mmap-threshold", type=int, default=None, help="glibc M_MMAP_THRESHOLD in bytes (fixed)")
+    ap.add_argument("--byte-masks", action="store_true", help="save dropout masks a byte per element (as before)")
+    ap.add_argument("--trim", action="store_true", help="malloc_trim(0) after each step (training/heap.py)")
+    ap.add_argument("--trim-every-mb", type=int, default=None,
+                    help="also malloc_trim(0) every N MB of activations packed in the forward pass")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
@@ -80,10 +87,16 @@ def main() -> None:
     from surefit.data.sampling import step_batches
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
     from surefit.training.dropout import seed_dropout, training_rows
+    from surefit.training.heap import release_free_memory
     from surefit.training.loop import make_adamw
     from surefit.training.loss import causal_lm_loss_sum
     from surefit.training.precision import flush_denormals, store_frozen_in
+    from surefit.training.speedups import fused_head, lora_fast
     from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, fuse_lora
+
+    lora_fast.PACK_MASKS = not args.byte_masks
+    if args.trim_every_mb is not None:
+        SavedActivationsIn.release_every = args.trim_every_mb << 20
 
     torch.manual_seed(0)
     source = resolve_model(None)
@@ -108,7 +121,8 @@ def main() -> None:
     batch = PadCollator(pad_token_id=tok.pad_token_id)([feats[i] for i in big])
     record: dict[str, Any] = {"batch": {"rows": len(big), "tokens": sum(lengths[i] for i in big),
                                         "padded": len(big) * max(lengths[i] for i in big)},
-                              "mmap_threshold": args.mmap_threshold, "torch_threads": torch.get_num_threads(),
+                              "mmap_threshold": args.mmap_threshold, "byte_masks": args.byte_masks,
+                              "trim": args.trim, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
                               "rss_before_mb": round(_status_mb("VmRSS"))}
 
     # One forward with its saved tensors counted (distinct storages, parameters excluded), by kind.
@@ -130,22 +144,26 @@ def main() -> None:
     Path("/proc/self/clear_refs").write_text("5")
     with training_rows(0, 1, big), flush_denormals(torch.device("cpu")):
         with torch.autocast("cpu", dtype=torch.bfloat16), Counting():
-            loss, n = causal_lm_loss_sum(model, batch)
+            loss, n = causal_lm_loss_sum(model, batch, fused=fused_head)
         record["first_forward"] = {"rss_after_mb": round(_status_mb("VmRSS")), **_heap(libc),
                                    "saved_mb": round(sum(kinds.values()) / 2**20),
                                    "saved_by_kind_mb": {k: round(v / 2**20, 1) for k, v in kinds.most_common()}}
         (loss / n).backward()
         del loss
         opt.zero_grad(set_to_none=True)
+        if args.trim:
+            release_free_memory()
 
         def step() -> float:
             with training_rows(0, 1, big):
                 with torch.autocast("cpu", dtype=torch.bfloat16), SavedActivationsIn():
-                    loss, n = causal_lm_loss_sum(model, batch)
+                    loss, n = causal_lm_loss_sum(model, batch, fused=fused_head)
                 (loss / n).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            if args.trim:
+                release_free_memory()
             return loss.item() / n
 
         record["steps"] = []

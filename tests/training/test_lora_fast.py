@@ -1,6 +1,7 @@
 """The fused LoRA forward (training/speedups/lora_fast.py): peft's numbers in fp32, the adapter kept in fp32 under 16-bit
 base weights, dropout with the same distribution, and peft's own forward wherever the fused one does not apply."""
 
+import contextlib
 import copy
 
 import pytest
@@ -494,3 +495,82 @@ def test_a_hook_on_down_proj_or_the_activation_keeps_the_mlp_unfused_so_the_hook
         h.remove()
     _loss_and_grads(model, _batch(), bf16=True)
     assert len(calls) == 2  # unhooked: both blocks fused again
+
+
+@pytest.mark.parametrize("torch_ops", [False, True])
+@pytest.mark.parametrize("shape", [(1,), (7,), (8,), (3, 5, 7), (2, 9, 64)])
+def test_a_mask_packed_into_bits_comes_back_unchanged(monkeypatch, shape, torch_ops):
+    from surefit.training.speedups.lora_fast import pack_mask, unpack_mask
+
+    if torch_ops:  # the path other devices and torch.compile take
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    g = torch.Generator().manual_seed(sum(shape))
+    keep = torch.rand(shape, generator=g) < 0.7
+    bits = pack_mask(keep)
+    assert bits.dtype == torch.uint8 and bits.numel() == -(-keep.numel() // 8)
+    back = unpack_mask(bits, keep.shape)
+    assert back.dtype == torch.uint8 and torch.equal(back, keep.to(torch.uint8))
+    # a strided view (a sliced mask) packs as its values
+    assert torch.equal(unpack_mask(pack_mask(keep[..., 1:]), keep[..., 1:].shape).bool(), keep[..., 1:])
+
+
+def test_both_bit_packing_paths_give_the_same_bytes(monkeypatch):
+    from surefit.training.speedups.lora_fast import pack_mask
+
+    keep = torch.rand(5, 13, 11, generator=torch.Generator().manual_seed(3)) < 0.5
+    numpy_bits = pack_mask(keep)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert torch.equal(pack_mask(keep), numpy_bits)
+
+
+def _saved_bytes_loss_grads(model, batch, keyed):
+    """(bytes of uint8/bool tensors saved for the backward pass, loss, gradients) of one bf16 step with dropout."""
+    from surefit.training.dropout import training_rows
+
+    seen, mask_bytes = set(), [0]
+
+    def pack(t):
+        # (the loss's [rows, length] token mask is not dropout's)
+        if t.dtype in (torch.uint8, torch.bool) and t.dim() != 2 and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            mask_bytes[0] += t.untyped_storage().nbytes()
+        return t
+
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the unkeyed masks (torch's generator) start from the same state
+    def rows():
+        return training_rows(0, 3, list(range(batch["input_ids"].shape[0]))) if keyed else contextlib.nullcontext()
+
+    with rows(), torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss, n = causal_lm_loss_sum(model, batch)
+    with rows():
+        (loss / n).backward()
+    return mask_bytes[0], (loss / n).item(), {k: p.grad.clone() for k, p in model.named_parameters()
+                                              if p.grad is not None}
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_dropout_masks_saved_as_bits_take_an_eighth_and_give_the_same_gradients_to_the_bit(monkeypatch, keyed):
+    import surefit.training.speedups.lora_fast as lf
+    from surefit.training.dropout import seed_dropout
+
+    model = _peft(tiny_llama(), dropout=0.1)
+    if keyed:
+        seed_dropout(model)
+    store_frozen_in(model, torch.bfloat16)
+    fuse_lora(model)
+    model.train()
+    batch = _batch(n=4)
+    monkeypatch.setattr(lf, "PACK_MASKS", False)
+    byte_masks, loss_ref, g_ref = _saved_bytes_loss_grads(model, batch, keyed)
+    monkeypatch.setattr(lf, "PACK_MASKS", True)
+    bit_masks, loss, g = _saved_bytes_loss_grads(model, batch, keyed)
+    # 7 masks per block (q, k, v, o, gate, up on [4, 18, 32]; down on [4, 18, 64]), 2 blocks
+    assert byte_masks == 2 * (6 * 4 * 18 * 32 + 4 * 18 * 64)
+    assert bit_masks == byte_masks // 8
+    assert loss == loss_ref and g.keys() == g_ref.keys() and len(g) == 28
+    for k in g:
+        assert torch.equal(g[k], g_ref[k]), k
+    monkeypatch.setattr(lf, "PACK_MASKS", True)
+    other = _saved_bytes_loss_grads(_peft(tiny_llama(), dropout=0.0), batch, keyed)[0]
+    assert other == 0  # no dropout, no mask saved

@@ -28,7 +28,7 @@ from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -53,6 +53,7 @@ from surefit.training.distributed import (
     tell_ddp_about_unused,
 )
 from surefit.training.dropout import UNKEYED, training_rows
+from surefit.training.heap import release_free_memory
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import flushing_denormals, saved_activations_in
 from surefit.training.processes import barrier, max_over_processes, share_from_main, sum_over_processes, world_size
@@ -110,6 +111,12 @@ class LoopSettings:
         return plan_schedule(n_examples=n_examples, batch_size=self.batch_size, epochs=self.epochs, lr=self.lr,
                              kind=self.lr_scheduler, warmup=Warmup(self.warmup, self.warmup_ratio), min_lr=self.min_lr,
                              max_steps=self.max_steps)
+
+
+# On a CPU, when to give the C heap's free pages back (see _Fit.__init__): "phases" before and after each evaluation
+# and after the set-up; "steps" after every optimizer step too (a chat run's peak -0.13 GB, but each step faults its
+# memory in again: about +9% CPU, benchmarks/results/step_memory.md); "never".
+RELEASE_HEAP: Literal["steps", "phases", "never"] = "phases"
 
 # The task configs' training-control settings, passed to the loop under the same names.
 CONTROL = ("max_steps", "lr_scheduler", "warmup", "min_lr", "eval_every", "keep_best", "early_stopping")
@@ -353,6 +360,11 @@ class _Fit:
         self.history: list[dict[str, Any]] = []
         self.selection = Selection(settings.keep_best, settings.early_stopping)
         self.stopped_early = False
+        # On a CPU activations live in the C heap: its freed pages go back between training and evaluation, so
+        # neither phase's peak holds the other's leftovers (training/heap.py).
+        on_cpu = accelerator.device.type == "cpu"
+        self.release_heap = on_cpu and RELEASE_HEAP != "never"
+        self.release_heap_steps = on_cpu and RELEASE_HEAP == "steps"
 
     # -- evaluation and resume
 
@@ -363,12 +375,16 @@ class _Fit:
         if self.evaluate_fn is None:
             return {}
         t0 = time.perf_counter()
+        if self.release_heap:  # what the training steps left
+            release_free_memory()
         if self.world == 1 and not self.sharded:
             metrics = self.evaluate_fn(self.model, epoch, **step)
         else:
             unwrapped = self.model if self.sharded else self.accelerator.unwrap_model(self.model)
             with gathered(self.model):  # FSDP: the main process evaluates (and generates) on the full parameters
                 metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
+        if self.release_heap:
+            release_free_memory()
         return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
 
     def evaluate_mid_epoch(self) -> Path | None:
@@ -400,6 +416,8 @@ class _Fit:
 
         folder = self.checkpointing.resume_from
         self.say(self.selection.describe())
+        if self.release_heap:  # what the set-up left (the doctor's and the planner's forwards, encoding)
+            release_free_memory()
         if folder is None:
             if self.evaluate_fn is None:
                 return  # no validation data: no evaluation before training (said once by the task runner)
@@ -480,6 +498,8 @@ class _Fit:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.release_heap_steps:
+            release_free_memory()
         return StepResult(loss_sum=loss_sum, items=items, tokens=tokens, examples=examples,
                           seconds=time.perf_counter() - t0, grad_norm=grad_norm, stop=stops > 0)
 
