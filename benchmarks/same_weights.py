@@ -1,5 +1,6 @@
 """A tiny sft run (a rejected row, LoRA, two epochs, evaluation) and the sha256 of its final adapter: run it before
-and after a refactor that must not change behaviour, and compare (issue 30 recorded 24f45b5e... on both sides).
+and after a refactor that must not change behaviour, and compare (issue 30 recorded 24f45b5e... on both sides; issue
+35's sampler v2, a new epoch order for new runs, gives fd4e7382..., unchanged by every later change of that round).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/same_weights.py
 """
