@@ -67,6 +67,8 @@ CASES = {
     "flat": (lambda n: qa_rows(n), {}),
     "alpaca with a bad line, skipped": (_alpaca, {"on_bad_rows": "skip", "bad": True}),
     "messages, --limit": (_messages, {"limit": 230}),
+    "flat, --val_data overlapping, --limit": (lambda n: qa_rows(n), {"val": True, "limit": 250}),
+    "alpaca, --val_data, skip": (_alpaca, {"val": True, "on_bad_rows": "skip"}),
     "messages, val_fraction 0, a system prompt": (_messages, {"val_fraction": 0.0, "system_prompt": "you help",
                                                               "max_steps": 2}),
 }
@@ -81,6 +83,10 @@ def test_a_streamed_miss_writes_the_in_memory_miss_store_byte_for_byte(tmp_path,
         lines[17] = "{not json\n"
         lines[40] = json.dumps({"instruction": "", "output": "x"}) + "\n"  # rejected by the format's check
     data = _lines(tmp_path / "train.jsonl", lines)
+    if extra.pop("val", False):  # rows 3 and 7 of the training file again (and a bad line, skipped)
+        bad = [json.dumps({"x": 1}) + "\n"] if extra.get("on_bad_rows") == "skip" else []
+        val_lines = [lines[3], *bad, lines[7]] + [json.dumps(r) + "\n" for r in make(320)[300:]]
+        extra["val_data"] = str(_lines(tmp_path / "val.jsonl", val_lines))
     model = tiny_lm_dir if case == "flat" else _chat_model(tmp_path)
     cfg = SFTConfig(**{"model": str(model), "data": str(data), "max_seq_length": 160, "val_fraction": 0.1,
                        "output_dir": str(tmp_path / "run"), **({"chat_format": "chatml"} if case != "flat" else {}),
@@ -98,9 +104,13 @@ def test_a_streamed_miss_writes_the_in_memory_miss_store_byte_for_byte(tmp_path,
     assert [e.row for e in got.val_ex] == [e.row for e in mem.val_ex]
     strip = lambda s: {k: v for k, v in s.to_json().items() if k != "encoded_store"}  # noqa: E731
     assert strip(got.summary) == strip(mem.summary)
-    if case.startswith("alpaca"):
+    if case == "alpaca with a bad line, skipped":
         assert [r.where for r in got.summary.rejected] == [f"{data} line 18", f"{data} line 41"]
-    if "--limit" in case:
+    if case == "alpaca, --val_data, skip":
+        assert [r.where for r in got.summary.rejected] == [f"{tmp_path / 'val.jsonl'} line 2"]
+    if "overlapping" in case:
+        assert any(s.startswith("warning: ") and "validation rows have the same input" in s for s in said_str)
+    if case == "messages, --limit":
         assert got.summary.train_rows + got.summary.val_rows == 230
         assert any(s.startswith("--limit 230: using the first 230 rows") for s in said_str)
 

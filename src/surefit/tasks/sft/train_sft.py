@@ -56,10 +56,18 @@ from surefit.data.formats import (
     read_formatted,
     template_fields,
 )
-from surefit.data.readers import Rejected, read_splits
+from surefit.data.readers import Rejected, limit_note, read_limited, read_splits
 from surefit.data.readers.streamed import RowsOnDisk
 from surefit.data.rows import Row
-from surefit.data.split import KEY_DTYPE, key_hash, leaked, normalize_key, split_hashes, split_or_check
+from surefit.data.split import (
+    KEY_DTYPE,
+    key_hash,
+    leaked,
+    normalize_key,
+    overlap_note,
+    split_hashes,
+    split_or_check,
+)
 from surefit.data.summary import DataSummary, TextFacts
 from surefit.data.system_prompt import describe as describe_system
 from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
@@ -239,35 +247,49 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     printed) where this cannot give what :func:`load_data` gives, which then reads the rows in memory: a document
     format or CSV/TSV, ``--val_data``, ``--augmentation_factor`` above 1, any problem (its report comes from
     :func:`load_data`) or a note counted over the file (``--template``, empty text fields)."""
-    if problems or cfg.val_data or cfg.augmentation_factor != 1 or not 0 <= cfg.val_fraction < 1:
+    if problems or cfg.augmentation_factor != 1 or not 0 <= cfg.val_fraction < 1:
         return None
     assert cfg.data is not None
     source, skip, chunk = str(cfg.data), cfg.on_bad_rows == "skip", READ_CHUNK
     rejects: list[Rejected] = []
-    disk = RowsOnDisk.open(source, rejects if skip else None, cfg.limit)
+    keep = rejects if skip else None
+    found: list[Problem] = []
+    read_notes: list[str] = []
+    disk = RowsOnDisk.open(source, keep, cfg.limit)
+    if disk is not None and disk.cut:
+        read_notes.append(limit_note(source, disk.n, None))
+    # A validation file is bounded by the validation set: read whole, as load_data reads it
+    raw_val = read_limited(cfg.val_data, cfg.limit, found, keep, read_notes) if cfg.val_data else None
     how = read_settings(cfg)
     role_map, role_problems = parse_role_map(how.role_map)
-    if disk is None or role_problems:
+    if disk is None or role_problems or found:
         return None
     choice = detect_format(disk, source, how.format, how.input_field, how.target_field, role_map,
                            needs_input=not how.prerendered)
     if isinstance(choice, Problem):
         return None
-    found: list[Problem] = []
     hashes, shapes = bytearray(), bytearray()
     for rows in disk.chunks(chunk):
-        kept, notes = format_rows(rows, choice, how, source, found, rejects if skip else None)
+        kept, notes = format_rows(rows, choice, how, source, found, keep)
         if notes or found:  # a note counts rows over the file, a problem is reported over it: read in memory
             return None
         for r in kept:
             hashes += key_hash(conversation_key(r, cfg.input_field))
             shapes.append(system_shape(r))
     n = len(shapes)
+    given_val: list[Row] = []
+    if raw_val is not None:
+        given_val, notes = format_rows(raw_val, choice, how, str(cfg.val_data), found, keep)
+        read_notes += notes
+        if found or (choice.conversational and skip and not given_val):
+            return None
     if n == 0:
         return None
     in_val = np.zeros(n, dtype=bool)
     split_notes = [f"no validation split: all {n} rows train (val_fraction 0)"]
-    if cfg.val_fraction:
+    if raw_val is not None:  # a validation file: its overlap with the training rows is noted (split_or_check)
+        split_notes = _overlap(given_val, hashes, disk, chunk, choice, cfg)
+    elif cfg.val_fraction:
         try:
             in_val, split_notes = split_hashes(np.frombuffer(bytes(hashes), dtype=KEY_DTYPE), cfg.val_fraction,
                                                cfg.seed)
@@ -294,10 +316,9 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
         if batch:
             yield batch
 
-    val = [r for v, r in formatted() if v]
-    n_train = n - len(val)
-    notes = ([f"--limit {cfg.limit}: using the first {cfg.limit} rows of {source} (it holds more; the rest is not "
-              "read)"] if disk.cut else []) + split_notes
+    val = given_val if raw_val is not None else [r for v, r in formatted() if v]
+    n_train = n - int(in_val.sum())
+    notes = read_notes + split_notes
     stats = AugmentStats(rows_before=n_train, rows_after=n_train)
     notes.append(stats.summary())
     facts = TextFacts(field_table=table, augmentation=stats.__dict__)
@@ -309,6 +330,30 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
         say(note)
     return StreamedRows(report, val, n_train, np.frombuffer(bytes(shapes), dtype=np.uint8)[~in_val].tobytes(),
                         batches)
+
+
+def _overlap(val: list[Row], hashes: bytearray, disk: RowsOnDisk, chunk: int, choice: FormatChoice,
+             cfg: SFTConfig) -> list[str]:
+    """:func:`split_or_check`'s note on a validation file, from the training rows' key hashes: the pairs of a
+    training row and a validation row with the same key, the first pair's rows named (found by one more walk)."""
+    by_key: dict[bytes, list[Row]] = {}
+    for v in val:
+        by_key.setdefault(key_hash(conversation_key(v, cfg.input_field)), []).append(v)
+    per_row = [len(by_key.get(bytes(hashes[i:i + 16]), ())) for i in range(0, len(hashes), 16)]
+    pairs = sum(per_row)
+    if not pairs:
+        return []
+    first = next(i for i, k in enumerate(per_row) if k)
+    at = 0
+    how = read_settings(cfg)
+    for rows in disk.chunks(chunk):
+        kept, _ = format_rows(rows, choice, how, str(cfg.data), [], [] if cfg.on_bad_rows == "skip" else None)
+        if first < at + len(kept):
+            t = kept[first - at]
+            return [overlap_note(pairs, t.where, by_key[key_hash(conversation_key(t, cfg.input_field))][0].where,
+                                 "conversation" if choice.conversational else "input")]
+        at += len(kept)
+    raise AssertionError("the training row of an overlap was not found again")
 
 
 def _golds(row: Row, target_field: str) -> list[str]:
