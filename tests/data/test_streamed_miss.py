@@ -160,3 +160,16 @@ def test_rows_on_disk_walks_give_the_read_rows_and_report_once(tmp_path):
     # a JSON document saved as .jsonl is parsed whole: not streamed
     doc = _lines(tmp_path / "d.jsonl", [json.dumps([{"a": 1}, {"a": 2}], indent=1)])
     assert RowsOnDisk.open(str(doc), None, None) is None
+
+
+def test_a_file_rewritten_between_walks_is_refused_naming_it(tmp_path):
+    data = _lines(tmp_path / "t.jsonl", [json.dumps({"a": i}) + "\n" for i in range(5)])
+    disk = RowsOnDisk.open(str(data), None, None)
+    assert disk is not None
+    walk = iter(disk)
+    next(walk)
+    _lines(data, [json.dumps({"a": i}) + "\n" for i in range(50, 56)])  # rewritten mid-walk: another size
+    with pytest.raises(DataError, match="t.jsonl changed while it was read"):
+        list(walk)
+    with pytest.raises(DataError, match="changed while it was read"):
+        list(disk)

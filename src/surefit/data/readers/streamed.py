@@ -12,7 +12,7 @@ from surefit.data.readers.common import JSONL_EXTS, KIND_OF_EXT, Rejected
 from surefit.data.readers.json_rows import iter_jsonl
 from surefit.data.readers.text import not_a_regular_file, read_text
 from surefit.data.rows import Row
-from surefit.errors import Problem
+from surefit.errors import DataError, Problem
 
 
 class RowsOnDisk(Sequence[Row]):
@@ -32,6 +32,17 @@ class RowsOnDisk(Sequence[Row]):
         self.path, self.source, self.skip, self.limit = path, source, skip, limit
         self.n = 0
         self.cut = False
+        self._stamp = self._stat()
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = self.path.stat()
+        return st.st_size, st.st_mtime_ns, st.st_ino
+
+    def _check_unchanged(self) -> None:
+        # Each walk must see the rows of the first: a file rewritten between walks would mix two files' rows
+        if self._stat() != self._stamp:
+            raise DataError(Problem(f"{self.source} changed while it was read (it is read in several passes)",
+                                    self.source, "pass a file that is not being written to, then run again"))
 
     @classmethod
     def open(cls, source: str, rejects: list[Rejected] | None, limit: int | None) -> RowsOnDisk | None:
@@ -63,7 +74,9 @@ class RowsOnDisk(Sequence[Row]):
         whole[0] = decoded.whole_used or not read
 
     def __iter__(self) -> Iterator[Row]:
-        return self._read([], [] if self.skip else None, self.n, [False])
+        self._check_unchanged()
+        yield from self._read([], [] if self.skip else None, self.n, [False])
+        self._check_unchanged()
 
     def __len__(self) -> int:
         return self.n
