@@ -242,11 +242,15 @@ class StreamedRows:
 def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRows | None:
     """:func:`load_data` with the training rows never all in memory: the same lines printed, the same summary, the
     same split and the same rows, in passes over a JSONL file (read and count; detect the format and list the
-    fields; format each chunk and keep its key hash, 16 bytes a row; collect the validation rows; then
-    :attr:`StreamedRows.batches` reads the training rows once more, chunk by chunk). ``None`` (before anything is
-    printed) where this cannot give what :func:`load_data` gives, which then reads the rows in memory: a document
-    format or CSV/TSV, ``--val_data``, ``--augmentation_factor`` above 1, any problem (its report comes from
-    :func:`load_data`) or a note counted over the file (``--template``, empty text fields)."""
+    fields; format each chunk and keep its key hash, 16 bytes a row; collect the validation rows, or read a
+    ``--val_data`` file whole; then :attr:`StreamedRows.batches` reads the training rows once more, chunk by chunk).
+    ``None`` (before anything is printed) where this cannot give what :func:`load_data` gives, which then reads the
+    rows in memory: a document format or CSV/TSV, ``--augmentation_factor`` above 1, any problem (its report comes
+    from :func:`load_data`) or a note counted over the file (``--template``, empty text fields).
+
+    Raises:
+        DataError: the training file changed between two passes.
+    """
     if problems or cfg.augmentation_factor != 1 or not 0 <= cfg.val_fraction < 1:
         return None
     assert cfg.data is not None
