@@ -6,6 +6,7 @@ calls one of these and checks the result; read the one your data is in. Problems
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from surefit.config.yaml_files import load_json
@@ -229,7 +230,7 @@ _MESSAGE_KEYS = {
 }
 
 
-def message_fields(rows: list, fmt: str, conversational: bool, sample: int = 1000) -> list[dict[str, str]]:
+def message_fields(rows: Sequence[Any], fmt: str, conversational: bool, sample: int = 1000) -> list[dict[str, str]]:
     """The keys inside the rows' messages: reasoning (kept, trained with the answer) and keys nothing reads."""
     container = {"messages": ("messages",), "sharegpt": ("conversations",),
                  "prompt_completion": ("prompt", "completion")}.get(fmt)

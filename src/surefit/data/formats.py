@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -85,7 +85,7 @@ def parse_role_map(text: str | None) -> tuple[dict[str, str], list[Problem]]:
     return out, problems
 
 
-def field_counts(rows: list[Row]) -> tuple[dict[str, int], Callable[..., bool]]:
+def field_counts(rows: Sequence[Row]) -> tuple[dict[str, int], Callable[..., bool]]:
     """How many rows have each field, and ``has(*names)``: whether more than half the rows have every one of them
     (a shape is the majority's, so a few odd rows do not decide it)."""
     keys: dict[str, int] = {}
@@ -96,7 +96,7 @@ def field_counts(rows: list[Row]) -> tuple[dict[str, int], Callable[..., bool]]:
     return keys, lambda *names: all(keys.get(k, 0) * 2 > n for k in names)
 
 
-def detect_format(rows: list[Row], source: str, wanted: str = "auto", input_field: str = "input",
+def detect_format(rows: Sequence[Row], source: str, wanted: str = "auto", input_field: str = "input",
                   target_field: str = "target", role_map: dict[str, str] | None = None,
                   needs_input: bool = True) -> FormatChoice | Problem:
     """The rows' format: ``wanted`` unless ``"auto"``, else the first shape whose fields most rows have.
@@ -254,7 +254,7 @@ def flat_rows(rows: list[Row], choice: FormatChoice) -> list[Row]:
     return [r.with_fields(input=r.fields.get("prompt"), target=r.fields.get("completion")) for r in rows]
 
 
-def field_table(rows: list[Row], choice: FormatChoice, extra_used: tuple[str, ...] = ()) -> list[dict[str, str]]:
+def field_table(rows: Sequence[Row], choice: FormatChoice, extra_used: tuple[str, ...] = ()) -> list[dict[str, str]]:
     """Every field of the rows and what became of it: ``[{"column", "status", "why"}]`` (as classify prints)."""
     counts: dict[str, int] = {}
     for r in rows:
@@ -345,7 +345,7 @@ def apply_template(rows: list[Row], template: str, choice: FormatChoice, input_f
     return out, notes
 
 
-def _inside(rows: list[Row], name: str, container: str, sample: int = 50) -> bool:
+def _inside(rows: Sequence[Row], name: str, container: str, sample: int = 50) -> bool:
     """Whether the field's text is part of another field's in every sampled row (SQuAD's context and question are
     part of its input)."""
     seen = [r for r in rows[:sample] if name in r.fields and name != container]
@@ -408,16 +408,23 @@ def read_formatted(rows: list[Row], how: ReadSettings, source: str, problems: li
         problems[found:] = [replace(p, fix=p.fix + FORMAT_HINT) if p.where in ("--input_field", "--target_field")
                             else p for p in problems[found:]]
         return rows, choice, notes
+    rows, notes = format_rows(rows, choice, how, source, problems, rejects)
+    return rows, choice, notes
+
+
+def format_rows(rows: list[Row], choice: FormatChoice, how: ReadSettings, source: str, problems: list[Problem],
+                rejects: list[Rejected] | None) -> tuple[list[Row], list[str]]:
+    """Rows of one file in the internal form of ``choice`` (already detected), every row checked: the second half of
+    :func:`read_formatted`, which a file streamed in chunks runs chunk by chunk. Returns ``(rows, notes)``."""
     if choice.conversational:
         rows = to_conversations(rows, choice, source, problems, rejects)
         if how.template and choice.name == "alpaca":
-            rows, notes = apply_template(rows, how.template, choice, how.input_field, source, problems)
-            return rows, choice, notes
+            return apply_template(rows, how.template, choice, how.input_field, source, problems)
         if how.template:
             problems.append(Problem(f"--template writes the prompt of input/target and Alpaca rows; the turns of "
                                     f"{choice.name} rows are written by the chat template", "--template",
                                     "drop --template (or --chat_format NAME|FILE.jinja to change the chat template)"))
-        return rows, choice, []
+        return rows, []
     fields = [(how.input_field, "--input_field"), (how.target_field, "--target_field")]
     if choice.name == "prompt_completion":
         fields = [("prompt", "--format"), ("completion", "--format")]
@@ -434,4 +441,4 @@ def read_formatted(rows: list[Row], how: ReadSettings, source: str, problems: li
     if template:
         kept, more = apply_template(kept, template, choice, how.input_field, source, problems)
         notes += more
-    return kept, choice, notes
+    return kept, notes

@@ -170,11 +170,13 @@ def split_or_check(train: list[Row], val: list[Row] | None, val_fraction: float,
     """
     if val is None:
         return split_rows(train, val_fraction, seed, key)
-    notes = []
     overlap = leaked(train, val, key)
-    if overlap:
-        notes.append(
-            f"warning: {len(overlap)} validation rows have the same {what} as a training row "
-            f"(e.g. {overlap[0][1].where} = {overlap[0][0].where}); validation scores will be optimistic"
-        )
+    notes = [overlap_note(len(overlap), overlap[0][0].where, overlap[0][1].where, what)] if overlap else []
     return train, val, notes
+
+
+def overlap_note(pairs: int, train_where: str, val_where: str, what: str) -> str:
+    """The warning of :func:`split_or_check` for ``pairs`` (training row, validation row) pairs with the same key,
+    the first of them at ``train_where`` and ``val_where``."""
+    return (f"warning: {pairs} validation rows have the same {what} as a training row "
+            f"(e.g. {val_where} = {train_where}); validation scores will be optimistic")

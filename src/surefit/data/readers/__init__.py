@@ -31,18 +31,30 @@ def read_splits(data: str, val_data: str | None, limit: int | None, problems: li
     """
     loaded: dict[str, list[Row]] = {}
     for name, path in (("train", data), ("validation", val_data)):
-        if path is None:
-            continue
-        # A line-based file is read no further than one row past the limit, so a part of a file too big for memory
-        # can be trained on; a document (.json, Parquet) is read whole, and its size told.
-        rows = read_rows(path, problems, rejects=rejects, limit=None if limit is None else limit + 1)
-        if limit is not None and len(rows) > limit:
-            streamed = Path(path).suffix.lower() in {".jsonl", ".ndjson", ".csv", ".tsv"}
-            notes.append(f"--limit {limit}: using the first {limit} rows of {path} (it holds more; the rest is not read)"
-                         if streamed else f"--limit {limit}: using the first {limit} of {len(rows)} rows of {path}")
-            rows = rows[:limit]
-        loaded[name] = rows
+        if path is not None:
+            loaded[name] = read_limited(path, limit, problems, rejects, notes)
     return loaded
+
+
+def read_limited(path: str, limit: int | None, problems: list[Problem], rejects: list[Rejected] | None,
+                 notes: list[str]) -> list[Row]:
+    """One file of :func:`read_splits`: its rows, cut to ``limit`` (the cut noted in ``notes``)."""
+    # A line-based file is read no further than one row past the limit, so a part of a file too big for memory
+    # can be trained on; a document (.json, Parquet) is read whole, and its size told.
+    rows = read_rows(path, problems, rejects=rejects, limit=None if limit is None else limit + 1)
+    if limit is not None and len(rows) > limit:
+        notes.append(limit_note(path, limit, None if Path(path).suffix.lower() in {".jsonl", ".ndjson", ".csv", ".tsv"}
+                                else len(rows)))
+        rows = rows[:limit]
+    return rows
+
+
+def limit_note(path: str, limit: int, rows: int | None) -> str:
+    """The note of a file cut by ``--limit``: ``rows`` read in all (a document), ``None`` for a streamed file (the rest
+    is not read)."""
+    if rows is None:
+        return f"--limit {limit}: using the first {limit} rows of {path} (it holds more; the rest is not read)"
+    return f"--limit {limit}: using the first {limit} of {rows} rows of {path}"
 
 
 def read_checked(path: str, text_fields: list[tuple[str, str]]) -> list[Row]:
@@ -63,4 +75,4 @@ def read_checked(path: str, text_fields: list[tuple[str, str]]) -> list[Row]:
 
 
 __all__ = ["MAX_ROW_BYTES", "MAX_WHERES", "SUPPORTED_FORMATS", "Rejected", "check_text_fields", "field_not_found",
-           "flatten_squad", "read_checked", "read_rows", "read_splits"]
+           "flatten_squad", "limit_note", "read_checked", "read_limited", "read_rows", "read_splits"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Generator
 from typing import Any
 
 from surefit.config.yaml_files import TooDeep, check_depth
@@ -75,6 +76,22 @@ def read_jsonl(
     limit: int | None = None,
 ) -> list[Row] | None:
     rows: list[Row] = []
+    stream = iter_jsonl(decoded, source, problems, rejects, limit)
+    while True:
+        try:
+            rows.append(next(stream))
+        except StopIteration as end:
+            return rows if end.value else None
+
+
+def iter_jsonl(
+    decoded: TextFile, source: str, problems: list[Problem], rejects: list[Rejected] | None = None,
+    limit: int | None = None,
+) -> Generator[Row, None, bool]:
+    """The rows of :func:`read_jsonl` one at a time (a file streamed, not held); returns False where the file was a
+    JSON document that could not be read as rows (``read_jsonl``'s ``None``). A document read whole sets
+    ``decoded.whole_used``: its rows came from the whole text, not streamed."""
+    count = 0
     invalid = CappedProblems(problems, source, "lines", rejects)
     not_object = CappedProblems(problems, source, "lines", rejects)
     duplicate = CappedProblems(problems, source, "lines", rejects)
@@ -94,7 +111,9 @@ def read_jsonl(
             # as broken. (A lone line such as [1, 2] is a bad line, not a document.)
             whole = _try_whole_document(decoded, source, problems)
             if whole is not None and isinstance(whole[0], list) and any(isinstance(item, dict) for item in whole[0]):
-                return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
+                got = _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
+                yield from got or []
+                return got is not None
         if n in decoded.bad_lines:
             reason, raw = decoded.bad_lines[n]
             assert rejects is not None  # bad_lines is only filled in skip mode, which collects rejects
@@ -121,7 +140,9 @@ def read_jsonl(
                 whole = _try_whole_document(decoded, source, problems)
                 if whole is not None and isinstance(whole[0], (list, dict)):
                     # A pretty-printed JSON document saved as .jsonl.
-                    return _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
+                    got = _whole_document(whole[0], whole[1], decoded, source, problems, rejects)
+                    yield from got or []
+                    return got is not None
             invalid.add(
                 Problem(f"not valid JSON: {_json_error(e, body)}", where=where, fix=JSONL_FIX),
                 raw=line,
@@ -136,12 +157,13 @@ def read_jsonl(
         if dup is not None:
             duplicate.add(Problem(dup, where=where, fix=_DUPLICATE_FIX), raw=line)
             continue
-        rows.append(Row(fields=value, where=where, index=len(rows)))
-        if limit is not None and len(rows) >= limit:
+        yield Row(fields=value, where=where, index=count)
+        count += 1
+        if limit is not None and count >= limit:
             break
     for capped in (invalid, not_object, duplicate, too_big):
         capped.close()
-    return rows
+    return True
 
 
 def _whole_document(

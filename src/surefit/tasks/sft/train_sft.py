@@ -9,17 +9,19 @@ counts everything that happened to the data; ``use_sft.py`` beside it reads back
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import surefit.doctor  # noqa: F401 - importing it registers the checks that run_checks runs
 import surefit.startup as startup
 import surefit.startup.cache as startup_cache
 from surefit.config import SFTConfig
 from surefit.data import encoded_store
-from surefit.data.augment import augment_conversations, augment_rows
+from surefit.data.augment import AugmentStats, augment_conversations, augment_rows
 from surefit.data.chat_render import answer_of, reasoning_answer
 from surefit.data.collate import PadCollator
 from surefit.data.encode import (
@@ -47,14 +49,26 @@ from surefit.data.encoded_store import (
 from surefit.data.formats import (
     FormatChoice,
     ReadSettings,
+    detect_format,
     field_table,
+    format_rows,
     last_assistant,
+    parse_role_map,
     read_formatted,
     template_fields,
 )
-from surefit.data.readers import Rejected, read_splits
+from surefit.data.readers import Rejected, limit_note, read_limited, read_splits
+from surefit.data.readers.streamed import RowsOnDisk
 from surefit.data.rows import Row
-from surefit.data.split import leaked, normalize_key, split_or_check
+from surefit.data.split import (
+    KEY_DTYPE,
+    key_hash,
+    leaked,
+    normalize_key,
+    overlap_note,
+    split_hashes,
+    split_or_check,
+)
 from surefit.data.summary import DataSummary, TextFacts
 from surefit.data.system_prompt import describe as describe_system
 from surefit.data.system_prompt import injected_system_prompt, system_turn, with_system
@@ -118,6 +132,15 @@ def prerendered(cfg: SFTConfig) -> bool:
     """A --template naming fields other than {input} fills each row's prompt while reading (see
     :func:`surefit.data.formats.read_formatted`)."""
     return read_settings(cfg).prerendered
+
+
+def system_shape(row: Row) -> int:
+    """What :meth:`Encoder.system_line` counts of a row: 1 for a conversation without a system turn, plus 2 when it
+    gives tools."""
+    messages = row.fields.get("messages")
+    if not isinstance(messages, list) or (messages and messages[0].get("role") == "system"):
+        return 0
+    return 1 + 2 * bool(row.fields.get("tools"))
 
 
 def conversation_key(row: Row, input_field: str) -> str:
@@ -193,6 +216,149 @@ def load_data(cfg: SFTConfig, say: Say = print,
     for note in read_notes:
         say(note)
     return train_rows, val, report
+
+
+# Rows encoded (and written to the store) at a time; a streamed miss holds a few chunks of rows per worker
+STREAM_CHUNK = 2048
+# Rows formatted at a time by each pass of a streamed read
+READ_CHUNK = 4096
+
+
+@dataclass
+class StreamedRows:
+    """:func:`load_data`'s result for a file read in passes, the training rows left on disk.
+
+    Attributes:
+        shapes: each training row's :func:`system_shape` (one byte a row).
+        batches: the training rows, in order, in lists of a multiple of ``chunk`` rows (the last one shorter).
+    """
+
+    report: DataSummary
+    val: list[Row]
+    n_train: int
+    shapes: bytes
+    batches: Callable[[int], Iterator[list[Row]]]
+
+
+def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRows | None:
+    """:func:`load_data` with the training rows never all in memory: the same lines printed, the same summary, the
+    same split and the same rows, in passes over a JSONL file (read and count; detect the format and list the
+    fields; format each chunk and keep its key hash, 16 bytes a row; collect the validation rows, or read a
+    ``--val_data`` file whole; then :attr:`StreamedRows.batches` reads the training rows once more, chunk by chunk).
+    ``None`` (before anything is printed) where this cannot give what :func:`load_data` gives, which then reads the
+    rows in memory: a document format or CSV/TSV, ``--augmentation_factor`` above 1, any problem (its report comes
+    from :func:`load_data`) or a note counted over the file (``--template``, empty text fields).
+
+    Raises:
+        DataError: the training file changed between two passes.
+    """
+    if problems or cfg.augmentation_factor != 1 or not 0 <= cfg.val_fraction < 1:
+        return None
+    assert cfg.data is not None
+    source, skip, chunk = str(cfg.data), cfg.on_bad_rows == "skip", READ_CHUNK
+    rejects: list[Rejected] = []
+    keep = rejects if skip else None
+    found: list[Problem] = []
+    read_notes: list[str] = []
+    disk = RowsOnDisk.open(source, keep, cfg.limit)
+    if disk is not None and disk.cut:
+        read_notes.append(limit_note(source, disk.n, None))
+    # A validation file is bounded by the validation set: read whole, as load_data reads it
+    raw_val = read_limited(cfg.val_data, cfg.limit, found, keep, read_notes) if cfg.val_data else None
+    how = read_settings(cfg)
+    role_map, role_problems = parse_role_map(how.role_map)
+    if disk is None or role_problems or found:
+        return None
+    choice = detect_format(disk, source, how.format, how.input_field, how.target_field, role_map,
+                           needs_input=not how.prerendered)
+    if isinstance(choice, Problem):
+        return None
+    hashes, shapes = bytearray(), bytearray()
+    for rows in disk.chunks(chunk):
+        kept, notes = format_rows(rows, choice, how, source, found, keep)
+        if notes or found:  # a note counts rows over the file, a problem is reported over it: read in memory
+            return None
+        for r in kept:
+            hashes += key_hash(conversation_key(r, cfg.input_field))
+            shapes.append(system_shape(r))
+    n = len(shapes)
+    given_val: list[Row] = []
+    if raw_val is not None:
+        given_val, notes = format_rows(raw_val, choice, how, str(cfg.val_data), found, keep)
+        read_notes += notes
+        if found or (choice.conversational and skip and not given_val):
+            return None
+    if n == 0:
+        return None
+    in_val = np.zeros(n, dtype=bool)
+    split_notes = [f"no validation split: all {n} rows train (val_fraction 0)"]
+    if raw_val is not None:  # a validation file: its overlap with the training rows is noted (split_or_check)
+        split_notes = _overlap(given_val, hashes, disk, chunk, choice, cfg)
+    elif cfg.val_fraction:
+        try:
+            in_val, split_notes = split_hashes(np.frombuffer(bytes(hashes), dtype=KEY_DTYPE), cfg.val_fraction,
+                                               cfg.seed)
+        except DataError:  # printed after the format, by load_data
+            return None
+    del hashes
+    table = field_table(disk, choice, tuple(template_fields(cfg.template)) if cfg.template else ())
+
+    def formatted() -> Iterator[tuple[bool, Row]]:
+        at = 0
+        for rows in disk.chunks(chunk):
+            kept, _ = format_rows(rows, choice, how, source, [], [] if skip else None)
+            yield from zip(in_val[at: at + len(kept)].tolist(), kept, strict=True)
+            at += len(kept)
+
+    def batches(size: int) -> Iterator[list[Row]]:
+        batch: list[Row] = []
+        for v, r in formatted():
+            if not v:
+                batch.append(r)
+                if len(batch) == size:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+    val = given_val if raw_val is not None else [r for v, r in formatted() if v]
+    n_train = n - int(in_val.sum())
+    notes = read_notes + split_notes
+    stats = AugmentStats(rows_before=n_train, rows_after=n_train)
+    notes.append(stats.summary())
+    facts = TextFacts(field_table=table, augmentation=stats.__dict__)
+    report = DataSummary(notes=notes, rejected=rejects, facts=facts, format=choice.name,
+                         format_conversational=choice.conversational, train_rows=n_train, val_rows=len(val))
+    say(choice.line())
+    say("fields of the rows:\n" + render_columns(table))
+    for note in notes:
+        say(note)
+    return StreamedRows(report, val, n_train, np.frombuffer(bytes(shapes), dtype=np.uint8)[~in_val].tobytes(),
+                        batches)
+
+
+def _overlap(val: list[Row], hashes: bytearray, disk: RowsOnDisk, chunk: int, choice: FormatChoice,
+             cfg: SFTConfig) -> list[str]:
+    """:func:`split_or_check`'s note on a validation file, from the training rows' key hashes: the pairs of a
+    training row and a validation row with the same key, the first pair's rows named (found by one more walk)."""
+    by_key: dict[bytes, list[Row]] = {}
+    for v in val:
+        by_key.setdefault(key_hash(conversation_key(v, cfg.input_field)), []).append(v)
+    per_row = [len(by_key.get(bytes(hashes[i:i + 16]), ())) for i in range(0, len(hashes), 16)]
+    pairs = sum(per_row)
+    if not pairs:
+        return []
+    first = next(i for i, k in enumerate(per_row) if k)
+    at = 0
+    how = read_settings(cfg)
+    for rows in disk.chunks(chunk):
+        kept, _ = format_rows(rows, choice, how, str(cfg.data), [], [] if cfg.on_bad_rows == "skip" else None)
+        if first < at + len(kept):
+            t = kept[first - at]
+            return [overlap_note(pairs, t.where, by_key[key_hash(conversation_key(t, cfg.input_field))][0].where,
+                                 "conversation" if choice.conversational else "input")]
+        at += len(kept)
+    raise AssertionError("the training row of an overlap was not found again")
 
 
 def _golds(row: Row, target_field: str) -> list[str]:
@@ -286,17 +452,26 @@ class Encoder:
         ``write`` in order (no example held as Python objects): the same examples and report as :meth:`encode`,
         byte for byte."""
 
-        def job(a: int, b: int) -> tuple[SplitArrays, EncodeReport, list[tuple[str, str]], set[int]]:
-            examples, report, failures, terminators = self.encode_raw(rows[a:b], split)
-            return SplitArrays.of(examples), report, failures, terminators
+        return self.encode_stream(iter([rows]), split, skip, write, workers, chunk)
 
+    def encode_stream(self, batches: Iterator[list[Row]], split: str, skip: bool, write: Callable[[SplitArrays], None],
+                      workers: int, chunk: int = 2048) -> EncodeReport:
+        """:meth:`encode_into` over rows given batch by batch (a file streamed): every batch but the last holds a
+        multiple of ``chunk`` rows, so the chunks, the arrays written and the report are those of one call over
+        all the rows, byte for byte, while only one batch is in memory."""
         reports: list[EncodeReport] = []
         failures: list[tuple[str, str]] = []
-        for arrays, report, failed, terminators in chunked(job, len(rows), workers, chunk):
-            write(arrays)
-            reports.append(report)
-            failures += failed
-            self.terminators |= terminators
+        for rows in batches:
+            def job(a: int, b: int, rows: list[Row] = rows) -> tuple[SplitArrays, EncodeReport,
+                                                                       list[tuple[str, str]], set[int]]:
+                examples, report, failures, terminators = self.encode_raw(rows[a:b], split)
+                return SplitArrays.of(examples), report, failures, terminators
+
+            for arrays, report, failed, terminators in chunked(job, len(rows), workers, chunk):
+                write(arrays)
+                reports.append(report)
+                failures += failed
+                self.terminators |= terminators
         merged = merge_reports(reports) if reports else self.encode_raw([], split)[1]
         self.settle(failures, merged, split, skip)
         return merged
@@ -340,13 +515,18 @@ class Encoder:
         if self.prompt is not None and self.chat is None and self.prompt.name != "chat":
             return None if self.cfg.system_prompt == "auto" else \
                 "system prompt: --system_prompt is not used: the plain prompt template has no system turn"
+        return self.system_line_of(bytes(system_shape(r) for r in rows))
+
+    def system_line_of(self, shapes: bytes) -> str | None:
+        """:meth:`system_line` from each row's :func:`system_shape` (a file streamed keeps one byte a row)."""
+        if self.prompt is not None and self.chat is None and self.prompt.name != "chat":
+            return None if self.cfg.system_prompt == "auto" else \
+                "system prompt: --system_prompt is not used: the plain prompt template has no system turn"
+        bare = len(shapes)
         if self.chat is not None:  # rows that give tools get a system turn from the tools' note instead
-            bare = [r for r in rows if isinstance(r.fields.get("messages"), list) and not
-                    (r.fields["messages"] and r.fields["messages"][0].get("role") == "system") and
-                    not (r.fields.get("tools") and not self.chat.takes_tools)]
-        else:
-            bare = rows
-        return describe_system(self.injected, self.cfg.system_prompt, len(bare), len(rows))
+            counts = np.bincount(np.frombuffer(shapes, dtype=np.uint8), minlength=4)
+            bare = int(counts[1] + (counts[3] if self.chat.takes_tools else 0))
+        return describe_system(self.injected, self.cfg.system_prompt, bare, len(shapes))
 
     def prompt_ids(self, row: Row, room: int) -> tuple[list[int], int]:
         """Generation prompt of a row and how many tokens were cut from it: a conversation continues with the next
@@ -489,8 +669,15 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
                     return _from_store(cfg, store, *loaded, say)
             use = StoreUse("rebuilt" if existed else "miss")
     record = encoded_store.Recorder(say)
+    streamed = None
     with startup.phase("reading data"), phase("reading data"):
-        train_rows, val_rows, data_report = load_data(cfg, record, early)
+        # A miss that will write the store reads a JSONL file in passes: the training rows are never all in memory
+        if data_key is not None:
+            streamed = stream_data(cfg, record, early)
+        if streamed is None:
+            train_rows, val_rows, data_report = load_data(cfg, record, early)
+        else:
+            train_rows, val_rows, data_report = [], streamed.val, streamed.report
     path, tokenizer = loaded or _tokenizer(cfg, source, say)
     if data_key is not None and key is None:
         key = _store_key(cfg, data_key, path, tokenizer)
@@ -498,7 +685,8 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
     conversational = bool(data_report.format_conversational)
     encoder = Encoder.build(cfg, tokenizer, str(data_report.format), conversational)
     say(encoder.why)
-    system_line = encoder.system_line(train_rows + val_rows)
+    system_line = (encoder.system_line(train_rows + val_rows) if streamed is None else
+                   encoder.system_line_of(streamed.shapes + bytes(system_shape(r) for r in val_rows)))
     if system_line:
         record(system_line)
         data_report.facts_as(TextFacts).system_prompt = {"template_default": encoder.injected, "setting": cfg.system_prompt,
@@ -513,14 +701,21 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
             writer = StoreWriter(encoded_store.locate(data_key, key), key)
         except OSError as e:  # a cache is a speed-up: one that cannot be written costs the next run an encoding
             use = StoreUse("not cacheable", why=f"the cache cannot be written: {e}")
+    if writer is None and streamed is not None:  # nothing to write the training rows to: they are held after all
+        train_rows, streamed = [r for batch in streamed.batches(4096) for r in batch], None
     try:
         with startup.phase("encoding data"), phase("encoding data"):
             train_ex: list[Example] = []
             if writer is None:
                 train_ex, train_rep = encoder.encode(train_rows, "train", skip)
+            elif streamed is not None:
+                workers = encoded_store.cores()
+                # batches of whole chunks (encode_stream's contract), enough for every worker to take one
+                train_rep = encoder.encode_stream(streamed.batches(STREAM_CHUNK * 2 * workers), "train", skip,
+                                                  lambda a: writer.add("train", a), workers, STREAM_CHUNK)
             else:
                 train_rep = encoder.encode_into(train_rows, "train", skip, lambda a: writer.add("train", a),
-                                                encoded_store.cores())
+                                                encoded_store.cores(), STREAM_CHUNK)
             del train_rows  # the rows are in the store now: what stays in memory does not grow with them
             val_ex, val_rep = encoder.encode(val_rows, "validation", skip)
         excluded, shortened = _encoding_lines(cfg, record, train_rep, val_rep, conversational)
