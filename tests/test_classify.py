@@ -26,8 +26,10 @@ def glue_files(tmp_path_factory):
 def classify_run(glue_files, tiny_bert_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("cls") / "run"
     train, dev = glue_files
+    # 8 epochs: this tiny BERT learns the label word suddenly, between epochs 4 and 6 depending on the order it sees
+    # (measured over 3 seeds); 3 epochs passed or failed with the sampler's shuffle, not with the pipeline.
     argv = ["train", "--task", "classify", "--model", str(tiny_bert_dir), "--data", str(train), "--val_data", str(dev),
-            "--epochs", "3", "--batch_size", "8", "--lr", "3e-3", "--output_dir", str(out)]
+            "--epochs", "8", "--batch_size", "8", "--lr", "3e-3", "--output_dir", str(out)]
     assert main(argv) == 0
     return out
 
@@ -42,7 +44,7 @@ def test_columns_idx_dropped_text_and_label_kept(classify_run, capsys):
 def test_metrics_each_epoch_with_per_class_f1_and_confusion_matrix(classify_run):
     epochs = [json.loads(x) for x in (classify_run / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in epochs if r["type"] == "epoch"]
-    assert [r["epoch"] for r in epochs] == [0, 1, 2, 3]
+    assert [r["epoch"] for r in epochs] == list(range(9))
     last = epochs[-1]
     assert set(last["eval_per_class_f1"]) == {"neg", "pos"} and last["labels"] == ["neg", "pos"]
     cm = last["eval_confusion_matrix"]
