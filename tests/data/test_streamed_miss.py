@@ -1,6 +1,6 @@
 """A miss of the encoded-data store reads a JSONL file in passes (train_sft.stream_data): the store it writes, the
 lines it prints and the data it returns are those of reading every row in memory, byte for byte; where it cannot
-give that (a problem, a note counted over the file, augmentation, another format) it reads in memory."""
+give that (a problem, a note counted over the file, another format) it reads in memory; augmentation streams."""
 
 import json
 
@@ -71,6 +71,10 @@ CASES = {
     "alpaca, --val_data, skip": (_alpaca, {"val": True, "on_bad_rows": "skip"}),
     "messages, val_fraction 0, a system prompt": (_messages, {"val_fraction": 0.0, "system_prompt": "you help",
                                                               "max_steps": 2}),
+    # augmented per chunk (37 rows) with one generator carried across: the draws of one call over all rows
+    "flat, augmentation x3": (lambda n: qa_rows(n), {"augmentation_factor": 3}),
+    "messages, augmentation x2, --val_data": (_messages, {"augmentation_factor": 2, "val": True}),
+    "alpaca, augmentation x4, skip": (_alpaca, {"augmentation_factor": 4, "on_bad_rows": "skip", "bad": True}),
 }
 
 
@@ -110,17 +114,22 @@ def test_a_streamed_miss_writes_the_in_memory_miss_store_byte_for_byte(tmp_path,
         assert [r.where for r in got.summary.rejected] == [f"{tmp_path / 'val.jsonl'} line 2"]
     if "overlapping" in case:
         assert any(s.startswith("warning: ") and "validation rows have the same input" in s for s in said_str)
+    if "augmentation" in case:
+        factor = cfg.augmentation_factor
+        assert got.summary.train_rows == factor * sum(1 for i in range(len(got.features)) if "variant" not in got.where(i))
+        assert any(s.startswith(f"augmentation x{factor}: ") for s in said_str)
     if case == "messages, --limit":
         assert got.summary.train_rows + got.summary.val_rows == 230
         assert any(s.startswith("--limit 230: using the first 230 rows") for s in said_str)
 
 
-@pytest.mark.parametrize("why", ["augmentation", "a note over the file", "a problem", "csv"])
+@pytest.mark.parametrize("why", ["augmentation of a row without text", "a note over the file", "a problem", "csv"])
 def test_what_cannot_stream_is_read_in_memory_with_the_same_result(tmp_path, tiny_lm_dir, monkeypatch, why):
     rows = qa_rows(120)
     extra: dict = {}
     name = "train.jsonl"
-    if why == "augmentation":
+    if why == "augmentation of a row without text":
+        rows[90]["input"] = 7  # cannot be augmented: a problem reported over the file by the in-memory read
         extra["augmentation_factor"] = 2
     elif why == "a note over the file":
         for r in rows[::4]:
