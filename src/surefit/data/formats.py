@@ -29,7 +29,7 @@ from surefit.data.conversation_shapes import (
     messages_from_sharegpt,
     parse_tools,
 )
-from surefit.data.readers import SKIP_HINT, Rejected, check_text_fields
+from surefit.data.readers import SKIP_HINT, CountedNote, Rejected, check_text_fields
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -325,12 +325,16 @@ def apply_template(rows: list[Row], template: str, choice: FormatChoice, input_f
                                 f"{source} has (its fields: {listed})", "--template",
                                 "name fields the rows have, e.g. {instruction} and {input}"))
         return rows, []
-    notes = []
-    for n in names:
+    notes: list[str] = []
+    for at, n in enumerate(names):
         lacking = sum(1 for r in rows if not str(r.fields.get(alias.get(n, n)) or "").strip())
         if lacking:
-            notes.append(f"--template: {lacking} of {len(rows)} rows have no or an empty '{n}'; its paragraph is "
-                         "left out of their prompt")
+
+            def lacking_note(count: int, of: int, n: str = n) -> str:
+                return f"--template: {count} of {of} rows have no or an empty '{n}'; its paragraph is left out of " \
+                    "their prompt"
+
+            notes.append(CountedNote.make((1, at), lacking, len(rows), lacking_note))
     out = []
     for r in rows:
         values = {n: r.fields.get(alias.get(n, n)) for n in names}

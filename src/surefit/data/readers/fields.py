@@ -8,6 +8,7 @@ import numbers
 from typing import Any
 
 from surefit.data.readers.common import (
+    CountedNote,
     Rejected,
     all_rejected_problem,
     have,
@@ -57,7 +58,7 @@ def check_text_fields(
     present: list[str] | None = None
     # A field missing from every row is a wrong flag: the rows it drops are covered by that problem.
     explained = False
-    for field, flag in fields:
+    for field_at, (field, flag) in enumerate(fields):
         missing: list[Row] = []
         null: list[Row] = []
         empty: list[Row] = []
@@ -99,10 +100,12 @@ def check_text_fields(
             continue
         if numeric:
             first_row, first_value = numeric[0]
-            notes.append(
-                f"{n_rows(len(numeric))} had a numeric '{field}'; converted to text "
-                f"(e.g. {first_row.where}: {first_value!r} -> {str(first_value)!r})"
-            )
+            example = f"(e.g. {first_row.where}: {first_value!r} -> {str(first_value)!r})"
+
+            def numeric_note(count: int, _: int, field: str = field, example: str = example) -> str:
+                return f"{n_rows(count)} had a numeric '{field}'; converted to text {example}"
+
+            notes.append(CountedNote.make((0, field_at), len(numeric), len(rows), numeric_note))
         if rejects is not None:
             for position, reason in why + [(position, f"no '{field}' field") for position in missing_at]:
                 reasons.setdefault(position, []).append(reason)

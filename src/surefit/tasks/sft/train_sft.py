@@ -58,7 +58,7 @@ from surefit.data.formats import (
     read_formatted,
     template_fields,
 )
-from surefit.data.readers import Rejected, limit_note, read_limited, read_splits
+from surefit.data.readers import CountedNote, Rejected, limit_note, merge_counted, read_limited, read_splits
 from surefit.data.readers.streamed import RowsOnDisk
 from surefit.data.rows import Row
 from surefit.data.split import (
@@ -249,7 +249,7 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     counts; then :attr:`StreamedRows.batches` reads, and augments, the training rows once more, chunk by chunk).
     ``None`` (before anything is printed) where this cannot give what :func:`load_data` gives, which then reads the
     rows in memory: a document format or CSV/TSV, any problem (its report comes from :func:`load_data`; a row that
-    cannot be augmented too) or a note counted over the file (``--template``, empty text fields).
+    cannot be augmented too, or a field missing from a whole chunk).
 
     Raises:
         DataError: the training file changed between two passes.
@@ -276,14 +276,19 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     if isinstance(choice, Problem):
         return None
     hashes, shapes = bytearray(), bytearray()
+    counted: list[list[CountedNote]] = []
     for rows in disk.chunks(chunk):
         kept, notes = format_rows(rows, choice, how, source, found, keep)
-        if notes or found:  # a note counts rows over the file, a problem is reported over it: read in memory
+        if found:  # a problem is reported over the file: read in memory
             return None
+        if not all(isinstance(note, CountedNote) for note in notes):  # a note that cannot add up over chunks
+            return None
+        counted.append([note for note in notes if isinstance(note, CountedNote)])
         for r in kept:
             hashes += key_hash(conversation_key(r, cfg.input_field))
             shapes.append(system_shape(r))
     n = len(shapes)
+    read_notes += merge_counted(counted, n)  # the notes counted over the file, as one read gives them
     given_val: list[Row] = []
     if raw_val is not None:
         given_val, notes = format_rows(raw_val, choice, how, str(cfg.val_data), found, keep)
