@@ -168,9 +168,11 @@ def wheres(rows: list[Row], source: str) -> str:
 
 
 
-class CountedNote(str):
-    """A note that counts rows over a file (its text as read in memory), with what a file read in chunks needs to
-    add the chunks' counts up into the same text (:func:`merge_counted`).
+
+@dataclass
+class CountedNote:
+    """A note that counts rows over a file, with what a file read in chunks needs to add the chunks' counts up into
+    the text one read over all rows gives (:func:`merge_counted`).
 
     Attributes:
         order: where the note stands among a file's notes (stage, then field), whichever chunk first has it.
@@ -181,12 +183,6 @@ class CountedNote(str):
     order: tuple[int, int]
     rows: int
     render: Callable[[int, int], str]
-
-    @classmethod
-    def make(cls, order: tuple[int, int], count: int, of: int, render: Callable[[int, int], str]) -> CountedNote:
-        note = cls(render(count, of))
-        note.order, note.rows, note.render = order, count, render
-        return note
 
 
 def merge_counted(chunks: list[list[CountedNote]], kept: int) -> list[str]:

@@ -278,12 +278,12 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     hashes, shapes = bytearray(), bytearray()
     counted: list[list[CountedNote]] = []
     for rows in disk.chunks(chunk):
-        kept, notes = format_rows(rows, choice, how, source, found, keep)
+        counted.append([])
+        kept, notes = format_rows(rows, choice, how, source, found, keep, counted[-1])
         if found:  # a problem is reported over the file: read in memory
             return None
-        if not all(isinstance(note, CountedNote) for note in notes):  # a note that cannot add up over chunks
+        if len(notes) != len(counted[-1]):  # a note that cannot add up over chunks
             return None
-        counted.append([note for note in notes if isinstance(note, CountedNote)])
         for r in kept:
             hashes += key_hash(conversation_key(r, cfg.input_field))
             shapes.append(system_shape(r))
