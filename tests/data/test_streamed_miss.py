@@ -1,6 +1,7 @@
 """A miss of the encoded-data store reads a JSONL file in passes (train_sft.stream_data): the store it writes, the
 lines it prints and the data it returns are those of reading every row in memory, byte for byte; where it cannot
-give that (a problem, a note counted over the file, augmentation, another format) it reads in memory."""
+give that (a problem, a field a whole chunk lacks, another format) it reads in memory; augmentation and notes
+counted over the file stream."""
 
 import json
 
@@ -39,6 +40,18 @@ def _messages(n):
                           {"role": "assistant", "content": f"in box {i % 9}"}], "id": i} for i in range(n)]
 
 
+def _some_extra(n):
+    """Rows of which every 4th from row 21 has an 'extra' field (--template names it) and every 9th from row 54 a
+    numeric target (the first in the second chunk): notes counted over the file, their example from a later chunk."""
+    rows = qa_rows(n)
+    for i, r in enumerate(rows):
+        if i % 4 == 1 and i > 20:
+            r["extra"] = f"context words {i}"
+        if i % 9 == 0 and i > 50:
+            r["target"] = i
+    return rows
+
+
 def _run(cfg, cache, monkeypatch, streamed):
     """load_encoded on a fresh cache: the lines said, the result, the store's files (name -> bytes), and whether
     the rows were read in passes."""
@@ -71,6 +84,13 @@ CASES = {
     "alpaca, --val_data, skip": (_alpaca, {"val": True, "on_bad_rows": "skip"}),
     "messages, val_fraction 0, a system prompt": (_messages, {"val_fraction": 0.0, "system_prompt": "you help",
                                                               "max_steps": 2}),
+    # augmented per chunk (37 rows) with one generator carried across: the draws of one call over all rows
+    "flat, augmentation x3": (lambda n: qa_rows(n), {"augmentation_factor": 3}),
+    "messages, augmentation x2, --val_data": (_messages, {"augmentation_factor": 2, "val": True}),
+    "alpaca, augmentation x4, skip": (_alpaca, {"augmentation_factor": 4, "on_bad_rows": "skip", "bad": True}),
+    # notes counted over the file, added up over the chunks
+    "flat, --template lacking a field, numeric targets": (_some_extra, {"template": "{extra}\n\n{input}"}),
+    "flat, numeric targets, augmentation x2": (_some_extra, {"augmentation_factor": 2}),
 }
 
 
@@ -110,22 +130,31 @@ def test_a_streamed_miss_writes_the_in_memory_miss_store_byte_for_byte(tmp_path,
         assert [r.where for r in got.summary.rejected] == [f"{tmp_path / 'val.jsonl'} line 2"]
     if "overlapping" in case:
         assert any(s.startswith("warning: ") and "validation rows have the same input" in s for s in said_str)
+    if "augmentation" in case:
+        factor = cfg.augmentation_factor
+        assert got.summary.train_rows == factor * sum(1 for i in range(len(got.features)) if "variant" not in got.where(i))
+        assert any(s.startswith(f"augmentation x{factor}: ") for s in said_str)
+    if "numeric" in case:
+        assert any(s.startswith("28 rows had a numeric 'target'; converted to text (e.g. ") and "line 55" in s
+                   for s in said_str), said_str
+    if "--template" in case:
+        assert "--template: 230 of 300 rows have no or an empty 'extra'; its paragraph is left out of their prompt" \
+            in said_str
     if case == "messages, --limit":
         assert got.summary.train_rows + got.summary.val_rows == 230
         assert any(s.startswith("--limit 230: using the first 230 rows") for s in said_str)
 
 
-@pytest.mark.parametrize("why", ["augmentation", "a note over the file", "a problem", "csv"])
+@pytest.mark.parametrize("why", ["a field a whole chunk lacks", "a problem", "csv"])
 def test_what_cannot_stream_is_read_in_memory_with_the_same_result(tmp_path, tiny_lm_dir, monkeypatch, why):
     rows = qa_rows(120)
     extra: dict = {}
     name = "train.jsonl"
-    if why == "augmentation":
-        extra["augmentation_factor"] = 2
-    elif why == "a note over the file":
-        for r in rows[::4]:
+    if why == "a field a whole chunk lacks":
+        for r in rows[100:]:
             r["extra"] = "context words"
-        extra["template"] = "{extra}\n\n{input}"  # rows without 'extra': a note counted over the file
+        # over the file a note (rows without 'extra'); in the first chunk of 37 rows a problem (no row has it)
+        extra["template"] = "{extra}\n\n{input}"
     elif why == "a problem":
         del rows[5]["target"]  # a problem, reported by the in-memory read
     if why == "csv":
@@ -136,6 +165,7 @@ def test_what_cannot_stream_is_read_in_memory_with_the_same_result(tmp_path, tin
         data = _lines(tmp_path / name, [json.dumps(r) + "\n" for r in rows])
     cfg = SFTConfig(model=str(tiny_lm_dir), data=str(data), max_seq_length=160, val_fraction=0.1,
                     output_dir=str(tmp_path / "run"), **extra)
+    monkeypatch.setattr(train_sft, "READ_CHUNK", 37)  # the chunks of _run
     assert train_sft.stream_data(cfg, lambda s: pytest.fail(f"said {s!r} before falling back"), []) is None
     if why == "a problem":
         with pytest.raises(DataError, match="line 6"):

@@ -60,6 +60,14 @@ class AugmentStats:
     per_transform: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TRANSFORMS, 0))
     identical: int = 0
 
+    def add(self, other: AugmentStats) -> None:
+        """Count ``other`` (the next chunk's stats) in, as one call over both chunks' rows would have."""
+        self.rows_before += other.rows_before
+        self.rows_after += other.rows_after
+        for name, count in other.per_transform.items():
+            self.per_transform[name] += count
+        self.identical += other.identical
+
     def summary(self) -> str:
         """One line, e.g. ``augmentation x3: 180 -> 540 training rows (lead_in 240, ...); all variants distinct``."""
         if self.rows_before == self.rows_after:
@@ -141,7 +149,8 @@ def _choose(applicable: list[str], rng: random.Random) -> tuple[str, ...]:
             return tuple(name for name in _APPLY_ORDER if name in chosen)
 
 
-def augment_rows(rows: list[Row], factor: int, seed: int, input_field: str) -> tuple[list[Row], AugmentStats]:
+def augment_rows(rows: list[Row], factor: int, seed: int, input_field: str,
+                 rng: random.Random | None = None) -> tuple[list[Row], AugmentStats]:
     """Expand training rows ``factor``-fold with target-preserving variants of their input.
 
     Each variant applies a random non-empty subset of the transforms applicable to the row, in the fixed order
@@ -156,6 +165,8 @@ def augment_rows(rows: list[Row], factor: int, seed: int, input_field: str) -> t
         factor: output size multiplier; 1 returns the rows unchanged.
         seed: augmentation seed; output depends only on ``(rows, factor, seed)``.
         input_field: name of the field holding the input text.
+        rng: the generator to draw from instead of a new one seeded with ``seed``: rows augmented chunk by chunk
+            with one generator carried across the chunks in row order get the variants of one call over all rows.
 
     Returns:
         ``(rows_out, stats)``; ``rows_out`` has each original followed by its ``factor - 1`` variants.
@@ -178,7 +189,7 @@ def augment_rows(rows: list[Row], factor: int, seed: int, input_field: str) -> t
     if problems:
         raise DataError(problems)
 
-    rng = random.Random(seed)
+    rng = random.Random(seed) if rng is None else rng
     out: list[Row] = []
     for row in rows:
         source: str = row.fields[input_field]
@@ -201,8 +212,10 @@ def augment_rows(rows: list[Row], factor: int, seed: int, input_field: str) -> t
     return out, stats
 
 
-def augment_conversations(rows: list[Row], factor: int, seed: int) -> tuple[list[Row], AugmentStats]:
-    """Augment a conversation's last user turn only: assistant text (what is trained) is never changed."""
+def augment_conversations(rows: list[Row], factor: int, seed: int,
+                          rng: random.Random | None = None) -> tuple[list[Row], AugmentStats]:
+    """Augment a conversation's last user turn only: assistant text (what is trained) is never changed (``rng``:
+    as :func:`augment_rows`)."""
     field_name = "\u2063user"
 
     def last_user(r: Row) -> int:
@@ -211,7 +224,7 @@ def augment_conversations(rows: list[Row], factor: int, seed: int) -> tuple[list
     if factor == 1:  # nothing to augment: no staged and rebuilt copy of every conversation (a peak-RSS doubling)
         return augment_rows(rows, factor, seed, field_name)
     staged = [r.with_fields(**{field_name: r.fields["messages"][last_user(r)]["content"]}) for r in rows]
-    out, stats = augment_rows(staged, factor, seed, field_name)
+    out, stats = augment_rows(staged, factor, seed, field_name, rng)
     rebuilt = []
     for r in out:
         messages = [dict(m) for m in r.fields["messages"]]

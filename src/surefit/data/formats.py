@@ -29,7 +29,7 @@ from surefit.data.conversation_shapes import (
     messages_from_sharegpt,
     parse_tools,
 )
-from surefit.data.readers import SKIP_HINT, Rejected, check_text_fields
+from surefit.data.readers import SKIP_HINT, CountedNote, Rejected, check_text_fields
 from surefit.data.rows import Row
 from surefit.errors import Problem
 
@@ -308,12 +308,13 @@ def fill_template(template: str, fields: dict[str, Any]) -> str:
 
 
 def apply_template(rows: list[Row], template: str, choice: FormatChoice, input_field: str, source: str,
-                   problems: list[Problem]) -> tuple[list[Row], list[str]]:
+                   problems: list[Problem], counted: list[CountedNote] | None = None) -> tuple[list[Row], list[str]]:
     """Fill ``--template`` from each row's fields: a flat row's input becomes the filled text; an Alpaca row's user
     turn does. A field no row has is a problem (before anything trains); one some rows lack is left out of those
     rows and counted in the notes.
 
-    ``{input}`` of a flat row is the ``--input_field`` column (as it always was).
+    ``{input}`` of a flat row is the ``--input_field`` column (as it always was). ``counted``: as
+    :func:`check_text_fields`.
     """
     names = template_fields(template)
     alias = {"input": input_field} if not choice.conversational else {}
@@ -325,12 +326,18 @@ def apply_template(rows: list[Row], template: str, choice: FormatChoice, input_f
                                 f"{source} has (its fields: {listed})", "--template",
                                 "name fields the rows have, e.g. {instruction} and {input}"))
         return rows, []
-    notes = []
-    for n in names:
+    notes: list[str] = []
+    for at, n in enumerate(names):
         lacking = sum(1 for r in rows if not str(r.fields.get(alias.get(n, n)) or "").strip())
         if lacking:
-            notes.append(f"--template: {lacking} of {len(rows)} rows have no or an empty '{n}'; its paragraph is "
-                         "left out of their prompt")
+
+            def lacking_note(count: int, of: int, n: str = n) -> str:
+                return f"--template: {count} of {of} rows have no or an empty '{n}'; its paragraph is left out of " \
+                    "their prompt"
+
+            notes.append(lacking_note(lacking, len(rows)))
+            if counted is not None:
+                counted.append(CountedNote((1, at), lacking, lacking_note))
     out = []
     for r in rows:
         values = {n: r.fields.get(alias.get(n, n)) for n in names}
@@ -413,13 +420,14 @@ def read_formatted(rows: list[Row], how: ReadSettings, source: str, problems: li
 
 
 def format_rows(rows: list[Row], choice: FormatChoice, how: ReadSettings, source: str, problems: list[Problem],
-                rejects: list[Rejected] | None) -> tuple[list[Row], list[str]]:
+                rejects: list[Rejected] | None, counted: list[CountedNote] | None = None) -> tuple[list[Row], list[str]]:
     """Rows of one file in the internal form of ``choice`` (already detected), every row checked: the second half of
-    :func:`read_formatted`, which a file streamed in chunks runs chunk by chunk. Returns ``(rows, notes)``."""
+    :func:`read_formatted`, which a file streamed in chunks runs chunk by chunk (``counted``: each note with its count,
+    for the chunks' to be added up). Returns ``(rows, notes)``."""
     if choice.conversational:
         rows = to_conversations(rows, choice, source, problems, rejects)
         if how.template and choice.name == "alpaca":
-            return apply_template(rows, how.template, choice, how.input_field, source, problems)
+            return apply_template(rows, how.template, choice, how.input_field, source, problems, counted)
         if how.template:
             problems.append(Problem(f"--template writes the prompt of input/target and Alpaca rows; the turns of "
                                     f"{choice.name} rows are written by the chat template", "--template",
@@ -434,11 +442,11 @@ def format_rows(rows: list[Row], choice: FormatChoice, how: ReadSettings, source
         names = template_fields(template)
         choice.fields = " / ".join([*names, fields[0][0]])
         choice.mapping = f"--template fills the prompt from {', '.join(names)}; {fields[0][0]} -> trained answer"
-    kept, notes = check_text_fields(rows, fields, problems, source, rejects=rejects)
+    kept, notes = check_text_fields(rows, fields, problems, source, rejects=rejects, counted=counted)
     if choice.name == "prompt_completion":
         kept = [r.with_fields(**{how.input_field: r.fields["prompt"], how.target_field: r.fields["completion"]})
                 for r in kept]
     if template:
-        kept, more = apply_template(kept, template, choice, how.input_field, source, problems)
+        kept, more = apply_template(kept, template, choice, how.input_field, source, problems, counted)
         notes += more
     return kept, notes

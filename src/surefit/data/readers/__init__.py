@@ -15,7 +15,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from surefit.data.readers.common import MAX_ROW_BYTES, MAX_WHERES, SKIP_HINT, SUPPORTED_FORMATS, Rejected
+from surefit.data.readers.common import (
+    MAX_ROW_BYTES,
+    MAX_WHERES,
+    SKIP_HINT,
+    SUPPORTED_FORMATS,
+    CountedNote,
+    Rejected,
+    merge_counted,
+)
 from surefit.data.readers.fields import check_text_fields, field_not_found
 from surefit.data.readers.files import read_rows
 from surefit.data.readers.squad import flatten_squad
@@ -74,5 +82,5 @@ def read_checked(path: str, text_fields: list[tuple[str, str]]) -> list[Row]:
     return rows
 
 
-__all__ = ["MAX_ROW_BYTES", "MAX_WHERES", "SUPPORTED_FORMATS", "Rejected", "check_text_fields", "field_not_found",
+__all__ = ["MAX_ROW_BYTES", "MAX_WHERES", "SUPPORTED_FORMATS", "CountedNote", "Rejected", "merge_counted", "check_text_fields", "field_not_found",
            "flatten_squad", "limit_note", "read_checked", "read_limited", "read_rows", "read_splits"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -164,3 +165,33 @@ def wheres(rows: list[Row], source: str) -> str:
     shown = [r.where[len(prefix) :] if r.where.startswith(prefix) else r.where for r in rows[:MAX_WHERES]]
     more = f" and {len(rows) - MAX_WHERES} more" if len(rows) > MAX_WHERES else ""
     return ", ".join(shown) + more
+
+
+
+
+@dataclass
+class CountedNote:
+    """A note that counts rows over a file, with what a file read in chunks needs to add the chunks' counts up into
+    the text one read over all rows gives (:func:`merge_counted`).
+
+    Attributes:
+        order: where the note stands among a file's notes (stage, then field), whichever chunk first has it.
+        rows: rows counted.
+        render: the text for a count of rows out of the rows kept (the first chunk's example kept).
+    """
+
+    order: tuple[int, int]
+    rows: int
+    render: Callable[[int, int], str]
+
+
+def merge_counted(chunks: list[list[CountedNote]], kept: int) -> list[str]:
+    """The notes of one read over all the chunks' rows, ``kept`` of them kept: counts summed per note, the first
+    chunk's example kept, in the order one read gives them."""
+    first: dict[tuple[int, int], CountedNote] = {}
+    count: dict[tuple[int, int], int] = {}
+    for notes in chunks:
+        for n in notes:
+            first.setdefault(n.order, n)
+            count[n.order] = count.get(n.order, 0) + n.rows
+    return [first[k].render(count[k], kept) for k in sorted(first)]

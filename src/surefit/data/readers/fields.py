@@ -8,6 +8,7 @@ import numbers
 from typing import Any
 
 from surefit.data.readers.common import (
+    CountedNote,
     Rejected,
     all_rejected_problem,
     have,
@@ -30,6 +31,7 @@ def check_text_fields(
     source: str,
     *,
     rejects: list[Rejected] | None = None,
+    counted: list[CountedNote] | None = None,
 ) -> tuple[list[Row], list[str]]:
     """Check that every row has each field with a non-empty string value.
 
@@ -45,6 +47,7 @@ def check_text_fields(
         rejects: ``None`` (``--on_bad_rows error``): bad rows are problems. A list (``--on_bad_rows skip``): each bad
             row is appended here once, with every reason, instead. Either way a field missing from every row is a
             problem (the flag is wrong, not the rows), and so is a source whose every row was rejected.
+        counted: where given, each note also goes here with its count (a file read in chunks adds them up).
 
     Returns:
         ``(rows, notes)``: the rows with no problem in any checked field, numeric values converted to strings, and
@@ -57,7 +60,7 @@ def check_text_fields(
     present: list[str] | None = None
     # A field missing from every row is a wrong flag: the rows it drops are covered by that problem.
     explained = False
-    for field, flag in fields:
+    for field_at, (field, flag) in enumerate(fields):
         missing: list[Row] = []
         null: list[Row] = []
         empty: list[Row] = []
@@ -99,10 +102,14 @@ def check_text_fields(
             continue
         if numeric:
             first_row, first_value = numeric[0]
-            notes.append(
-                f"{n_rows(len(numeric))} had a numeric '{field}'; converted to text "
-                f"(e.g. {first_row.where}: {first_value!r} -> {str(first_value)!r})"
-            )
+            example = f"(e.g. {first_row.where}: {first_value!r} -> {str(first_value)!r})"
+
+            def numeric_note(count: int, _: int, field: str = field, example: str = example) -> str:
+                return f"{n_rows(count)} had a numeric '{field}'; converted to text {example}"
+
+            notes.append(numeric_note(len(numeric), len(rows)))
+            if counted is not None:
+                counted.append(CountedNote((0, field_at), len(numeric), numeric_note))
         if rejects is not None:
             for position, reason in why + [(position, f"no '{field}' field") for position in missing_at]:
                 reasons.setdefault(position, []).append(reason)

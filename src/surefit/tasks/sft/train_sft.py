@@ -9,6 +9,7 @@ counts everything that happened to the data; ``use_sft.py`` beside it reads back
 from __future__ import annotations
 
 import functools
+import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,7 +58,7 @@ from surefit.data.formats import (
     read_formatted,
     template_fields,
 )
-from surefit.data.readers import Rejected, limit_note, read_limited, read_splits
+from surefit.data.readers import CountedNote, Rejected, limit_note, merge_counted, read_limited, read_splits
 from surefit.data.readers.streamed import RowsOnDisk
 from surefit.data.rows import Row
 from surefit.data.split import (
@@ -244,15 +245,16 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     """:func:`load_data` with the training rows never all in memory: the same lines printed, the same summary, the
     same split and the same rows, in passes over a JSONL file (read and count; detect the format and list the
     fields; format each chunk and keep its key hash, 16 bytes a row; collect the validation rows, or read a
-    ``--val_data`` file whole; then :attr:`StreamedRows.batches` reads the training rows once more, chunk by chunk).
+    ``--val_data`` file whole; with ``--augmentation_factor`` above 1 augment the training rows for the summary's
+    counts; then :attr:`StreamedRows.batches` reads, and augments, the training rows once more, chunk by chunk).
     ``None`` (before anything is printed) where this cannot give what :func:`load_data` gives, which then reads the
-    rows in memory: a document format or CSV/TSV, ``--augmentation_factor`` above 1, any problem (its report comes
-    from :func:`load_data`) or a note counted over the file (``--template``, empty text fields).
+    rows in memory: a document format or CSV/TSV, any problem (its report comes from :func:`load_data`; a row that
+    cannot be augmented too, or a field missing from a whole chunk).
 
     Raises:
         DataError: the training file changed between two passes.
     """
-    if problems or cfg.augmentation_factor != 1 or not 0 <= cfg.val_fraction < 1:
+    if problems or not 0 <= cfg.val_fraction < 1:
         return None
     assert cfg.data is not None
     source, skip, chunk = str(cfg.data), cfg.on_bad_rows == "skip", READ_CHUNK
@@ -274,14 +276,19 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     if isinstance(choice, Problem):
         return None
     hashes, shapes = bytearray(), bytearray()
+    counted: list[list[CountedNote]] = []
     for rows in disk.chunks(chunk):
-        kept, notes = format_rows(rows, choice, how, source, found, keep)
-        if notes or found:  # a note counts rows over the file, a problem is reported over it: read in memory
+        counted.append([])
+        kept, notes = format_rows(rows, choice, how, source, found, keep, counted[-1])
+        if found:  # a problem is reported over the file: read in memory
+            return None
+        if len(notes) != len(counted[-1]):  # a note that cannot add up over chunks
             return None
         for r in kept:
             hashes += key_hash(conversation_key(r, cfg.input_field))
             shapes.append(system_shape(r))
     n = len(shapes)
+    read_notes += merge_counted(counted, n)  # the notes counted over the file, as one read gives them
     given_val: list[Row] = []
     if raw_val is not None:
         given_val, notes = format_rows(raw_val, choice, how, str(cfg.val_data), found, keep)
@@ -303,6 +310,8 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
     del hashes
     table = field_table(disk, choice, tuple(template_fields(cfg.template)) if cfg.template else ())
 
+    factor = cfg.augmentation_factor
+
     def formatted() -> Iterator[tuple[bool, Row]]:
         at = 0
         for rows in disk.chunks(chunk):
@@ -310,10 +319,32 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
             yield from zip(in_val[at: at + len(kept)].tolist(), kept, strict=True)
             at += len(kept)
 
-    def batches(size: int) -> Iterator[list[Row]]:
-        batch: list[Row] = []
+    def augmented(stats: AugmentStats) -> Iterator[list[Row]]:
+        """The training rows chunk by chunk, each followed by its variants: one generator carried across the
+        chunks in row order draws what :func:`load_data`'s one call over all rows draws (split before augmenting)."""
+        rng = random.Random(cfg.seed)
+        train: list[Row] = []
         for v, r in formatted():
             if not v:
+                train.append(r)
+            if len(train) == chunk:
+                yield augment_chunk(train, rng, stats)
+                train = []
+        if train:
+            yield augment_chunk(train, rng, stats)
+
+    def augment_chunk(train: list[Row], rng: random.Random, stats: AugmentStats) -> list[Row]:
+        if factor == 1:
+            return train
+        out, got = (augment_conversations(train, factor, cfg.seed, rng) if choice.conversational
+                    else augment_rows(train, factor, cfg.seed, cfg.input_field, rng))
+        stats.add(got)
+        return out
+
+    def batches(size: int) -> Iterator[list[Row]]:
+        batch: list[Row] = []
+        for rows in augmented(AugmentStats(0, 0)):
+            for r in rows:
                 batch.append(r)
                 if len(batch) == size:
                     yield batch
@@ -323,18 +354,29 @@ def stream_data(cfg: SFTConfig, say: Say, problems: list[Problem]) -> StreamedRo
 
     val = given_val if raw_val is not None else [r for v, r in formatted() if v]
     n_train = n - int(in_val.sum())
-    notes = read_notes + split_notes
     stats = AugmentStats(rows_before=n_train, rows_after=n_train)
+    if factor != 1:  # a pass that augments for the counts of the summary, checking what load_data asserts
+        stats = AugmentStats(0, 0)
+        val_keys = {key_hash(conversation_key(v, cfg.input_field)) for v in val} if raw_val is None else set()
+        try:
+            for rows in augmented(stats):
+                if any(key_hash(conversation_key(r, cfg.input_field)) in val_keys for r in rows):
+                    return None  # a variant with a validation row's key: load_data's leak assertion says so
+        except DataError:  # rows that cannot be augmented: reported over the file by load_data
+            return None
+    notes = read_notes + split_notes
     notes.append(stats.summary())
     facts = TextFacts(field_table=table, augmentation=stats.__dict__)
     report = DataSummary(notes=notes, rejected=rejects, facts=facts, format=choice.name,
-                         format_conversational=choice.conversational, train_rows=n_train, val_rows=len(val))
+                         format_conversational=choice.conversational, train_rows=stats.rows_after,
+                         val_rows=len(val))
     say(choice.line())
     say("fields of the rows:\n" + render_columns(table))
     for note in notes:
         say(note)
-    return StreamedRows(report, val, n_train, np.frombuffer(bytes(shapes), dtype=np.uint8)[~in_val].tobytes(),
-                        batches)
+    # a variant keeps its source's system turn and tools: its shape repeated
+    train_shapes = np.repeat(np.frombuffer(bytes(shapes), dtype=np.uint8)[~in_val], factor)
+    return StreamedRows(report, val, stats.rows_after, train_shapes.tobytes(), batches)
 
 
 def _overlap(val: list[Row], hashes: bytearray, disk: RowsOnDisk, chunk: int, choice: FormatChoice,
