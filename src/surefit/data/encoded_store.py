@@ -41,6 +41,7 @@ from typing import Any, overload
 
 import numpy as np
 
+import surefit.startup as startup
 from surefit.data.readers import Rejected
 from surefit.data.rows import Row
 from surefit.data.summary import DataSummary, Saved, TaskFacts, TextFacts
@@ -582,6 +583,20 @@ class StoreUse:
                 "rebuilt": f"encoded data: the damaged cache was rebuilt, {n} training examples written to {self.folder}",
                 "off": "encoded data: in memory, not cached (--no_cache)",
                 "not cacheable": f"encoded data: in memory, not cached ({self.why})"}[self.status]
+
+
+def store_use(no_cache: bool, trust_remote_code: bool, paths: Sequence[str | None]) -> tuple[StoreUse, Any]:
+    """What the encoded-data cache can do for a run before anything is read: its ``StoreUse`` (off, or not cacheable
+    and why) and the data files' identity (``None`` when the cache is not used). Every task asks this first."""
+    if no_cache:
+        return StoreUse("off", why="--no_cache"), None
+    if trust_remote_code:
+        return StoreUse("not cacheable", why="--trust_remote_code: the tokenizer runs the model's own code"), None
+    with startup.phase("data hash"):
+        data_key = data_identity(paths)
+    if data_key is None:
+        return StoreUse("not cacheable", why="the data is not a file on disk"), None
+    return StoreUse("not cacheable"), data_key
 
 
 def data_identity(paths: Sequence[str | None]) -> list[Any] | None:

@@ -212,17 +212,7 @@ def load_encoded(cfg: DPOConfig, source: Any, say: Say, early: list[Problem]) ->
     printed again), else read, split, encoded and written there (``--no_cache``: in memory, nothing read or written).
     The tokenizer is loaded before the rows are read only when a store for these data files exists. ``source``:
     the model, ``None`` when it could not be resolved (its problem is in ``early``, reported with the data's)."""
-    use = StoreUse("off", why="--no_cache")
-    data_key = None
-    if not cfg.no_cache:
-        use = StoreUse("not cacheable")
-        if cfg.trust_remote_code:
-            use.why = "--trust_remote_code: the tokenizer runs the model's own code"
-        else:
-            with startup.phase("data hash"):
-                data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
-            if data_key is None:
-                use.why = "the data is not a file on disk"
+    use, data_key = encoded_store.store_use(cfg.no_cache, cfg.trust_remote_code, [cfg.data, cfg.val_data])
     loaded: tuple[str, Any] | None = None
     key = None
     if source is not None and data_key is not None and encoded_store.has_any(data_key):

@@ -685,17 +685,7 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
     The data files are hashed first; the tokenizer is loaded before the rows are read only when a store for these
     files exists, so a data problem in new data still costs seconds, not a model conversion.
     """
-    use = StoreUse("off", why="--no_cache")
-    data_key = None
-    if not cfg.no_cache:
-        use = StoreUse("not cacheable")
-        if cfg.trust_remote_code:
-            use.why = "--trust_remote_code: the tokenizer runs the model's own code"
-        else:
-            with startup.phase("data hash"):
-                data_key = encoded_store.data_identity([cfg.data, cfg.val_data])
-            if data_key is None:
-                use.why = "the data is not a file on disk"
+    use, data_key = encoded_store.store_use(cfg.no_cache, cfg.trust_remote_code, [cfg.data, cfg.val_data])
     loaded: tuple[str, Any] | None = None
     key = None
     if data_key is not None and encoded_store.has_any(data_key):
