@@ -599,6 +599,17 @@ def store_use(no_cache: bool, trust_remote_code: bool, paths: Sequence[str | Non
     return StoreUse("not cacheable"), data_key
 
 
+def lookup(data_key: Any, key: Any, say: Callable[[str], None]) -> tuple[EncodedStore | None, StoreUse]:
+    """The store for ``(data_key, key)`` opened and checked (a hit), else ``None`` with what the run will do: encode
+    and write it (``miss``), or encode it again because the one there did not check out (``rebuilt``). Timed as
+    the "encoding data" phase: on a hit, checking and opening the store is all that phase does."""
+    folder = locate(data_key, key)
+    existed = folder.is_dir()
+    with startup.phase("encoding data"):
+        store = EncodedStore.open(folder, key, say)
+    return store, StoreUse("hit" if store is not None else "rebuilt" if existed else "miss")
+
+
 def data_identity(paths: Sequence[str | None]) -> list[Any] | None:
     """The data files' content (name, size, SHA-256 of each file, or of each file in a folder), ``None`` when one is
     not on disk (then nothing is cached)."""

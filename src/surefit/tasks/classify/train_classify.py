@@ -533,10 +533,7 @@ def read_data(cfg: ClassifyConfig, model: tuple[str, str] | None, say: Say, earl
         tokenizer = load_tokenizer(cfg, *model)
         key = store_key(cfg, data_key, model[1], tokenizer)
         if key is not None:
-            folder = encoded_store.locate(data_key, key)
-            existed = folder.is_dir()
-            with startup.phase("encoding data"):  # a hit's: checking and opening the store
-                store = EncodedStore.open(folder, key, say)
+            store, use = encoded_store.lookup(data_key, key, say)
             if store is not None:
                 raise_with_rejected(early, [])  # the run folder's problems, found before the data
                 rec = Record.from_json(store.record, str(store.folder / encoded_store.HEADER))
@@ -544,8 +541,7 @@ def read_data(cfg: ClassifyConfig, model: tuple[str, str] | None, say: Say, earl
                     say(line)
                 return ReadData(rec.data_summary(str(store.folder / encoded_store.HEADER)), rec.fields_read(),
                                 rec.label_spec(), rec.columns, None, encoded_store.rows_of(rec.validation_rows),
-                                tokenizer, StoreUse("hit"), store=store)
-            use = StoreUse("rebuilt" if existed else "miss")
+                                tokenizer, use, store=store)
     record = encoded_store.Recorder(say)
     with startup.phase("reading data"), phase("reading data"):
         train_rows, val_rows, fields, spec, report = load_data(cfg, record, early)

@@ -219,14 +219,10 @@ def load_encoded(cfg: DPOConfig, source: Any, say: Say, early: list[Problem]) ->
         loaded = _tokenizer(cfg, source, say)
         key = store_key(cfg, data_key, *loaded)
         if key is not None:
-            folder = encoded_store.locate(data_key, key)
-            existed = folder.is_dir()
-            with startup.phase("encoding data"):  # a hit's: checking and opening the store
-                store = EncodedStore.open(folder, key, say)
+            store, use = encoded_store.lookup(data_key, key, say)
             if store is not None:
                 raise_with_rejected(early, [])  # the run folder's problems, found before the data
-                return _from_store(store, *loaded, say, StoreUse("hit"))
-            use = StoreUse("rebuilt" if existed else "miss")
+                return _from_store(store, *loaded, say, use)
     record = encoded_store.Recorder(say)
     with startup.phase("reading data"), phase("reading data"):
         train_rows, val_rows, data_report = load_pairs(cfg, record, early)

@@ -692,14 +692,10 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
         loaded = _tokenizer(cfg, source, say)
         key = _store_key(cfg, data_key, *loaded)
         if key is not None:
-            existed = encoded_store.locate(data_key, key).is_dir()
-            # A hit's "encoding data" phase is checking and opening the store (startup.json names the same phases)
-            with startup.phase("encoding data"):
-                store = EncodedStore.open(encoded_store.locate(data_key, key), key, say)
-                if store is not None:
-                    raise_with_rejected(early, [])  # the run folder's problems, found before the data
-                    return _from_store(cfg, store, *loaded, say)
-            use = StoreUse("rebuilt" if existed else "miss")
+            store, use = encoded_store.lookup(data_key, key, say)
+            if store is not None:
+                raise_with_rejected(early, [])  # the run folder's problems, found before the data
+                return _from_store(cfg, store, *loaded, say)
     record = encoded_store.Recorder(say)
     streamed = None
     with startup.phase("reading data"), phase("reading data"):
