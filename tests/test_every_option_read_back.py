@@ -18,6 +18,8 @@ SFT_OPTIONS = {
               "--warmup", "2", "--lr_scheduler", "wsd", "--min_lr", "1e-4"],
     "combined": ["--epochs", "2", "--eval_every", "3", "--save_every", "3", "--keep_checkpoints", "1",
                  "--keep_best", "eval_f1", "--log_samples", "2", "--log_every", "1"],
+    # The caches' folder, with a keep-best run: eval/predict/export read the run's saved settings, inspect the store.
+    "cache_dir": ["--epochs", "2", "--keep_best", "eval_loss", "--cache_dir", "{tmp}/my cache"],
 }
 CLS_OPTIONS = {
     "early_stopping_steps": ["--epochs", "2", "--early_stopping", "eval_macro_f1:2", "--eval_every", "3",
@@ -56,7 +58,8 @@ def test_an_sft_run_with_each_training_control_option_is_read_back(name, tiny_lm
     run = tmp_path / "run"
     assert main(["train", "--model", str(tiny_lm_dir), "--data", str(data), "--lora_r", "4", "--batch_size", "4",
                  "--lr", "1e-2", "--val_fraction", "0.25", "--max_seq_length", "96", "--max_new_tokens", "4",
-                 "--output_dir", str(run), *SFT_OPTIONS[name]]) == 0, capsys.readouterr().err
+                 "--output_dir", str(run), *[a.format(tmp=tmp_path) for a in SFT_OPTIONS[name]]]) == 0, \
+        capsys.readouterr().err
     if "--keep_best" in SFT_OPTIONS[name] or "--early_stopping" in SFT_OPTIONS[name]:
         assert any("best_metric" in r for r in _records(run))  # the records that once made the run unreadable
     _read_back(run, tmp_path, capsys, ["--input", "what is one", "--input", "what is two"], merge=True, allow=[])
@@ -65,6 +68,9 @@ def test_an_sft_run_with_each_training_control_option_is_read_back(name, tiny_lm
     assert main(["inspect", "--task", "sft", "--config", str(run / "config.yaml"), "--output_dir",
                  str(tmp_path / "unused"), "--out", str(tmp_path / "inspect.jsonl")]) == 0, capsys.readouterr().err
     assert len((tmp_path / "inspect.jsonl").read_text().splitlines()) == 24
+    if name == "cache_dir":  # the store went to --cache_dir, and inspect (from config.yaml) read it there
+        stores = list((tmp_path / "my cache" / "startup" / "encoded").glob("*/*/header.json"))
+        assert len(stores) == 1 and f"read from the cache {stores[0].parent}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", sorted(CLS_OPTIONS))
