@@ -292,7 +292,17 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
         # prompt-prefix tokens computed once for several rows of a micro-batch (absent with --share_prefixes false)
         "shared_prefix_tokens": final.get("shared_prefix_tokens"),
         "shared_prefix_rows": final.get("shared_prefix_rows"),
+        # the run's own account of its start-up (command to step 1, by phase), for the whole-process section
+        "startup": _read_json(out / "startup.json"),
     }
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        got = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return got if isinstance(got, dict) else None
 
 
 def _load_model_and_tokenizer(spec: dict[str, Any]) -> tuple[Any, Any]:
@@ -543,6 +553,8 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
         "|---|---|---|---|---|",
         *goals,
         "",
+        *whole_process_lines(ok),
+        "",
         "Anchors: " + ", ".join(ANCHORS_ALL) + f"; at their defaults: {', '.join(ANCHORS_DEFAULT)} (TRL's defaults "
         "include bf16 autocast and gradient checkpointing). seeds_trainer is a reference row, not an anchor.",
         "",
@@ -586,7 +598,69 @@ def build_report(spec: dict[str, Any], results: dict[str, dict[str, Any]], machi
         "raw numbers (and each worker's resolved settings) in the `.json` next to this file.",
         "",
     ]
+    verdicts.update(whole_process_verdicts(ok))
     return md, {"verdicts": verdicts}
+
+
+def whole_seconds(r: dict[str, Any]) -> float | None:
+    """A job's start-to-exit seconds as it would run on its own: a trainer's untimed warm-up step is one step this
+    script adds, so one ordinary step's time comes off (not the warm-up's own, which carries the first call's costs
+    that the first real step would otherwise pay)."""
+    total = r.get("process_seconds")
+    if not total:
+        return None
+    if r.get("warmup_seconds") and r.get("train_seconds") and r.get("steps"):
+        return total - r["train_seconds"] / r["steps"]
+    return total
+
+
+def _whole_goals(ok: dict[str, dict[str, Any]]) -> list[tuple[str, float | None, float, str]]:
+    """(label, surefit's speed-up in whole-process seconds, goal, detail) for each whole-process goal."""
+    sf = whole_seconds(ok.get("surefit", {}))
+    have = [(s, n) for n in ANCHORS_DEFAULT if (s := whole_seconds(ok.get(n, {})))]
+    fastest = min(have, default=None)
+    bf16 = whole_seconds(ok.get(BF16_ANCHOR, {}))
+    return [
+        ("surefit (defaults) whole process vs the fastest anchor at its defaults",
+         fastest[0] / sf if sf and fastest else None, SPEED_GOAL,
+         f"fastest: {fastest[1]} ({fastest[0]:.1f} s)" if fastest else "no anchor measured"),
+        (f"surefit (defaults) whole process vs {BF16_ANCHOR}", bf16 / sf if sf and bf16 else None, BF16_GOAL,
+         f"{BF16_ANCHOR}: {bf16:.1f} s" if bf16 else "not measured"),
+    ]
+
+
+def whole_process_verdicts(ok: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
+    return {f"whole_process_{i}": benchlib.ratio_line(label, value, goal, True, detail)[1]
+            for i, (label, value, goal, detail) in enumerate(_whole_goals(ok))}
+
+
+def whole_process_lines(ok: dict[str, dict[str, Any]]) -> list[str]:
+    """The issue's whole-process goals (each job timed from its process start to its exit, by the parent) and where
+    each job's seconds went: set-up to training, training, surefit's evaluations, and the rest (saving, exit)."""
+    lines = ["", "## Whole process: start to exit", "",
+             "Each job timed by this script from launching its process to the process's exit. surefit's includes its "
+             "two evaluations (before and after the epoch: validation loss and generated answers scored); the anchors "
+             "evaluate nothing. A trainer's untimed warm-up step (see below) is one step more than it would run "
+             "alone, so one ordinary step's time is taken off its whole process for these goals.", "",
+             "| goal | measured | target | result | detail |", "|---|---|---|---|---|"]
+    lines += [benchlib.ratio_line(label, value, goal, True, detail)[0]
+              for label, value, goal, detail in _whole_goals(ok)]
+    lines += ["", "| job | whole process s | set-up s (to training) | warm-up step s | training s | evaluations s | "
+              "rest s (saves, exit) |", "|---|---|---|---|---|---|---|"]
+    for name, r in ok.items():
+        total, setup, train = r.get("process_seconds"), r.get("setup_seconds"), r.get("train_seconds")
+        evals, warm = sum(r.get("eval_seconds") or []), r.get("warmup_seconds") or 0.0
+        rest = total - setup - warm - train - evals if total and setup is not None and train is not None else None
+        lines.append(f"| {name} | {benchlib.fmt(total)} | {benchlib.fmt(setup)} | {benchlib.fmt(warm) if warm else '-'} "
+                     f"| {benchlib.fmt(train)} | {benchlib.fmt(evals) if r.get('eval_seconds') else '-'} | "
+                     f"{benchlib.fmt(rest)} |")
+    start = (ok.get("surefit") or {}).get("startup") or {}
+    phases = start.get("phases") or {}
+    if phases:
+        top = sorted(phases.items(), key=lambda kv: -kv[1])
+        lines += ["", f"surefit's start-up to step 1 by its own startup.json: {start.get('seconds', 0):.1f} s = "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in top if v >= 0.05) + "."]
+    return lines
 
 
 # ================================================================================================== eval speed
