@@ -6,12 +6,15 @@ one after the other; the clock starts just before the process is started and sto
 
 * surefit: ``step1_at`` in ``OUTPUT/startup.json`` (written when the first training forward starts), with the split
   of the start-up by phase. ``cold``: an empty start-up cache (the doctor and the planner run); ``warm``: the same
-  command into a new run folder, the cache filled by the cold run. The GGUF conversion (once per machine) is done
-  before timing; ``--with-conversion`` adds a run that converts too.
-* Trainer: a callback's ``on_step_begin`` writes the time and ends the process.
+  command into a new run folder, the cache filled by the cold run; ``cold, hashes known``: a start-up cache holding
+  only the model files' remembered hashes (``hashes/``, copied from the cold run's), so the doctor and the planner
+  run as in a run with a changed setting, but no weights are read to hash them. The GGUF conversion (once per
+  machine) is done before timing; ``--with-conversion`` adds a run that converts too.
+* Trainer: a callback's ``on_step_begin`` writes the time, and the seconds of each phase (imports, tokenizer, data,
+  model load, LoRA, ``TrainingArguments`` and ``Trainer(...)``, ``train()`` to step 1), and ends the process.
 
 Goal (issue 34): surefit's start-up <= the Trainer's, doctor and memory plan on (cold and warm each get a verdict,
-on the median of the per-repeat ratios: each repeat runs the three jobs back to back, the Trainer first in even repeats and last in odd ones, so a
+on the median of the per-repeat ratios: each repeat runs the jobs back to back, the Trainer first in even repeats and last in odd ones, so a
 shared machine's load hits them alike; the load average is recorded per repeat). surefit runs with ``--profile``, so each run also says where
 the time after step 1 went (checkpoint, final save, report). Results go to ``benchmarks/results/startup.{json,md}``.
 
@@ -152,7 +155,8 @@ def phase_table(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, fl
             for k, v in r["phases"].items():
                 g = GROUPS.get(k, "other")
                 sums[g] = sums.get(g, 0.0) + v
-            sums["other"] = sums.get("other", 0.0) + r["seconds"] - sum(r["phases"].values())  # launch to clock
+            # from the launch to the process's own clock (psutil's start time; it can read a little late or early)
+            sums["imports and settings"] = sums.get("imports and settings", 0.0) + r["seconds"] - sum(r["phases"].values())
             per_run.append(sums)
         for g in order:
             vals = [p[g] for p in per_run if g in p]
