@@ -6,12 +6,15 @@ one after the other; the clock starts just before the process is started and sto
 
 * surefit: ``step1_at`` in ``OUTPUT/startup.json`` (written when the first training forward starts), with the split
   of the start-up by phase. ``cold``: an empty start-up cache (the doctor and the planner run); ``warm``: the same
-  command into a new run folder, the cache filled by the cold run. The GGUF conversion (once per machine) is done
-  before timing; ``--with-conversion`` adds a run that converts too.
-* Trainer: a callback's ``on_step_begin`` writes the time and ends the process.
+  command into a new run folder, the cache filled by the cold run; ``cold, hashes known``: a start-up cache holding
+  only the model files' remembered hashes (``hashes/``, copied from the cold run's), so the doctor and the planner
+  run as in a run with a changed setting, but no weights are read to hash them. The GGUF conversion (once per
+  machine) is done before timing; ``--with-conversion`` adds a run that converts too.
+* Trainer: a callback's ``on_step_begin`` writes the time, and the seconds of each phase (imports, tokenizer, data,
+  model load, LoRA, ``TrainingArguments`` and ``Trainer(...)``, ``train()`` to step 1), and ends the process.
 
 Goal (issue 34): surefit's start-up <= the Trainer's, doctor and memory plan on (cold and warm each get a verdict,
-on the median of the per-repeat ratios: each repeat runs the three jobs back to back, the Trainer first in even repeats and last in odd ones, so a
+on the median of the per-repeat ratios: each repeat runs the jobs back to back, the Trainer first in even repeats and last in odd ones, so a
 shared machine's load hits them alike; the load average is recorded per repeat). surefit runs with ``--profile``, so each run also says where
 the time after step 1 went (checkpoint, final save, report). Results go to ``benchmarks/results/startup.{json,md}``.
 
@@ -41,7 +44,9 @@ GOAL_S = 0.0  # surefit's seconds to step 1 minus the Trainer's, at most
 
 
 def trainer_worker(workdir: Path, model: str, data: Path, max_len: int) -> None:
-    """The anchor: tokenise, load, LoRA, Trainer; on_step_begin of step 1 writes the time and ends the process."""
+    """The anchor: tokenise, load, LoRA, Trainer; on_step_begin of step 1 writes the time, and the seconds of each
+    phase (the same names as surefit's where they do the same work), and ends the process."""
+    marks: list[tuple[str, float]] = []  # each phase ends at its mark; the first begins at the process start
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import (
@@ -53,7 +58,9 @@ def trainer_worker(workdir: Path, model: str, data: Path, max_len: int) -> None:
         TrainingArguments,
     )
 
+    marks.append(("imports", time.time()))
     tok = AutoTokenizer.from_pretrained(model)
+    marks.append(("tokenizer", time.time()))
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     rows = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -65,20 +72,38 @@ def trainer_worker(workdir: Path, model: str, data: Path, max_len: int) -> None:
         n_answer = min(len(a), len(ids))
         features.append({"input_ids": ids, "attention_mask": [1] * len(ids),
                          "labels": [-100] * (len(ids) - n_answer) + ids[len(ids) - n_answer:]})
+    marks.append(("reading and encoding data", time.time()))
     lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    marks.append(("model load", time.time()))
     lm = get_peft_model(lm, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear",
                                        task_type="CAUSAL_LM"))
+    marks.append(("LoRA setup", time.time()))
 
     class Step1(TrainerCallback):
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            (workdir / "trainer_step1.json").write_text(json.dumps({"step1_at": time.time()}), encoding="utf-8")
+            now = time.time()
+            marks.append(("Trainer.train() to step 1", now))
+            phases, last = {}, process_start()
+            for name, at in marks:
+                phases[name], last = round(at - last, 3), at
+            (workdir / "trainer_step1.json").write_text(json.dumps({"step1_at": now, "phases": phases}),
+                                                        encoding="utf-8")
             os._exit(0)  # only the start-up is measured
 
     args = TrainingArguments(output_dir=str(workdir / "trainer_out"), per_device_train_batch_size=4, max_steps=1,
                              report_to=[], save_strategy="no", logging_strategy="no", train_sampling_strategy="group_by_length",
                              use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0)
-    Trainer(model=lm, args=args, train_dataset=features, callbacks=[Step1()],
-            data_collator=DataCollatorForSeq2Seq(tok, padding=True)).train()
+    trainer = Trainer(model=lm, args=args, train_dataset=features, callbacks=[Step1()],
+                      data_collator=DataCollatorForSeq2Seq(tok, padding=True))
+    marks.append(("TrainingArguments and Trainer(...)", time.time()))
+    trainer.train()
+
+
+def process_start() -> float:
+    """When this process started (wall clock), as surefit's start-up clock reads it (``startup.process_start``)."""
+    import psutil
+
+    return float(psutil.Process().create_time())
 
 
 # ------------------------------------------------------------------------------------------------------------ the parent
@@ -101,6 +126,42 @@ def timed(cmd: list[str], env: dict[str, str], log: Path, read_step1: Any, timeo
         return {"error": f"exit {rc}, no step 1 recorded", "log_tail": tail}
     return {"seconds": round(step1 - t_launch, 2), "exit": rc, "log": str(log),
             "process_seconds": None if t_exit is None else round(t_exit - t_launch, 2)}
+
+
+# surefit's start-up phases grouped by the Trainer script's work; a phase not named here is counted in "other"
+GROUPS = {"imports and settings": "imports and settings", "imports": "imports and settings",
+          "model conversion": "tokenizer", "tokenizer": "tokenizer",
+          "reading data": "reading and encoding data", "encoding data": "reading and encoding data",
+          "encoded data write": "reading and encoding data", "data hash": "reading and encoding data",
+          "prepare (other)": "reading and encoding data", "reading and encoding data": "reading and encoding data",
+          "model load": "model load", "LoRA setup": "LoRA setup", "accelerate setup": "LoRA setup",
+          "cache key": "doctor (cache key, dry run, checks)", "doctor": "doctor (cache key, dry run, checks)",
+          "memory plan": "memory plan",
+          "metrics log and trackers": "loop setup to step 1", "loop setup": "loop setup to step 1",
+          "TrainingArguments and Trainer(...)": "loop setup to step 1",
+          "Trainer.train() to step 1": "loop setup to step 1"}
+
+
+def phase_table(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
+    """Median seconds per phase group and run kind (a group a run never has: None)."""
+    order = list(dict.fromkeys([*GROUPS.values(), "other", "total"]))
+    table: dict[str, dict[str, float | None]] = {g: {} for g in order}
+    for name, rs in runs.items():
+        per_run: list[dict[str, float]] = []
+        for r in rs:
+            if "phases" not in r:
+                continue
+            sums: dict[str, float] = {"total": r["seconds"]}
+            for k, v in r["phases"].items():
+                g = GROUPS.get(k, "other")
+                sums[g] = sums.get(g, 0.0) + v
+            # from the launch to the process's own clock (psutil's start time; it can read a little late or early)
+            sums["imports and settings"] = sums.get("imports and settings", 0.0) + r["seconds"] - sum(r["phases"].values())
+            per_run.append(sums)
+        for g in order:
+            vals = [p[g] for p in per_run if g in p]
+            table[g][name] = round(statistics.median(vals), 2) if vals else None
+    return table
 
 
 def squad_jsonl(path: Path, rows: int) -> None:
@@ -176,10 +237,14 @@ def main() -> None:
         marker.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "trainer", "--workdir", str(work),
                "--model", model, "--data", str(data), "--max-seq-length", str(args.max_seq_length)]
-        return timed(cmd, env, work / f"{name}.log",
-                     lambda: json.loads(marker.read_text())["step1_at"] if marker.is_file() else None, args.timeout)
+        r = timed(cmd, env, work / f"{name}.log",
+                  lambda: json.loads(marker.read_text())["step1_at"] if marker.is_file() else None, args.timeout)
+        if "error" not in r:
+            r["phases"] = json.loads(marker.read_text())["phases"]
+        return r
 
-    runs: dict[str, list[dict[str, Any]]] = {"trainer": [], "surefit cold": [], "surefit warm": []}
+    runs: dict[str, list[dict[str, Any]]] = {"trainer": [], "surefit cold": [], "surefit warm": [],
+                                             "surefit cold, hashes known": []}
     if args.with_conversion:
         runs["surefit first ever"] = []
     loads: list[list[float]] = []
@@ -190,6 +255,12 @@ def main() -> None:
             runs["trainer"].append(trainer_run(f"trainer-{i}"))
         runs["surefit cold"].append(surefit_run(f"cold-{i}", cache))
         runs["surefit warm"].append(surefit_run(f"warm-{i}", cache))
+        # cold for the doctor and the planner, but the model files' hashes remembered from the run before (what a
+        # run with a changed setting finds): an empty start-up cache also makes the first run hash the weights
+        known = work / f"cache-known-{i}"
+        if (cache / "hashes").is_dir():
+            shutil.copytree(cache / "hashes", known / "hashes")
+        runs["surefit cold, hashes known"].append(surefit_run(f"known-{i}", known))
         if i % 2 == 1:
             runs["trainer"].append(trainer_run(f"trainer-{i}"))
         if args.with_conversion:
@@ -212,7 +283,7 @@ def main() -> None:
     ratios = {name: ratio(name) for name in runs if name != "trainer"}
     anchor = summary["trainer"]
     verdicts = {}
-    for name in ("surefit cold", "surefit warm"):
+    for name in ("surefit cold", "surefit warm", "surefit cold, hashes known"):
         # on the median of the per-repeat ratios (as the docstring says): each is against the Trainer run of the
         # same repeat, so a load that changes between repeats cancels out; medians of seconds from different
         # repeats do not
@@ -241,6 +312,14 @@ def main() -> None:
         if phases:
             lines += ["", f"Where surefit's {label} start-up went (OUTPUT/startup.json, first run): "
                       + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items() if v >= 0.05) + "."]
+    lines += ["", "Phase by phase, the median seconds over the repeats (surefit's phases from OUTPUT/startup.json, "
+              "grouped where they do the Trainer's work; the Trainer's from marks in its script):", "",
+              "| phase | " + " | ".join(runs) + " |", "|---" * (len(runs) + 1) + "|"]
+    table = phase_table(runs)
+    for group, by_run in table.items():
+        lines.append(f"| {group} | " + " | ".join("-" if by_run.get(n) is None else f"{by_run[n]:.2f}" for n in runs)
+                     + " |")
+    result["phase_medians"] = table
     after = next((r for r in runs["surefit cold"] if "profile" in r), None)
     if after:
         rest = {k: v for k, v in after["profile"].items() if k not in ("start-up", "training steps")}

@@ -76,3 +76,31 @@ def test_two_processes_converting_the_embedded_model_at_once_both_get_the_folder
     folders = {o.strip().splitlines()[-1] for o, _ in outs}
     assert len(folders) == 1 and (Path(folders.pop()) / "config.json").is_file()
     assert not list((tmp_path / "cache" / "gguf").glob("*.tmp*"))  # the loser's copy removed
+
+
+def test_weights_read_into_bf16_piece_by_piece_equal_transformers_cast_and_a_short_file_is_refused(
+        tmp_path, tiny_lm_dir, monkeypatch):
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from surefit.models import lowbit
+
+    # pieces of 100 bytes: every tensor spans several reads into the one buffer, most ending in a shorter piece
+    monkeypatch.setattr(lowbit, "_CHUNK_BYTES", 100)
+    model = lowbit.load_in_dtype(str(tiny_lm_dir), torch.bfloat16, False, say=lambda _: None)
+    expected = AutoModelForCausalLM.from_pretrained(tiny_lm_dir, dtype=torch.float32).state_dict()
+    got = model.state_dict()
+    assert got.keys() == expected.keys()
+    for name, v in got.items():
+        want = expected[name].to(v.dtype)  # bf16 for Linear and Embedding, fp32 for the norms
+        assert v.dtype in (torch.bfloat16, torch.float32) and torch.equal(v, want), name
+    assert {v.dtype for n, v in got.items() if n.endswith("proj.weight")} == {torch.bfloat16}
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_lm_dir, short)
+    weights = short / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # the last tensor ends early, as a cut download does
+    with pytest.raises(ValueError, match="ends inside a tensor"):
+        lowbit.load_in_dtype(str(short), torch.bfloat16, False, say=lambda _: None)

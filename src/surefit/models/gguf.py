@@ -66,12 +66,14 @@ def _gguf_cache_dir(gguf: Path) -> Path:
 
 def gguf_to_folder(gguf: str | Path, log=print) -> Path:
     """Dequantise a GGUF model into a cached transformers folder (once) and return the folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     gguf = Path(gguf)
     target = _gguf_cache_dir(gguf)
     if (target / "config.json").is_file():
         return target
+    # Only to convert: the Auto classes pull in transformers' model code (0.5 s), which a cached folder's run
+    # imports later, where it loads the tokenizer and the model (so the start-up's phases say where it went).
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     log(f"converting {gguf.name} to a trainable model (once; cached in {target})")
     t0 = time.perf_counter()
     try:

@@ -207,11 +207,12 @@ def load_in_dtype(path: str, dtype: Any, trust_remote_code: bool, say=print) -> 
         say("loading through transformers: the checkpoint's tensor names or dtypes differ from the model's (its "
             "loading may hold an fp32 copy of the weights for a moment)")
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    chunk = bytearray(_CHUNK_BYTES)  # one buffer for every read: a new one per piece cost its pages' faults
     with torch.no_grad():
         for file, head, start in heads:
-            with open(file, "rb") as fh:
+            with open(file, "rb", buffering=0) as fh:
                 for name, meta in head.items():
-                    _read_into(fh, start, meta, targets[name])
+                    _read_into(fh, start, meta, targets[name], chunk)
     model.tie_weights()
     try:
         model.generation_config = GenerationConfig.from_pretrained(path)
@@ -235,8 +236,9 @@ def _tied_or_computed(model: Any, stored: set[str]) -> set[str]:
     return out
 
 
-def _read_into(fh: Any, start: int, meta: dict[str, Any], target: Any) -> None:
-    """Copy one stored tensor into ``target`` (cast to its dtype), reading at most ``_CHUNK_BYTES`` at a time."""
+def _read_into(fh: Any, start: int, meta: dict[str, Any], target: Any, chunk: bytearray) -> None:
+    """Copy one stored tensor into ``target`` (cast to its dtype), read into ``chunk`` (``_CHUNK_BYTES``) piece by
+    piece."""
     import torch
 
     a, b = meta["data_offsets"]
@@ -251,8 +253,13 @@ def _read_into(fh: Any, start: int, meta: dict[str, Any], target: Any) -> None:
     done = 0
     while done < flat.numel():
         n = min(step, flat.numel() - done)
-        buf = bytearray(fh.read(n * item))
-        flat[done:done + n].copy_(torch.frombuffer(buf, dtype=src))
+        view, got = memoryview(chunk)[:n * item], 0
+        while got < n * item:  # readinto may return less than asked (a pipe, a network file system)
+            k = fh.readinto(view[got:])
+            if not k:
+                raise ValueError(f"the checkpoint ends inside a tensor ({got} of {n * item} bytes read)")
+            got += k
+        flat[done:done + n].copy_(torch.frombuffer(chunk, dtype=src, count=n))
         done += n
     assert done * item == b - a
 
