@@ -189,3 +189,50 @@ def test_the_initial_state_leaves_out_an_a_whose_b_is_zero_and_keeps_it_otherwis
     assert initial_state(adapted(0)) == initial_state(adapted(1))  # A differs, B is zero
     assert initial_state(adapted(0, 0.5)) != initial_state(adapted(1, 0.5))  # a warm start: A matters
     assert initial_state(adapted(0)) != initial_state(adapted(0, 0.5))
+
+
+def _reused_twice(tmp_path: Path, argv: list[str], changed: list[str], capsys) -> tuple[dict, dict]:
+    """Train with ``argv`` into a/ and with ``argv + changed`` into b/; both startup.json records."""
+    records = []
+    for name, extra in (("a", []), ("b", changed)):
+        assert main([*argv, "--output_dir", str(tmp_path / name), *extra]) == 0
+        records.append(json.loads((tmp_path / name / "startup.json").read_text(encoding="utf-8")))
+    out = capsys.readouterr().out
+    assert out.count("evaluation before training: reused from the start-up cache") == 1, [r["cache"] for r in records]
+    return records[0], records[1]
+
+
+@pytest.mark.parametrize("lora", ["0", "4"])
+def test_classify_reuses_epoch_0_and_another_seed_draws_another_head(tmp_path, tiny_bert_dir, capsys, monkeypatch,
+                                                                     lora):
+    import surefit.tasks.classify.train_classify as classify
+    from conftest import sentiment_rows, write_tsv
+
+    calls = []
+    real = classify.evaluate_features
+    monkeypatch.setattr(classify, "evaluate_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    train, dev = write_tsv(tmp_path / "train.tsv", sentiment_rows(24)), write_tsv(tmp_path / "dev.tsv", sentiment_rows(8, template="the {filler} is really {word}"))
+    argv = ["train", "--task", "classify", "--model", str(tiny_bert_dir), "--data", str(train), "--val_data", str(dev),
+            "--epochs", "1", "--batch_size", "8", "--lora_r", lora]
+    a, b = _reused_twice(tmp_path, argv, ["--lr", "1e-3", "--epochs", "2"], capsys)
+    assert (a["cache"][KIND], b["cache"][KIND]) == ("computed", "reused") and len(calls) == 2 + 2  # a: epochs 0 and 1; b: epochs 1 and 2
+    assert _epoch0(tmp_path / "a") == _epoch0(tmp_path / "b")
+    assert (tmp_path / "a/predictions/epoch_0.jsonl").read_bytes() == (tmp_path / "b/predictions/epoch_0.jsonl").read_bytes()
+    # The classifier's head is new, drawn from the seed: another seed is another model before training.
+    assert main([*argv, "--output_dir", str(tmp_path / "c"), "--seed", "3"]) == 0
+    assert json.loads((tmp_path / "c/startup.json").read_text(encoding="utf-8"))["cache"][KIND] == "computed"
+
+
+def test_dpo_reuses_epoch_0(tmp_path, tiny_lm_dir, capsys):
+    from test_dpo_run import write_pairs
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", n=20)
+    argv = ["train", "--task", "dpo", "--model", str(tiny_lm_dir), "--data", str(pairs), "--batch_size", "4",
+            "--max_seq_length", "128", "--val_fraction", "0.2", "--precision", "fp32", "--lora_r", "4", "--epochs", "1"]
+    a, b = _reused_twice(tmp_path, argv, ["--lr", "1e-3"], capsys)
+    assert (a["cache"][KIND], b["cache"][KIND]) == ("computed", "reused")
+    assert _epoch0(tmp_path / "a") == _epoch0(tmp_path / "b")
+    assert (tmp_path / "a/predictions/epoch_0.jsonl").read_bytes() == (tmp_path / "b/predictions/epoch_0.jsonl").read_bytes()
+    # --beta changes the loss epoch 0 reports
+    assert main([*argv, "--output_dir", str(tmp_path / "c"), "--beta", "0.3"]) == 0
+    assert json.loads((tmp_path / "c/startup.json").read_text(encoding="utf-8"))["cache"][KIND] == "computed"

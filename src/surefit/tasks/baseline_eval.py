@@ -76,8 +76,10 @@ def _stored(value: Any) -> Evaluation | None:
     if not isinstance(value, dict) or set(value) != {"metrics", "records"}:
         return None
     metrics, records = value["metrics"], value["records"]
-    number = lambda v: type(v) in (int, float) and not isinstance(v, bool)  # noqa: E731
-    if not isinstance(metrics, dict) or not metrics or not all(isinstance(k, str) and number(v) for k, v in metrics.items()):
+    number = lambda v: type(v) in (int, float)  # noqa: E731
+    # numbers, and the tables some tasks add (classify's per-class F1 and confusion matrix); the loss always
+    if not isinstance(metrics, dict) or not number(metrics.get("eval_loss")) or not all(
+            isinstance(k, str) and (number(v) or isinstance(v, list | dict)) for k, v in metrics.items()):
         return None
     if records is not None and not (isinstance(records, list) and all(isinstance(r, dict) for r in records)):
         return None
@@ -145,8 +147,9 @@ class BaselineReuse:
                          "--no_cache recomputes)")
                 return found
         result = compute()
-        self.statuses[KIND] = cache.status(key, False)
         stored = {"metrics": plain(result.metrics), "records": plain(result.records)}
-        if key is not None and _stored(stored) is not None:  # NaN and infinities are JSON to Python's reader too
-            cache.put(KIND, key, stored)
+        if _stored(stored) is None:  # metrics of another shape (a user's own): computed every time
+            key = None
+        self.statuses[KIND] = cache.status(key, False)
+        cache.put(KIND, key, stored)  # NaN and infinities are JSON to Python's reader too
         return result
