@@ -42,7 +42,8 @@ def rows_digest(rows: list[Any]) -> str:
 
 
 def initial_state(model: Any) -> str:
-    """SHA-256 of what training will change from the loaded model: every trainable weight, by content.
+    """SHA-256 of what training will change from the loaded model: every trainable weight (and every buffer), by
+    content.
 
     A LoRA A matrix whose B is all zeros is left out: the adapter then adds ``x @ A @ B = 0`` exactly, whatever A holds
     (A is drawn from the seed), and DoRA's norm of ``W + B @ A`` is the norm of ``W``. A non-zero B (a warm start, an
@@ -51,17 +52,16 @@ def initial_state(model: Any) -> str:
     import torch
 
     params = dict(model.named_parameters())
+    # Buffers too (small): a running statistic a train-mode forward (the doctor's dry run) moved is another model.
+    tensors = {**{n: p for n, p in params.items() if p.requires_grad}, **{f"buffer:{n}": b for n, b in model.named_buffers()}}
     h = hashlib.sha256()
-    for name in sorted(params):
-        p = params[name]
-        if not p.requires_grad:
-            continue
+    for name in sorted(tensors):
         if ".lora_A." in name:
             b = params.get(name.replace(".lora_A.", ".lora_B."))
             if b is not None and not bool(b.detach().any()):
                 continue
-        t = p.detach().cpu().contiguous().view(-1)
-        h.update(f"|{name}:{t.dtype}:{tuple(p.shape)}|".encode())
+        t = tensors[name].detach().cpu().contiguous().view(-1)
+        h.update(f"|{name}:{t.dtype}:{tuple(tensors[name].shape)}|".encode())
         h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # bf16 has no numpy dtype: bytes
     return h.hexdigest()
 
