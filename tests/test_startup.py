@@ -58,10 +58,10 @@ def _train(model: Path, data: Path, out: Path, *extra: str) -> dict:
 def test_an_unchanged_setup_reuses_the_doctor_and_the_planner_in_a_new_run_folder(tmp_path, tiny_lm_dir, counted):
     data = _data(tmp_path / "train.jsonl")
     first = _train(tiny_lm_dir, data, tmp_path / "a")
-    assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed"}
+    assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed", "evaluation": "computed"}
     # Another folder, and settings that only steer the loop: the same content, so nothing is recomputed.
     second = _train(tiny_lm_dir, data, tmp_path / "b", "--lr", "1e-3", "--epochs", "2")
-    assert counted == {"doctor": 1, "planner": 1} and second["cache"] == {"doctor": "reused", "planner": "reused"}
+    assert counted == {"doctor": 1, "planner": 1} and second["cache"] == {"doctor": "reused", "planner": "reused", "evaluation": "reused"}
     # The reused report is the report: doctor.json and memory_plan.json are the same in both folders.
     for name in ("doctor.json", "memory_plan.json"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()
@@ -91,14 +91,17 @@ def test_a_changed_input_reruns_the_doctor_and_the_planner(tmp_path, tiny_lm_dir
         extra = ("--template", "Q: {input}\nA: ")
     second = _train(model, data, tmp_path / "b", *extra)
     assert counted == {"doctor": 2, "planner": 2}
-    assert second["cache"] == {"doctor": "computed", "planner": "computed"}
+    # The changed row is a training row: the validation examples are the same, so epoch 0 is reused
+    # (tests/test_baseline_eval.py changes a validation row).
+    evaluation = "reused" if change == "data" else "computed"
+    assert second["cache"] == {"doctor": "computed", "planner": "computed", "evaluation": evaluation}
 
 
 def test_no_cache_reruns_everything_and_stores_nothing(tmp_path, tiny_lm_dir, counted):
     data = _data(tmp_path / "train.jsonl")
     for out in ("a", "b"):
         record = _train(tiny_lm_dir, data, tmp_path / out, "--no_cache")
-        assert record["cache"] == {"doctor": "off", "planner": "off"}
+        assert record["cache"] == {"doctor": "off", "planner": "off", "evaluation": "off"}
     assert counted == {"doctor": 2, "planner": 2}
     assert not startup_cache.cache_dir().exists() or not any(startup_cache.cache_dir().rglob("*.json"))
 
@@ -138,7 +141,7 @@ def test_the_startup_line_is_printed_over_the_threshold_and_the_record_always_wr
     monkeypatch.setattr(startup, "REPORT_AFTER_S", 0.0)
     record = _train(tiny_lm_dir, data, tmp_path / "b")
     lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("start-up ")]
-    assert len(lines) == 1 and "doctor" in lines[0] and "(start-up cache: doctor reused, planner reused)" in lines[0]
+    assert len(lines) == 1 and "doctor" in lines[0] and "(start-up cache: doctor reused, planner reused, evaluation reused)" in lines[0]
     for rec in (quiet, record):
         assert {"model load", "doctor", "memory plan", "encoding data", "imports and settings", "other"} <= set(
             rec["phases"])
@@ -211,7 +214,7 @@ def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny
 
     data = _data(tmp_path / "train.jsonl")
     first = _train(tiny_lm_dir, data, tmp_path / "a")
-    assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed"}
+    assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed", "evaluation": "computed"}
     how = json.loads((tmp_path / "a" / "memory_plan.json").read_text())["measured"]["how"]
     assert "of the doctor's dry-run batch (" in how and "counted, not estimated" in how
 

@@ -120,9 +120,9 @@ class TrainConfig:
     allow_changed_data: bool = opt(False, "With --resume: continue although the data (or another input file) changed "
                                    "since the run started; the changes are listed and recorded in data_files.json.")
     force: bool = opt(False, "Train even if the doctor reports errors (the run says which errors it overrides).")
-    no_cache: bool = opt(False, "Re-run the doctor's dry run and the memory planner's measurements, and encode the "
-                         "data in memory, instead of reusing those of an identical earlier start (model files, data, "
-                         "settings and code unchanged; docs/startup.md).")
+    no_cache: bool = opt(False, "Re-run the doctor's dry run, the memory planner's measurements and the evaluation "
+                         "before training, and encode the data in memory, instead of reusing those of an identical "
+                         "earlier start (model files, data, settings and code unchanged; docs/startup.md).")
     cache_dir: str | None = opt(
         None, "The folder of surefit's caches: converted GGUF models (gguf/) and the start-up cache (startup/: the "
         "doctor's report, the planner's measurements, sft's encoded data). Default: $SUREFIT_CACHE, else "

@@ -294,6 +294,12 @@ class StartupCache:
         assert self.folder is not None
         return self.folder / kind / f"{key_digest}.json"
 
+    def entry_path(self, kind: str, key: Any) -> Path | None:
+        """Where the entry for ``key`` lives (``None``: the cache is off, or nothing to key on)."""
+        if self.folder is None or key is None:
+            return None
+        return self._path(kind, digest([CACHE_FORMAT, kind, key]))
+
     def get(self, kind: str, key: Any) -> Any | None:
         """The value stored under ``key``, or ``None`` (absent, off, or an entry that does not check out)."""
         if self.folder is None or key is None:

@@ -29,6 +29,7 @@ from surefit.models import quiet_libraries
 from surefit.run_folder import Found, RunFolder
 from surefit.run_folder.guard import train_problems
 from surefit.run_folder.open_run import Run
+from surefit.tasks.baseline_eval import BaselineReuse
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
@@ -56,6 +57,8 @@ class Prepared:
         cache_key: what the doctor and the planner read besides the settings (the model's files, the tokenizer, the
             encoded examples), as JSON-able content identities, computed only when the cache is on; ``None``: not
             cacheable (user code, a model not on disk).
+        baseline: what the evaluation before training reads, so that it is reused from the start-up cache
+            (``tasks/baseline_eval.py``); ``None``: the task's epoch 0 is always computed.
     """
 
     cfg: TrainConfig
@@ -67,6 +70,7 @@ class Prepared:
     found: Found
     saved: str
     cache_key: Callable[[], dict[str, Any]] | None = None
+    baseline: BaselineReuse | None = None
 
 
 # A task's own config class (SFTConfig, ClassifyConfig ...): a task takes its own, so a parameter, contravariant.
@@ -204,6 +208,9 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, tim
         clock.cache["planner"] = cache.status(key, reused)
         if not reused:
             cache.put("planner", key, memo)
+    if p.baseline is not None and has_validation(cfg) and resume_from is None:
+        # epoch 0 is the model as loaded: reused when nothing it reads changed (a resumed run has no epoch 0)
+        p.baseline.arm(cache, cfg, plan, clock.cache, say)
     settings = LoopSettings.from_config(cfg, plan)
     # The schedule the loop builds, for the report's drawing (the same formula, training/schedule.py).
     schedule = settings.schedule(len(p.work.features))

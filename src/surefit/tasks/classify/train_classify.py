@@ -40,6 +40,7 @@ from surefit.eval.classification import accuracy, confusion_matrix, macro_f1, pe
 from surefit.eval.progress import phase
 from surefit.models import apply_lora, load_factory, model_folder, resolve_model
 from surefit.run_folder import COLUMNS, Found
+from surefit.tasks.baseline_eval import BaselineReuse, rows_digest
 from surefit.tasks.classify.classify_store import (
     Record,
     StoredExamples,
@@ -707,8 +708,17 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
     collate = make_collator(tokenizer, spec)
     first, second = HEADLINE[spec.problem_type]
 
+    # Epoch 0 reused when nothing it reads changed (tasks/baseline_eval.py); a new head's weights are in its key, so
+    # another --seed draws another head and recomputes. A custom head is user code: no content to key on.
+    reusable = not cfg.head and not cfg.trust_remote_code and Path(path).exists()
+    baseline = BaselineReuse(None if not reusable else lambda: {
+        "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
+        "labels": repr(spec), "fields": repr(fields), "validation": startup_cache.features_digest(val_feats),
+        "rows": rows_digest(val_rows)})
+
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
-        result = evaluate_features(m, Scored(val_rows, val_feats, fields, spec), collate, batch_size, accelerator, say)
+        result = baseline.evaluation(epoch, m, {"batch_size": batch_size}, lambda: evaluate_features(
+            m, Scored(val_rows, val_feats, fields, spec), collate, batch_size, accelerator, say))
         metrics = result.metrics
         say(f"epoch {epoch}/{cfg.epochs}  {first}={metrics[first]:.4f}  {second}={metrics[second]:.4f}  "
             f"eval_loss={metrics['eval_loss']:.4f}")
@@ -729,7 +739,7 @@ def prepare(cfg: ClassifyConfig, say: Say = print, problems: list[Problem] | Non
             "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
             "labels": repr(spec), "train": encoded.identity or startup_cache.features_digest(train_feats),
             "validation": startup_cache.features_digest(val_feats)},
-        found=Found(report, files={COLUMNS: table}),
+        baseline=baseline, found=Found(report, files={COLUMNS: table}),
         saved=f"{'backbone + head' if cfg.head else 'adapter' if cfg.lora_r else 'model'} and tokenizer")
 
 

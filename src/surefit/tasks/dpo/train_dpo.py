@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 import surefit.startup as startup
+import surefit.startup.cache as startup_cache
 from surefit.config.dpo_config import DPOConfig
 from surefit.data import encoded_store
 from surefit.data.encode import resolve_chat_template
@@ -35,6 +36,7 @@ from surefit.eval.progress import phase
 from surefit.models import apply_lora, load_tokenizer, model_folder, resolve_model
 from surefit.models.lowbit import require_bitsandbytes
 from surefit.run_folder import EXCLUDED, Found
+from surefit.tasks.baseline_eval import BaselineReuse, rows_digest
 from surefit.tasks.dpo.dpo_store import SIDES, StoredExamples, StoredPairs, side_arrays, store_key
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.tasks.sft.train_sft import load_model, save
@@ -388,10 +390,20 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     if terms:
         data_report.facts_as(TextFacts).stop_ids = sorted(terms | {tokenizer.eos_token_id})
 
+    # Epoch 0 reused when nothing it reads changed (tasks/baseline_eval.py): the pairs as encoded (with the stored
+    # reference log-probabilities, when precomputed), the model's files and the settings (loss, beta, reference).
+    reusable = source is not None and Path(path).exists() and not cfg.trust_remote_code
+    baseline = BaselineReuse(None if not reusable else lambda: {
+        "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
+        "validation": startup_cache.features_digest(val_features), "rows": rows_digest([e.row for e in val_ex])})
+
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
-        metrics, records = evaluate_pairs(m, val_ex, val_features, loss_fn, collate, batch_size, accelerator)
-        say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={v:.4f}" for k, v in metrics.items()))
-        return Evaluation(metrics, records)
+        def compute() -> Evaluation:
+            return Evaluation(*evaluate_pairs(m, val_ex, val_features, loss_fn, collate, batch_size, accelerator))
+
+        result = baseline.evaluation(epoch, m, {"batch_size": batch_size}, compute)
+        say(f"epoch {epoch}/{cfg.epochs}  " + "  ".join(f"{k}={v:.4f}" for k, v in result.metrics.items()))
+        return result
 
     # A pair is one example of the loop: it counts 1 in the loss, and its two sequences are its length.
     work = TrainingWork(features=features, lengths=data.lengths, counts=IntColumn(np.ones(len(features), np.int32)),
@@ -401,7 +413,7 @@ def prepare(cfg: DPOConfig, say: Say = print, problems: list[Problem] | None = N
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         check=lambda: check_pairs(model, tokenizer, data.examples, features, collate, loss_fn, accelerator, cfg),
-        found=Found(data_report, files=files, jsonl={EXCLUDED: data.excluded}),
+        baseline=baseline, found=Found(data_report, files=files, jsonl={EXCLUDED: data.excluded}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 

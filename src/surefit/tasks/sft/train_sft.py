@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,7 @@ from surefit.models import (
 )
 from surefit.models.lowbit import keep_4bit_trainable, require_bitsandbytes
 from surefit.run_folder import EXCLUDED, SHORTENED, Found
+from surefit.tasks.baseline_eval import BaselineReuse, rows_digest
 from surefit.tasks.runner import Evaluation, Prepared, RunResult, render_columns, train
 from surefit.training.dropout import seed_dropout
 from surefit.training.loop import evaluate_loss
@@ -959,17 +960,35 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
                 f"time ({chosen[0].why}); --eval_generate_batch_size N sets it")
         return chosen[0].rows
 
+    # The evaluation before training reads the model's files, the validation examples and rows and the settings: a
+    # rerun with another learning rate, seed or number of epochs reuses it (tasks/baseline_eval.py). A metric of
+    # the user's own is code the key cannot hold.
+    reusable = Path(path).exists() and not cfg.trust_remote_code and metric in ("squad", "rouge_l")
+    baseline = BaselineReuse(None if not reusable else lambda: {
+        "model": startup_cache.files_identity(path), "tokenizer": startup_cache.tokenizer_identity(tokenizer),
+        "validation": startup_cache.features_digest([e.features() for e in val_ex]),
+        "prompts": startup_cache.features_digest([{"prompt_ids": e.prompt_ids} for e in val_ex]),
+        "rows": rows_digest([e.row for e in val_ex])})
+
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         rows = decode_rows(m, batch_size) if cfg.eval_generate else None
         scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches, rows),
                           answer=encoder.answer_of())
-        metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, accelerator, scoring, say)
+
+        def compute() -> Evaluation:
+            metrics, preds, golds = evaluate_examples(m, val_ex, tokenizer, accelerator, scoring, say)
+            if not cfg.eval_generate:
+                return Evaluation(metrics, None)
+            return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
+
+        resolved = {"batch_size": batch_size, "decode_rows": rows, "max_new_tokens": max_new, "stop_ids": eos_ids,
+                    "metric": metric, "switches": asdict(switches)}
+        result = baseline.evaluation(epoch, m, resolved, compute)
+        metrics = result.metrics
         # The answers' scores first, then the loss (as every run has printed them)
         shown = [k for k in metrics if k != "eval_loss"] + ["eval_loss"]
         say(f"epoch {epoch}/{run_epochs}  " + "  ".join(f"{k}={metrics[k]:.4f}" for k in shown))
-        if not cfg.eval_generate:
-            return Evaluation(metrics, None)
-        return Evaluation(metrics, prediction_records(val_ex, preds, golds, cfg.input_field, metric))
+        return result
 
     base_loss = functools.partial(causal_lm_loss_sum, fused=fused_head if cfg.fused_cross_entropy else None)
     if cfg.fused_cross_entropy and (why_unfused := fused_head.why_not_fused(model)):
@@ -1024,7 +1043,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         check=lambda: _autocast(accelerator, lambda: run_checks(Setup(
             model, tokenizer, data.doctor_sample(), val_features or None, collate, args=doctor_args, task="sft",
             call=dry_run))),
-        cache_key=cache_key, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
+        cache_key=cache_key, baseline=baseline, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 
