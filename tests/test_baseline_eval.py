@@ -236,3 +236,16 @@ def test_dpo_reuses_epoch_0(tmp_path, tiny_lm_dir, capsys):
     # --beta changes the loss epoch 0 reports
     assert main([*argv, "--output_dir", str(tmp_path / "c"), "--beta", "0.3"]) == 0
     assert json.loads((tmp_path / "c/startup.json").read_text(encoding="utf-8"))["cache"][KIND] == "computed"
+
+
+def test_trainable_weights_above_the_hashing_cap_are_not_stored_and_say_so(tmp_path, tiny_lm_dir, data, counted,
+                                                                         capsys, monkeypatch):
+    """A full fine-tune of a large model would hash gigabytes on every run to find its epoch 0: above the cap the
+    evaluation is computed each time (the tiny model stands in, with the cap lowered below its adapters' bytes)."""
+    import surefit.tasks.baseline_eval as baseline_eval
+
+    monkeypatch.setattr(baseline_eval, "MAX_HASHED_BYTES", 1024)
+    statuses = [_train(tiny_lm_dir, data, tmp_path / n)["cache"][KIND] for n in ("a", "b")]
+    out = capsys.readouterr().out
+    assert statuses == ["not cacheable", "not cacheable"] and counted["evaluations"] == 4
+    assert "not stored in the start-up cache" in out and "GiB of trainable weights" in out

@@ -41,6 +41,17 @@ def rows_digest(rows: list[Any]) -> str:
     return startup_cache.digest([[getattr(r, "where", None), getattr(r, "fields", r)] for r in rows])
 
 
+# Hashing the initial trainable weights is paid by every run, the first included; above this many bytes (a full
+# fine-tune of a large model) it would cost as much as the evaluation it saves, so epoch 0 is computed instead.
+MAX_HASHED_BYTES = 1 << 30
+
+
+def trainable_bytes(model: Any) -> int:
+    """Bytes of the weights ``initial_state`` would hash (trainable parameters and buffers)."""
+    tensors = [p for p in model.parameters() if p.requires_grad] + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def initial_state(model: Any) -> str:
     """SHA-256 of what training will change from the loaded model: every trainable weight (and every buffer), by
     content.
@@ -119,6 +130,12 @@ class BaselineReuse:
         """The entry's key: the armed base, the task's inputs, what the evaluation resolved (``evaluation``: batch
         sizes, generation length, stop ids, metric), the initial trainable weights, the threads and the code."""
         if self.inputs is None:
+            return None
+        size = trainable_bytes(model)
+        if size > MAX_HASHED_BYTES:
+            self.say(f"evaluation before training: not stored in the start-up cache (its key would hash "
+                     f"{size / 2**30:.1f} GiB of trainable weights on every run, above {MAX_HASHED_BYTES / 2**30:g} GiB; "
+                     "LoRA runs hash only the adapters)")
             return None
         import torch
 
