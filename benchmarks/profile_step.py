@@ -22,6 +22,10 @@ then at the operators that called it):
     .venv/bin/python benchmarks/profile_step.py                     # both workloads -> results/profile_step.{json,md}
     .venv/bin/python benchmarks/profile_step.py --quick             # smoke: fewer rows, results in a temporary folder
     .venv/bin/python benchmarks/profile_step.py --chunk-sweep       # fused head: chunk size vs time and memory
+    .venv/bin/python benchmarks/profile_step.py --precision auto,fp32   # each workload in both precisions
+
+Each result also lists the operators grouped by input shapes, dtypes, operand layouts and the autograd function
+that called them (``by_shape``): which matmul shape costs what in bf16 against fp32, and where the casts are.
 
 ``--chunk-sweep`` times the fused LM head + cross-entropy (forward and backward, frozen bf16 head as under LoRA, and
 a trainable fp32 one) at several chunk sizes against the unfused head, alternating in one process, with the peak RSS
@@ -48,6 +52,7 @@ import cpu_sft  # noqa: E402
 
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm", "aten::_addmm_activation"}
 PHASES = ("forward", "backward", "clip", "optimizer")
+SHAPE_ROWS = 15  # rows of the by-shape table in the markdown (the JSON keeps --top)
 KINDS = ("lm_head_ce", "attention", "lora_matmuls", "base_matmuls", "other")
 
 
@@ -101,7 +106,37 @@ def split(prof: Any, vocab: int, rank: int) -> dict[str, Any]:
             "operators_self_ms": round(inside / 1000, 1)}
 
 
-def profile_workload(workload: str, rows: int, step_no: int, workdir: Path, top: int) -> dict[str, Any]:
+def _layout(shape: Any, stride: Any) -> str:
+    """``T`` for a 2-D operand that is a transposed view (column-major), ``N`` for row-major, ``-`` otherwise."""
+    if not shape or not stride or len(shape) != 2 or len(stride) != 2:
+        return "-"
+    return "T" if stride[0] == 1 and shape[1] > 1 else "N"
+
+
+def by_shape(prof: Any, top: int) -> list[dict[str, Any]]:
+    """Operators' self time grouped by (name, input shapes, dtypes, operand layouts, caller), largest first."""
+    groups: dict[tuple, list[float]] = {}
+    for ev in prof.events():
+        if ev.name in ("surefit.step", "forward", "backward", "clip") or ev.name.startswith("Optimizer."):
+            continue
+        shapes = [list(s) for s in (ev.input_shapes or []) if s]
+        dtypes = [d for d in (getattr(ev, "input_dtypes", None) or []) if d]
+        strides = getattr(ev, "structured_input_strides", None) or []
+        layouts = "".join(_layout(sh, st) for sh, st in zip(ev.input_shapes or [], strides, strict=False) if sh)
+        parent = ev.cpu_parent
+        while parent is not None and parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        key = (ev.name, str(shapes), ",".join(dtypes), layouts, parent.name if parent is not None else "")
+        acc = groups.setdefault(key, [0.0, 0])
+        acc[0] += ev.self_cpu_time_total
+        acc[1] += 1
+    rows = sorted(groups.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    return [{"name": k[0], "shapes": k[1], "dtypes": k[2], "layouts": k[3], "caller": k[4],
+             "self_ms": round(v[0] / 1000, 1), "calls": int(v[1])} for k, v in rows]
+
+
+def profile_workload(workload: str, rows: int, step_no: int, workdir: Path, top: int,
+                     precision: str = "auto") -> dict[str, Any]:
     """Train on the workload's rows and profile optimizer step ``step_no`` (1-based); returns its split."""
     import accelerate
     import torch
@@ -111,7 +146,7 @@ def profile_workload(workload: str, rows: int, step_no: int, workdir: Path, top:
     import surefit.tasks.sft.train_sft as sft
     from surefit.training import loop
 
-    wd = workdir / workload
+    wd = workdir / f"{workload}-{precision}"
     wd.mkdir(parents=True, exist_ok=True)
     spec = cpu_sft.prepare(argparse.Namespace(shared=str(HERE.parent.parent / "shared" / "data"), rows=rows,
                                               val_rows=4, workload=workload), wd)
@@ -150,7 +185,7 @@ def profile_workload(workload: str, rows: int, step_no: int, workdir: Path, top:
         result = surefit.train(task="sft", data=str(wd / "train.jsonl"), val_data=str(wd / "val.jsonl"), epochs=1,
                                batch_size=cpu_sft.BATCH, max_seq_length=cpu_sft.MAX_LEN, lora_r=cpu_sft.LORA_R,
                                lora_alpha=cpu_sft.LORA_ALPHA, lora_dropout=cpu_sft.LORA_DROPOUT, lr=cpu_sft.LR,
-                               warmup_ratio=cpu_sft.WARMUP_RATIO, seed=cpu_sft.SEED, eval_generate=False,
+                               warmup_ratio=cpu_sft.WARMUP_RATIO, seed=cpu_sft.SEED, eval_generate=False, precision=precision,
                                output_dir=str(wd / "run"))
     finally:
         loop._Fit.optimizer_step, sft.causal_lm_loss_sum = real_step, real_loss
@@ -166,6 +201,7 @@ def profile_workload(workload: str, rows: int, step_no: int, workdir: Path, top:
             "precision": plan.get("precision"), "train_loss": result.history[-1].get("train_loss"), **out,
             "top_operators": [{"name": a.key, "self_ms": round(a.self_cpu_time_total / 1000, 1), "calls": a.count}
                               for a in ops],
+            "by_shape": by_shape(prof, top),
             "torch_threads": torch.get_num_threads()}
 
 
@@ -189,6 +225,14 @@ def report(results: list[dict[str, Any]], machine: dict[str, Any], started: str,
     for r in results:
         md += ["", f"Top operators ({r['workload']}, self time): " + ", ".join(
             f"`{o['name']}` {o['self_ms']:.0f} ms x{o['calls']}" for o in r["top_operators"][:12]) + "."]
+    for r in results:
+        if not r.get("by_shape"):
+            continue
+        md += ["", f"Largest operators by shape ({r['workload']}, {r['precision']}): self time, calls, input shapes, dtypes, "
+               "layouts of 2-D operands (N row-major, T a transposed view), the autograd function or range that called "
+               "it:", "", "| self ms | calls | operator | shapes | dtypes | layouts | caller |", "|---|---|---|---|---|---|---|"]
+        md += [f"| {b['self_ms']:.0f} | {b['calls']} | `{b['name']}` | {b['shapes']} | {b['dtypes']} | {b['layouts']} | "
+               f"{b['caller']} |" for b in r["by_shape"][:SHAPE_ROWS]]
     md += ["", "Kinds: `lm_head_ce` = the fused head's function or any operator on a vocabulary-sized tensor; "
            "`attention` = SDPA kernels; `lora_matmuls` = matmuls with a rank-r operand; `base_matmuls` = the other "
            "matmuls; `other` = elementwise, norms, casts, dropout, copies, optimizer arithmetic. Phases: `forward` "
@@ -278,6 +322,7 @@ def main() -> None:
     ap.add_argument("--chunk-sweep", action="store_true", help="the fused head's chunk size vs time and memory")
     ap.add_argument("--tokens", type=int, default=1024, help="--chunk-sweep: supervised tokens (default 1024)")
     ap.add_argument("--repeats", type=int, default=5, help="--chunk-sweep: rounds (default 5; --quick 1)")
+    ap.add_argument("--precision", default="auto", help="comma-separated: auto, fp32, bf16 (default auto)")
     ap.add_argument("--out", default=None, help="results folder (default benchmarks/results; --quick: work folder)")
     args = ap.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="profile_step-"))
@@ -291,10 +336,10 @@ def main() -> None:
         record = {"benchmark": stem, "started": started, "machine": machine, **record}
     else:
         rows = args.rows or (8 if args.quick else 16)
-        results = [profile_workload(w.strip(), rows, args.step, workdir, args.top)
-                   for w in args.workload.split(",") if w.strip()]
+        results = [profile_workload(w.strip(), rows, args.step, workdir, args.top, prec.strip())
+                   for w in args.workload.split(",") if w.strip() for prec in args.precision.split(",")]
         command = (f".venv/bin/python benchmarks/profile_step.py --workload {args.workload} --rows {rows} "
-                   f"--step {args.step}" + (" --quick" if args.quick else ""))
+                   f"--step {args.step} --precision {args.precision}" + (" --quick" if args.quick else ""))
         md = report(results, machine, started, command)
         stem = "profile_step"
         record = {"benchmark": stem, "started": started, "machine": machine, "command": command, "results": results}
