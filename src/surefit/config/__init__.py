@@ -304,6 +304,11 @@ class SFTConfig(TrainConfig):
     share_prefixes: bool = opt(
         True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
         "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
+    pad_to_multiple_of: int | None = opt(
+        64, "Pad each batch's length up to a multiple of N tokens (the padding carries no loss and is hidden by causal "
+        "attention: the same loss up to rounding). Fewer batch shapes keep a CPU run's memory from growing shape after "
+        "shape (oneDNN caches kernels per shape, and glibc's heap fragments around them): 0.68x to 0.58x of TRL's peak "
+        "on chat rows, for about 10% more padded tokens (docs/performance.md). null: pad to the longest row only.")
     fused_cross_entropy: bool = opt(
         True, "Run the LM head and the cross-entropy fused, in chunks: no full logits tensor in memory, the same loss "
         "and gradients. false: the unfused head (its logits for all supervised tokens at once).")
@@ -318,6 +323,7 @@ class SFTConfig(TrainConfig):
             p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
                              "use auto, squad, rouge_l or your own module:function"))
         at_least(p, self, "max_new_tokens", 1)
+        at_least(p, self, "pad_to_multiple_of", 1)
         at_least(p, self, "eval_generate_batch_size", 1)
         if self.chat_format and self.chat_template is False:
             p.append(Problem(f"--chat_format {self.chat_format} and --chat_template false both given",
