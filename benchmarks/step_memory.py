@@ -68,12 +68,25 @@ def main() -> None:
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) after each step (training/heap.py)")
     ap.add_argument("--trim-every-mb", type=int, default=None,
                     help="also malloc_trim(0) every N MB of activations packed in the forward pass")
+    ap.add_argument("--epoch", action="store_true",
+                    help="train on the epoch's batches in order (step_batches of --rows rows, seed 0, epoch 1), the "
+                         "first --steps of them, instead of one repeated longest batch: shows how batch shapes grow "
+                         "the heap")
+    ap.add_argument("--pad-multiple", type=int, default=None,
+                    help="pad each batch's length up to a multiple of this (PadCollator.pad_to_multiple_of)")
+    ap.add_argument("--mallopt", action="append", default=[],
+                    help="NAME=VALUE, glibc mallopt at start (M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, "
+                         "M_MMAP_MAX, M_ARENA_MAX); repeatable")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
     libc = _libc()
     if args.mmap_threshold is not None:
         assert libc.mallopt(-3, ctypes.c_int(args.mmap_threshold)) == 1  # M_MMAP_THRESHOLD
+    codes = {"M_TRIM_THRESHOLD": -1, "M_TOP_PAD": -2, "M_MMAP_THRESHOLD": -3, "M_MMAP_MAX": -4, "M_ARENA_MAX": -8}
+    for item in args.mallopt:
+        name, value = item.split("=")
+        assert libc.mallopt(codes[name], ctypes.c_int(int(value))) == 1, item
 
     import tempfile
 
@@ -118,9 +131,14 @@ def main() -> None:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_adamw(params, lr=cpu_sft.LR, weight_decay=0.0)
-    batch = PadCollator(pad_token_id=tok.pad_token_id)([feats[i] for i in big])
+    collate = PadCollator(pad_token_id=tok.pad_token_id, pad_to_multiple_of=args.pad_multiple)
+    plan = step_batches(lengths, cpu_sft.BATCH, 0, 1)[: args.steps] if args.epoch else [big] * args.steps
+    if args.epoch:  # the counted forward on the epoch's first batch, as a run starts (not its longest)
+        big = plan[0]
+    batch = collate([feats[i] for i in big])
     record: dict[str, Any] = {"batch": {"rows": len(big), "tokens": sum(lengths[i] for i in big),
                                         "padded": len(big) * max(lengths[i] for i in big)},
+                              "epoch": args.epoch, "pad_multiple": args.pad_multiple, "mallopt": args.mallopt,
                               "mmap_threshold": args.mmap_threshold, "byte_masks": args.byte_masks,
                               "trim": args.trim, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
                               "rss_before_mb": round(_status_mb("VmRSS"))}
@@ -154,8 +172,9 @@ def main() -> None:
         if args.trim:
             release_free_memory()
 
-        def step() -> float:
-            with training_rows(0, 1, big):
+        def step(rows: list[int]) -> float:
+            batch = collate([feats[i] for i in rows])
+            with training_rows(0, 1, rows):
                 with torch.autocast("cpu", dtype=torch.bfloat16), SavedActivationsIn():
                     loss, n = causal_lm_loss_sum(model, batch, fused=fused_head)
                 (loss / n).backward()
@@ -167,12 +186,16 @@ def main() -> None:
             return loss.item() / n
 
         record["steps"] = []
-        for _ in range(args.steps):
+        for rows_of_step in plan:
             Path("/proc/self/clear_refs").write_text("5")
             t0, c0, r0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
-            loss_value = step()
+            loss_value = step(rows_of_step)
             r1 = resource.getrusage(resource.RUSAGE_SELF)
-            record["steps"].append({"wall_s": round(time.perf_counter() - t0, 2),
+            width = max(lengths[i] for i in rows_of_step)
+            if args.pad_multiple and width % args.pad_multiple:
+                width += args.pad_multiple - width % args.pad_multiple
+            record["steps"].append({"shape": [len(rows_of_step), width],
+                                    "tokens": sum(lengths[i] for i in rows_of_step), "wall_s": round(time.perf_counter() - t0, 2),
                                     "cpu_s": round(time.process_time() - c0, 2),
                                     "sys_s": round(r1.ru_stime - r0.ru_stime, 2),
                                     "minor_faults": r1.ru_minflt - r0.ru_minflt,

@@ -187,3 +187,45 @@ def test_without_the_mask_a_sliding_window_still_applies():
     windowed.config.sliding_window = 10**6  # a window that never bites gives another loss: the window was applied
     loss_module._causal[windowed] = True
     assert not torch.allclose(causal_lm_loss_sum(windowed, batch)[0], dropped, atol=1e-4)
+
+
+def _lora_step(model, batch, rows):
+    from surefit.training.dropout import training_rows
+
+    model.zero_grad(set_to_none=True)
+    with training_rows(seed=3, step=1, rows=rows):
+        loss_sum, n = causal_lm_loss_sum(model, batch)
+    mean = loss_sum / n
+    mean.backward()
+    return mean.item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def test_padding_to_a_multiple_gives_the_same_loss_and_gradients(tiny):
+    """--pad_to_multiple_of (fewer batch shapes for the allocator): the extra columns carry no loss and come after
+    every row's last token, and the keyed dropout masks do not depend on the padded length; so the loss and the
+    adapters' gradients are those of the batch padded to its longest row, up to rounding."""
+    from peft import LoraConfig, get_peft_model
+
+    from surefit.training.dropout import seed_dropout
+    from surefit.training.speedups.lora_fast import fuse_lora
+
+    model = get_peft_model(tiny, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.25, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    seed_dropout(model)
+    fuse_lora(model)
+    for p in model.parameters():
+        if p.requires_grad:  # LoRA B starts at zero: give it values so every adapter's gradient is non-trivial
+            torch.nn.init.normal_(p, std=0.05)
+    model.train()
+    feats, rows = _examples(), [3, 1, 4, 0, 5, 2, 7, 6]
+    plain = PadCollator(pad_token_id=0)(feats)
+    padded = PadCollator(pad_token_id=0, pad_to_multiple_of=16)(feats)
+    assert plain["input_ids"].shape[1] % 16 and padded["input_ids"].shape[1] % 16 == 0  # the multiple added columns
+    loss, grads = _lora_step(model, plain, rows)
+    loss16, grads16 = _lora_step(model, padded, rows)
+    assert abs(loss - loss16) < 1e-6
+    assert grads.keys() == grads16.keys() and len(grads) == 2 * 7 * 2
+    for name in grads:
+        assert torch.allclose(grads[name], grads16[name], atol=1e-7, rtol=1e-5), name
+    other_rows = _lora_step(model, plain, rows[::-1])[0]  # the masks are keyed by the rows: the check can fail
+    assert abs(other_rows - loss) > 1e-4

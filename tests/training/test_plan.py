@@ -292,3 +292,34 @@ def test_generation_batch_grows_to_the_cap_as_memory_allows_and_never_below_the_
     budget = (weights_gb + 40 / 1024) / 0.9
     assert generation_batch(model, [4000] * 100, 4, budget_gb=budget, mixed=False).rows == 20
     assert generation_batch(model, many, 4, budget_gb=None, mixed=True).rows == GENERATE_ROWS  # a CPU's memory
+
+
+@pytest.mark.parametrize("multiple", [None, "32"])
+def test_sft_batches_are_padded_to_the_multiple_the_memory_plan_prints(tmp_path, tiny_lm_dir, capsys, monkeypatch,
+                                                                       multiple):
+    """The default pads each training batch's length up to a multiple of 64 (fewer batch shapes); the plan says so
+    and memory_plan.json records it; the batches the loss sees have that length."""
+    import surefit.tasks.sft.train_sft as sft
+    from conftest import qa_rows
+    from surefit.cli import main
+
+    widths = []
+    loss = sft.causal_lm_loss_sum
+
+    def recording(model, batch, *a, **k):
+        if model.training:  # the training loop's batches (the evaluation pads to its longest row)
+            widths.append(batch["input_ids"].shape[1])
+        return loss(model, batch, *a, **k)
+
+    monkeypatch.setattr(sft, "causal_lm_loss_sum", recording)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(12)), encoding="utf-8")
+    out = tmp_path / "run"
+    extra = ["--pad_to_multiple_of", multiple] if multiple else []
+    assert main(["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
+                 "--lora_r", "4", "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25",
+                 "--eval_generate", "false", "--output_dir", str(out), *extra]) == 0
+    want = int(multiple or 64)
+    assert f"batch lengths padded up to a multiple of {want} tokens" in capsys.readouterr().out
+    assert json.loads((out / "memory_plan.json").read_text())["pad_to_multiple_of"] == want
+    assert widths and all(w % want == 0 for w in widths), widths

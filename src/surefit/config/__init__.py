@@ -304,6 +304,12 @@ class SFTConfig(TrainConfig):
     share_prefixes: bool = opt(
         True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
         "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
+    pad_to_multiple_of: int | None = opt(
+        64, "Pad each batch's length up to a multiple of N tokens (the padding carries no loss and is hidden by causal "
+        "attention: the same loss up to rounding). Fewer batch shapes keep a CPU run's memory from growing shape after "
+        "shape (oneDNN keeps kernels per shape, and glibc's heap fragments around them): on 64 chat rows the epoch's peak "
+        "fell from 3.58 to 2.90 GB, for 11% more padded cells and about 3.5% more CPU time (docs/performance.md). "
+        "null: pad to the longest row only.")
     fused_cross_entropy: bool = opt(
         True, "Run the LM head and the cross-entropy fused, in chunks: no full logits tensor in memory, the same loss "
         "and gradients. false: the unfused head (its logits for all supervised tokens at once).")
@@ -318,6 +324,7 @@ class SFTConfig(TrainConfig):
             p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
                              "use auto, squad, rouge_l or your own module:function"))
         at_least(p, self, "max_new_tokens", 1)
+        at_least(p, self, "pad_to_multiple_of", 1)
         at_least(p, self, "eval_generate_batch_size", 1)
         if self.chat_format and self.chat_template is False:
             p.append(Problem(f"--chat_format {self.chat_format} and --chat_template false both given",

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from surefit.config import TrainConfig
+from surefit.data.collate import PadCollator
 from surefit.data.sampling import longest_first
 from surefit.errors import Problem, SurefitError
 from surefit.models.lowbit import quantized_bits
@@ -75,6 +76,8 @@ class Plan:
     # step checkpoint (its shard under fsdp; an epoch checkpoint's model/ also gathers the whole weights there).
     sharding: str = "none"
     checkpoint_host_bytes: int = 0
+    # Training batches' lengths padded up to a multiple of this (the collator's ``pad_to_multiple_of``); None: no.
+    pad_to_multiple_of: int | None = None
 
     @property
     def estimated_bytes(self) -> int:
@@ -107,6 +110,9 @@ class Plan:
             + ("; activations saved in bf16" if self.saved_activations else "")
         lines.append(f"  gradient checkpointing {'on' if self.gradient_checkpointing else 'off'}; precision "
                      f"{self.precision}{stored}; evaluation batch {self.eval_batch_size}")
+        if self.pad_to_multiple_of and self.pad_to_multiple_of > 1:
+            lines.append(f"  batch lengths padded up to a multiple of {self.pad_to_multiple_of} tokens: fewer batch "
+                         "shapes, so memory does not grow with each new one (--pad_to_multiple_of)")
         parts = " + ".join(f"{k} {human_bytes(v)}" for k, v in self.estimate.items() if v)
         per = f" per process (1/{self.processes} of the weights and AdamW states)" if self.sharding == "fsdp" else ""
         lines.append(f"  estimate {human_bytes(self.estimated_bytes)}{per} = {parts}")
@@ -738,7 +744,9 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
         del loss
         model.zero_grad(set_to_none=True)
 
-    load = Workload(lengths=work.lengths, supervised=work.counts, eval_lengths=work.plan.eval_lengths,
+    multiple = collate.pad_to_multiple_of if isinstance(collate, PadCollator) else None
+    lengths = [-(-n // multiple) * multiple for n in work.lengths] if multiple else work.lengths
+    load = Workload(lengths=lengths, supervised=work.counts, eval_lengths=work.plan.eval_lengths,
                     generate_lengths=work.plan.generate_lengths, train_step=train_step, forward=forward,
                     activation_store=work.activation_store)
     budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)
@@ -752,6 +760,7 @@ def plan_run(cfg: TrainConfig, model: Any, accelerator: Any, work: TrainingWork,
             gradient_checkpointing=cfg.gradient_checkpointing, precision=precision_name(accelerator),
             eval_batch_size=cfg.resolved_eval_batch_size, budget=budget, lora=work.plan.lora,
             device=accelerator.device, sharding=getattr(cfg, "sharding", "none")), memo=memo))
+    plan.pad_to_multiple_of = multiple
     say(plan.render())
     return plan
 

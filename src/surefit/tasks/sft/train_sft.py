@@ -652,7 +652,7 @@ NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
     "preset", "model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_variant", "quantize", "precision",
     "gradient_checkpointing", "sharding", "gpu_memory_gb", "batch_size", "grad_accum", "eval_batch_size", "metric",
     "eval_generate", "eval_merge_lora", "eval_share_prefixes", "share_prefixes", "fused_cross_entropy",
-    "max_new_tokens"}
+    "max_new_tokens", "pad_to_multiple_of"}
 
 
 def _tokenizer(cfg: SFTConfig, source: Any, say: Say) -> tuple[str, Any]:
@@ -925,7 +925,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         "eval computes the validation loss only (--eval_generate false)"
     say(f"model {source.name}; precision {precision_name(accelerator)}; device {accelerator.device}; {generating}")
 
-    collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
+    # Lengths padded up to a multiple (the memory plan prints it): fewer batch shapes, so a CPU run's memory stops
+    # growing with each new shape (oneDNN's per-shape kernels pin glibc's heap; results/step_memory.md).
+    collate = PadCollator(pad_token_id=tokenizer.pad_token_id, pad_to_multiple_of=cfg.pad_to_multiple_of)
     # Generation pads on the left (eval/generate.py does it by hand); the saved tokenizer says so too.
     tokenizer.padding_side = "left"
     features = data.features
