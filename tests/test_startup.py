@@ -228,7 +228,7 @@ def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny
     assert torch.equal(torch.get_rng_state(), rng)
     got = p.work.plan.measured["saved_activations"]
     batch, _ = Setup(p.model, None, p.work.features, None, p.work.collate, {"batch_size": 4}).batch()
-    multiple = cfg.pad_to_multiple_of  # training pads each batch's length up to it (64 by default)
+    multiple = cfg.pad_to_multiple_of or 1  # training pads each batch's length up to it (off by default)
     assert got[1] == batch["input_ids"].numel() == len(batch["input_ids"]) * (-(-max(p.work.lengths) // multiple) * multiple)
     store = p.work.activation_store if plan_module.packs_saved(
         True, plan_module.precision_name(p.accelerator), p.work.activation_store, p.accelerator.device) else None

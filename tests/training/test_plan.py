@@ -294,11 +294,12 @@ def test_generation_batch_grows_to_the_cap_as_memory_allows_and_never_below_the_
     assert generation_batch(model, many, 4, budget_gb=None, mixed=True).rows == GENERATE_ROWS  # a CPU's memory
 
 
-@pytest.mark.parametrize("multiple", [None, "32"])
+@pytest.mark.parametrize("multiple", [None, "64", "32"])
 def test_sft_batches_are_padded_to_the_multiple_the_memory_plan_prints(tmp_path, tiny_lm_dir, capsys, monkeypatch,
                                                                        multiple):
-    """The default pads each training batch's length up to a multiple of 64 (fewer batch shapes); the plan says so
-    and memory_plan.json records it; the batches the loss sees have that length."""
+    """--pad_to_multiple_of N pads each training batch's length up to a multiple of N (fewer batch shapes); the plan
+    says so and memory_plan.json records it; the batches the loss sees have that length. Off by default: batches are
+    as long as their longest row, and the plan says nothing about it."""
     import surefit.tasks.sft.train_sft as sft
     from conftest import qa_rows
     from surefit.cli import main
@@ -319,7 +320,12 @@ def test_sft_batches_are_padded_to_the_multiple_the_memory_plan_prints(tmp_path,
     assert main(["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
                  "--lora_r", "4", "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25",
                  "--eval_generate", "false", "--output_dir", str(out), *extra]) == 0
-    want = int(multiple or 64)
-    assert f"batch lengths padded up to a multiple of {want} tokens" in capsys.readouterr().out
-    assert json.loads((out / "memory_plan.json").read_text())["pad_to_multiple_of"] == want
+    printed = capsys.readouterr().out
+    recorded = json.loads((out / "memory_plan.json").read_text())["pad_to_multiple_of"]
+    if multiple is None:
+        assert "batch lengths padded" not in printed and recorded is None
+        assert widths and any(w % 64 for w in widths), widths  # the longest row's length (96 here), not padded to 64
+        return
+    want = int(multiple)
+    assert f"batch lengths padded up to a multiple of {want} tokens" in printed and recorded == want
     assert widths and all(w % want == 0 for w in widths), widths

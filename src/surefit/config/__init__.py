@@ -305,11 +305,11 @@ class SFTConfig(TrainConfig):
         True, "Compute a prompt prefix that rows of a micro-batch share (32 tokens or more) once in training; the loss "
         "is the same. false: every row computes its own (and draws its own LoRA dropout masks there).")
     pad_to_multiple_of: int | None = opt(
-        64, "Pad each batch's length up to a multiple of N tokens (the padding carries no loss and is hidden by causal "
-        "attention: the same loss up to rounding). Fewer batch shapes keep a CPU run's memory from growing shape after "
-        "shape (oneDNN keeps kernels per shape, and glibc's heap fragments around them): on 64 chat rows the epoch's peak "
-        "fell from 3.58 to 2.90 GB, for 11% more padded cells and about 3.5% more CPU time (docs/performance.md). "
-        "null: pad to the longest row only.")
+        None, "Pad each training batch's length up to a multiple of N tokens (the padding carries no loss and is hidden "
+        "by causal attention: the same loss up to rounding). Fewer batch shapes keep a CPU run's memory from growing "
+        "shape after shape (oneDNN keeps kernels per shape, and glibc's heap fragments around them): with 64 on 64 chat "
+        "rows the epoch's peak fell from 3.58 to 2.90 GB but the whole run's only from 3.39 to 3.21 GB, for about 3.5% "
+        "more CPU time, so it is off by default (docs/performance.md). null: pad to the longest row only.")
     fused_cross_entropy: bool = opt(
         True, "Run the LM head and the cross-entropy fused, in chunks: no full logits tensor in memory, the same loss "
         "and gradients. false: the unfused head (its logits for all supervised tokens at once).")
