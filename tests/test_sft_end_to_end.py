@@ -217,3 +217,35 @@ def test_metric_names_printed_and_stored_are_the_ones_computed(tmp_path, tiny_lm
     assert "metrics: rouge_l" in capsys.readouterr().out
     pred = json.loads((tmp_path / "rouge" / "predictions" / "epoch_1.jsonl").read_text().splitlines()[0])
     assert "rouge_l" in pred and "em" in pred and "f1" not in pred, pred
+
+
+def test_long_validation_answers_are_scored_by_loss_by_default_and_generated_when_asked(tmp_path, tiny_lm_dir,
+                                                                                      capsys):
+    """--eval_generate's default: answers longer than GENERATE_AUTO_TOKENS are not generated (the run says why and
+    how to turn it on); --eval_generate true and --max_new_tokens generate them; short answers are generated."""
+    from conftest import qa_rows
+    from surefit.tasks.sft.train_sft import GENERATE_AUTO_TOKENS, generates
+
+    rows = [{"input": r["input"], "target": " ".join([r["target"]] * 100)} for r in qa_rows(16)]
+    data = tmp_path / "long.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    base = ["train", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1", "--batch_size", "8",
+            "--max_seq_length", "256", "--val_fraction", "0.25", "--lora_r", "4"]
+    assert main([*base, "--output_dir", str(tmp_path / "auto")]) == 0
+    out = capsys.readouterr().out
+    assert "eval computes the validation loss only (the validation answers run to" in out
+    assert f"above the {GENERATE_AUTO_TOKENS} the default generates: --eval_generate true" in out
+    assert "metrics: eval_loss only (answers of" in out and "generating:" not in out
+    assert not (tmp_path / "auto" / "predictions").exists()
+    epochs = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
+    assert [sorted(k for k in r if k.startswith("eval_") and k != "eval_seconds") for r in epochs
+            if r["type"] == "epoch"] == [["eval_loss"], ["eval_loss"]]
+    assert main([*base, "--eval_generate", "true", "--output_dir", str(tmp_path / "on")]) == 0
+    out = capsys.readouterr().out
+    assert "eval generates up to" in out and (tmp_path / "on" / "predictions" / "epoch_1.jsonl").is_file()
+    # the rule itself: asked wins; --max_new_tokens means generate; short answers generate
+    assert generates(None, None, GENERATE_AUTO_TOKENS + 1)[0] is False
+    assert generates(None, 8, GENERATE_AUTO_TOKENS + 1) == (True, "")
+    assert generates(None, None, GENERATE_AUTO_TOKENS) == (True, "")
+    assert generates(False, None, 3) == (False, "--eval_generate false")
+    assert generates(True, None, 10_000) == (True, "")

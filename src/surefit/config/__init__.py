@@ -279,7 +279,11 @@ class SFTConfig(TrainConfig):
         "answers), 'rouge_l' (ROUGE-L + normalised exact match, for open-ended answers), or your own "
         "'module:function' (predictions, references -> dict; imported only when named here). 'auto': squad for "
         "input/target rows, rouge_l for conversations.")
-    eval_generate: bool = opt(True, "Generate answers and score them at each evaluation; false: validation loss only.")
+    eval_generate: bool | None = opt(
+        None, "Generate answers and score them at each evaluation; false: validation loss only. Default: generate when "
+        "the answers are short (the longest validation answer at most 64 tokens) or --max_new_tokens is given; for "
+        "longer answers the loss only, said in the run: on 64 chat rows generating 8 long answers twice took about "
+        "as long as the training epoch (docs/performance.md).")
     eval_generate_batch_size: int | None = opt(
         None, "Rows generation decodes at once; prompts still run --eval_batch_size at a time and their caches are "
         "stacked. Default: the planner's choice (up to 32, as the KV cache fits in memory). A decode step costs little "

@@ -123,4 +123,7 @@ class Switches:
     def of(cls, cfg: TrainConfig) -> Switches:
         """A config's switches (a setting the config lacks keeps its default)."""
         names = ("share_prefixes", "fused_cross_entropy", "eval_generate", "eval_merge_lora", "eval_share_prefixes")
-        return cls(**{n: getattr(cfg, n) for n in names if hasattr(cfg, n)})
+        got = {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
+        if got.get("eval_generate", True) is None:  # auto: training resolves it; an explicit evaluation generates
+            got["eval_generate"] = True
+        return cls(**got)
