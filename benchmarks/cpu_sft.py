@@ -648,7 +648,8 @@ def whole_process_lines(ok: dict[str, dict[str, Any]]) -> list[str]:
     each job's seconds went: set-up to training, training, surefit's evaluations, and the rest (saving, exit)."""
     lines = ["", "## Whole process: start to exit", "",
              "Each job timed by this script from launching its process to the process's exit. surefit's includes its "
-             "two evaluations (before and after the epoch: validation loss and generated answers scored); the anchors "
+             "two evaluations (before and after the epoch: the validation loss, and generated answers scored where "
+             "the run generates); the anchors "
              "evaluate nothing. A trainer's untimed warm-up step (see below) is one step more than it would run "
              "alone, so one ordinary step's time is taken off its whole process for these goals.", "",
              "| goal | measured | target | result | detail |", "|---|---|---|---|---|"]
