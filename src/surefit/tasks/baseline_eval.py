@@ -73,7 +73,9 @@ def initial_state(model: Any) -> str:
                 continue
         t = tensors[name].detach().cpu().contiguous().view(-1)
         h.update(f"|{name}:{t.dtype}:{tuple(tensors[name].shape)}|".encode())
-        h.update(memoryview(t.view(torch.uint8).numpy()) if t.numel() else b"")  # bf16 has no numpy dtype: bytes
+        # Bytes of a copy: numpy over the parameter's own storage would make it unresizable, and FSDP frees a
+        # gathered parameter by resizing its storage to 0 (bf16 has no numpy dtype, hence the uint8 view).
+        h.update(memoryview(t.view(torch.uint8).clone().numpy()) if t.numel() else b"")
     return h.hexdigest()
 
 
