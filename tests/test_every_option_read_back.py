@@ -20,6 +20,7 @@ SFT_OPTIONS = {
                  "--keep_best", "eval_f1", "--log_samples", "2", "--log_every", "1"],
     # The caches' folder, with a keep-best run: eval/predict/export read the run's saved settings, inspect the store.
     "cache_dir": ["--epochs", "2", "--keep_best", "eval_loss", "--cache_dir", "{tmp}/my cache"],
+    "pad_to_multiple_of": ["--epochs", "2", "--keep_best", "eval_f1", "--pad_to_multiple_of", "32"],
 }
 CLS_OPTIONS = {
     "early_stopping_steps": ["--epochs", "2", "--early_stopping", "eval_macro_f1:2", "--eval_every", "3",

@@ -240,6 +240,10 @@ def test_long_validation_answers_are_scored_by_loss_by_default_and_generated_whe
     epochs = [json.loads(x) for x in (tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()]
     assert [sorted(k for k in r if k.startswith("eval_") and k != "eval_seconds") for r in epochs
             if r["type"] == "epoch"] == [["eval_loss"], ["eval_loss"]]
+    # surefit eval on that run is asked for scores: it generates them (the default resolves to true outside training)
+    capsys.readouterr()
+    assert main(["eval", "--run", str(tmp_path / "auto"), "--json"]) == 0
+    assert {"eval_loss", "eval_f1", "eval_em"} <= set(json.loads(capsys.readouterr().out)["metrics"])
     assert main([*base, "--eval_generate", "true", "--output_dir", str(tmp_path / "on")]) == 0
     out = capsys.readouterr().out
     assert "eval generates up to" in out and (tmp_path / "on" / "predictions" / "epoch_1.jsonl").is_file()
