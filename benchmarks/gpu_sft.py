@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and 8 rows: checks the script runs")
     ap.add_argument("--out", help="where to write gpu_sft.{json,md} (default benchmarks/results; with --tiny "
                                    "nothing is written unless --out is given)")
+    ap.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer files, where the embedded model is not "
+                                        "installed (a GPU machine that gets only the repository)")
     ap.add_argument("--worker", choices=RUNS)
     ap.add_argument("--workdir")
     ap.add_argument("--model")
@@ -173,7 +175,7 @@ def main() -> None:
     args.data = str(Path(args.shared) / "squad" / "dev-v1.1-part-a.json")
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen3-0.6b-shaped"
-        build_model(folder, args.tiny)
+        build_model(folder, args.tiny, args.tokenizer)
         tokens = prepare(args, folder, Path(tmp))["tokens"]  # prompt + answer + EOS: the same work for every run
         results = []
         for run in RUNS:

@@ -48,7 +48,8 @@ def qwen3_config(tiny: bool):
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-def build_model(folder: Path, tiny: bool) -> None:
+def build_model(folder: Path, tiny: bool, tokenizer: str | None = None) -> None:
+    """Random weights in Qwen3-0.6B's shape; the tokenizer is ``tokenizer`` (a folder) or the embedded SmolLM2's."""
     import torch
     from transformers import AutoTokenizer, Qwen3ForCausalLM
 
@@ -56,7 +57,7 @@ def build_model(folder: Path, tiny: bool) -> None:
 
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(qwen3_config(tiny))
-    tok = AutoTokenizer.from_pretrained(model_folder(resolve_model(None)))
+    tok = AutoTokenizer.from_pretrained(tokenizer or model_folder(resolve_model(None)))
     model.config.pad_token_id = tok.pad_token_id
     model.config.eos_token_id = tok.eos_token_id
     model.save_pretrained(folder, safe_serialization=True)
@@ -182,6 +183,8 @@ def main() -> None:
     ap.add_argument("--runs", type=parse_runs, default=list(RUNS),
                     help=f"comma-separated runs among {', '.join(RUNS)} (default: all)")
     ap.add_argument("--out", default=str(HERE / "results"))
+    ap.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer files, where the embedded model is not "
+                                        "installed (a GPU machine that gets only the repository)")
     ap.add_argument("--worker", choices=RUNS)
     ap.add_argument("--workdir")
     ap.add_argument("--model")
@@ -197,7 +200,7 @@ def main() -> None:
     rows = 8 if args.tiny else args.rows
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "qwen3-0.6b-shaped"
-        build_model(folder, args.tiny)
+        build_model(folder, args.tiny, args.tokenizer)
         data = str(Path(args.shared) / "squad" / "dev-v1.1-part-a.json")
         results = []
         for worker in args.runs:

@@ -62,3 +62,40 @@ def test_bf16_lora_run_stores_the_frozen_base_in_bf16_and_hands_out_an_adapter_f
     assert {v.dtype for v in merged.values()} == {torch.float32}
     for name, v in merged.items():
         assert torch.equal(v, expected[name]), name
+
+
+def test_doctor_runs_where_the_model_is_and_under_that_devices_autocast():
+    """Seen on an H200: a bf16 LoRA run's doctor ran its dry-run forward on the model still on the CPU while the
+    run's autocast was the GPU's, so the 16-bit frozen weights met fp32 inputs and the doctor refused a healthy run
+    (the same in a sharded run, whose model stays on the CPU); a 4-bit model placed on the GPU at load got CPU
+    inputs. The doctor's batch now goes to the model's device, and its autocast is that device's."""
+    import contextlib
+    import types
+
+    import pytest
+
+    from conftest import build_tiny_lm, build_tokenizer
+    from surefit.data.collate import PadCollator
+    from surefit.doctor.core import Setup
+    from surefit.training.precision import autocast_where, store_frozen_in
+
+    tok = build_tokenizer()
+    model = build_tiny_lm(tok).requires_grad_(False)  # a LoRA run's frozen base
+    store_frozen_in(model, torch.bfloat16)
+    # a GPU run's accelerator, seen from a CPU: its autocast is CUDA's, which no CPU operation follows
+    gpu_run = types.SimpleNamespace(device=torch.device("cuda"), mixed_precision="bf16",
+                                    autocast=lambda: torch.autocast("cuda", dtype=torch.bfloat16))
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.warns(UserWarning), gpu_run.autocast(), pytest.raises(RuntimeError, match="dtype"):
+        model(input_ids=ids)
+    with autocast_where(model, gpu_run):
+        out = model(input_ids=ids)
+    assert out.logits.shape == (1, 4, model.config.vocab_size) and torch.isfinite(out.logits).all()
+    cpu_run = types.SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16", autocast=contextlib.nullcontext)
+    assert isinstance(autocast_where(model, cpu_run), contextlib.nullcontext)  # the model is where the run is
+
+    # the dry-run batch lands on the model's device (meta stands in for a GPU: no data, only where it is)
+    features = [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [5, 6, 7]}] * 2
+    setup = Setup(model.to("meta"), tok, features, None, PadCollator(pad_token_id=0))
+    batch, err = setup.batch()
+    assert err is None and {v.device.type for v in batch.values()} == {"meta"}

@@ -52,17 +52,19 @@ def check_pairs(model: Any, tokenizer: Any, examples: Sequence[Any], features: S
     """Every dpo check on the setup training will use (nothing is trained; every change is put back)."""
     import torch
 
+    from surefit.training.precision import autocast_where
     from surefit.training.preference import adapters_off, sequence_logps
 
     findings = label_findings(examples)
     checks = 3
     if not features:
         return Report(findings, checks)
-    batch = {k: v.to(accelerator.device) for k, v in collate(features[:2]).items()}
+    device = next((p.device for p in model.parameters()), accelerator.device)  # a sharded run's is on the CPU
+    batch = {k: v.to(device) for k, v in collate(features[:2]).items()}
     was = model.training
     model.eval()
     try:
-        with torch.no_grad(), accelerator.autocast():
+        with torch.no_grad(), autocast_where(model, accelerator):
             if loss_fn.reference != "none" and cfg.loss == "sigmoid":
                 finding = step0_finding(loss_fn.score(model, batch), batch, precision_is_fp32(accelerator))
                 if finding is not None:

@@ -354,7 +354,7 @@ class Setup:
             batch, err = None, None
             if items:
                 try:
-                    batch = self.collator(items)
+                    batch = _to_device(self.collator(items), _model_device(self.model))
                 except Exception as e:  # noqa: BLE001 - reported as collate-failed or explained
                     err = e
             self._cache["batch"] = (batch, err)
@@ -511,6 +511,41 @@ class Setup:
             if self.config is not None and hasattr(self.config, "problem_type"):
                 self.config.problem_type = problem_type
         return None
+
+
+def _model_device(model: Any) -> Any:
+    """Where a model takes its inputs: its input embeddings' device (a model spread by ``device_map`` starts there),
+    else its first parameter's; ``None`` for anything that is not an ``nn.Module`` with parameters."""
+    from torch import nn
+
+    if not isinstance(model, nn.Module):
+        return None
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        emb = None
+    weight = getattr(emb, "weight", None)
+    if weight is not None:
+        return weight.device
+    return next((p.device for p in model.parameters()), None)
+
+
+def _to_device(batch: Any, device: Any) -> Any:
+    """The collated batch on the model's device, as a Trainer or the run's loop hands it over (a model on a GPU, a
+    quantised one placed there at load, gets GPU tensors); anything that is not a tensor is left as it is."""
+    import torch
+
+    values = batch.values() if isinstance(batch, Mapping) else batch if type(batch) in (tuple, list) else [batch]
+    if device is None or all(v.device == device for v in values if isinstance(v, torch.Tensor)):
+        return batch  # already there (a CPU run): the collator's own object, untouched
+
+    def move(v: Any) -> Any:
+        return v.to(device) if isinstance(v, torch.Tensor) else v
+
+    if isinstance(batch, Mapping):
+        return {k: move(v) for k, v in batch.items()}
+    return type(batch)(move(v) for v in batch) if type(batch) in (tuple, list) else move(batch)
 
 
 def _logits_of(out: Any, batch_size: int | None) -> Any:

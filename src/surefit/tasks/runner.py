@@ -33,6 +33,7 @@ from surefit.tasks.baseline_eval import BaselineReuse
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
+from surefit.training.precision import autocast_where
 from surefit.training.processes import is_main_process, on_main, world_size
 from surefit.training.trackers import MetricsLog
 from surefit.training.work import Evaluation, TrainingWork
@@ -194,7 +195,7 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, tim
     with clock.phase("cache key"):
         key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
     with clock.phase("doctor"), phase("doctor"):
-        report = run_doctor(lambda: cached_doctor(p.check, key, cache, clock.cache))
+        report = run_doctor(lambda: cached_doctor(lambda: _where_it_trains(p, cfg), key, cache, clock.cache))
         folder.write_doctor(report)
         gate(report, cfg, say)
     acc = p.accelerator
@@ -289,6 +290,18 @@ class ExportedModel:
                 export(dest)
 
         return write
+
+
+def _where_it_trains(p: Prepared, cfg: TrainConfig) -> Report:
+    """The doctor's checks on the device step 1 runs on and under its autocast: a run that does not shard the model
+    moves it there now (the planner would next), so that a GPU run's dry run is a GPU forward; a sharded one keeps
+    it on the CPU for ``prepare`` to split, and its dry run runs there under the CPU's autocast."""
+    from torch import nn
+
+    if isinstance(p.model, nn.Module) and getattr(cfg, "sharding", "none") == "none":
+        p.model.to(p.accelerator.device)
+    with autocast_where(p.model, p.accelerator):
+        return p.check()
 
 
 def _starting(clock: startup.Clock, folder: RunFolder, loss_fn: Any, times: walltime.WallTimes) -> Any:
@@ -433,7 +446,7 @@ def doctor(cfg: C, prepare: PrepareFn[C], say: Say = print) -> Report:
     cfg = gpu_preset_without_gpu(cfg, say)
     p = prepare(cfg, say)
     with phase("doctor"):
-        report = p.check()
+        report = _where_it_trains(p, cfg)
     say(str(report))
     return report
 

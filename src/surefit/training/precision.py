@@ -198,3 +198,17 @@ def precision_name(accelerator: Any) -> str:
     return "fp32" if name == "no" else name
 
 
+
+
+def autocast_where(model: Any, accelerator: Any) -> Any:
+    """The run's autocast for the device the model's weights are on now. accelerate's autocast is the accelerator
+    device's: a model still on the CPU under a GPU run (a sharded run, before ``prepare``) would get none, and its
+    16-bit frozen weights would meet fp32 inputs."""
+    import torch
+
+    params = model.parameters() if hasattr(model, "parameters") else iter(())
+    device = next((p.device for p in params), accelerator.device)
+    if device.type == accelerator.device.type:
+        return accelerator.autocast()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision_name(accelerator))
+    return torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)

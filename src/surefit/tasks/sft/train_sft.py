@@ -101,7 +101,7 @@ from surefit.training.loop import evaluate_loss
 from surefit.training.loss import causal_lm_dry_run, causal_lm_loss_sum
 from surefit.training.memory import enable_gradient_checkpointing, shrink_on_oom
 from surefit.training.plan import GenerationBatch, MeasuringDryRun, generation_batch, resolve_budget
-from surefit.training.precision import make_accelerator, precision_name, resolve_precision
+from surefit.training.precision import autocast_where, make_accelerator, precision_name, resolve_precision
 from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
 from surefit.training.speedups import fused_head
@@ -1045,16 +1045,18 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     return Prepared(
         cfg=cfg, model=model, accelerator=accelerator, work=work, save=lambda m, folder: save(m, tokenizer, folder),
         # the dry run calls the model as step 1 will; on a CPU it is the planner's measurement too (plan.py)
-        check=lambda: _autocast(accelerator, lambda: run_checks(Setup(
+        check=lambda: _where_it_is(model, accelerator, lambda: run_checks(Setup(
             model, tokenizer, data.doctor_sample(), val_features or None, collate, args=doctor_args, task="sft",
             call=dry_run))),
         cache_key=cache_key, baseline=baseline, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
 
 
-def _autocast(accelerator: Any, fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` under the run's autocast: frozen weights loaded in 16 bits take 16-bit inputs, as in training."""
-    with accelerator.autocast():
+def _where_it_is(model: Any, accelerator: Any, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` under the run's autocast for the device the model is on: frozen weights loaded in 16 bits take
+    16-bit inputs, as in training (accelerate's autocast is its device's: a model still on the CPU under a GPU run
+    would get none)."""
+    with autocast_where(model, accelerator):
         return fn()
 
 
