@@ -99,6 +99,8 @@ def worker_surefit(args: argparse.Namespace) -> dict[str, Any]:
     result = surefit.train(task="sft", model=args.model, data=str(work / "train.jsonl"),
                            val_data=str(work / "val.jsonl"), epochs=1, batch_size=BATCH, max_seq_length=MAX_LEN,
                            lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=2e-4, seed=0, precision="bf16",
+                           # the anchors' prompt: without it surefit would use the tokenizer's chat template
+                           template=json.loads((work / "spec.json").read_text())["template"],
                            output_dir=str(out), overwrite=True)
     epoch = result.history[-1]
     plan = json.loads((out / "memory_plan.json").read_text(encoding="utf-8"))
