@@ -198,10 +198,11 @@ def lora_targets(setting: str) -> str | list[str]:
     return "all-linear" if setting == "all-linear" else [t.strip() for t in setting.split(",") if t.strip()]
 
 
-def plain_lora_adapter(layer: Any) -> str | None:
+def plain_lora_adapter(layer: Any, quantized_base: bool = False) -> str | None:
     """The one active adapter of a peft LoRA layer when the layer computes a plain ``W x + scale * B(A(x))``: not
     merged, not DoRA, no adapter bias, plain ``Linear`` base, A and B; None otherwise. The fused training forward
-    and merged generation both rely on exactly that, so both ask here."""
+    and merged generation both rely on exactly that, so both ask here. ``quantized_base``: a bitsandbytes 4-bit or
+    8-bit base layer counts as plain too (the fused training forward calls it as a module; generation does not)."""
     import torch
 
     if layer.disable_adapters or layer.merged:
@@ -212,7 +213,11 @@ def plain_lora_adapter(layer: Any) -> str | None:
     name = active[0]
     if name in getattr(layer, "lora_variant", {}) or getattr(layer, "lora_bias", {}).get(name, False):
         return None
-    if any(type(m) is not torch.nn.Linear for m in (layer.base_layer, layer.lora_A[name], layer.lora_B[name])):
+    if any(type(m) is not torch.nn.Linear for m in (layer.lora_A[name], layer.lora_B[name])):
+        return None
+    base = type(layer.base_layer)
+    if base is not torch.nn.Linear and not (quantized_base and base.__module__.startswith("bitsandbytes.")
+                                            and base.__name__ in ("Linear4bit", "Linear8bitLt")):
         return None
     return name
 

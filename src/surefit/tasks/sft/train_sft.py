@@ -909,8 +909,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             fuse_lora(model)  # the same weights and files; adapters summed in fp32 (training/speedups/lora_fast.py)
         seed_dropout(model)  # masks fixed by (seed, step, example): an out-of-memory split draws the same ones
     if cfg.quantize != "none":
-        say(f"QLoRA: the adapters on {cfg.quantize} layers train through peft's own layer forward (bitsandbytes "
-            "dequantises the weights at each matmul); surefit's fused LoRA forward covers plain Linear layers only")
+        say(f"QLoRA: bitsandbytes dequantises the {cfg.quantize} weights at each matmul; the adapters run surefit's "
+            "fused LoRA forward (in fp32, a bit mask of the dropout kept for the backward pass)")
     with startup.phase("accelerate setup"):
         accelerator = make_accelerator(cfg.precision, lora=cfg.lora_r > 0, report_to=cfg.trackers,
                                        project_dir=cfg.output_dir)

@@ -364,6 +364,16 @@ def _lora_linear_class() -> type | None:
     return LoraLinear
 
 
+@functools.cache
+def _quantized_lora_classes() -> tuple[type, ...]:
+    """peft's LoRA layers on bitsandbytes 4-bit and 8-bit bases (present only where bitsandbytes imports)."""
+    try:
+        from peft.tuners.lora import bnb
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return ()
+    return tuple(c for c in (getattr(bnb, "Linear4bit", None), getattr(bnb, "Linear8bitLt", None)) if c is not None)
+
+
 def is_lora_linear(m: Any) -> bool:
     return type(m) is _lora_linear_class()
 
@@ -393,7 +403,7 @@ def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
     """The active adapter's name when the fused forward computes what peft's would; None otherwise."""
-    name = None if args or kwargs else plain_lora_adapter(layer)
+    name = None if args or kwargs else plain_lora_adapter(layer, quantized_base=type(layer) in _quantized_lora_classes())
     if name is None:
         return None
     base, a, b, drop = layer.base_layer, layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
@@ -427,6 +437,9 @@ def fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
 def fuse_lora(model: nn.Module) -> int:
     """Give every peft LoRA ``Linear`` of ``model`` the fused forward; returns how many layers have it.
 
+    QLoRA's layers (a bitsandbytes 4-bit or 8-bit base) get it too: the base is called as peft calls it, the adapter
+    runs as :class:`_LoraBranch` (a bit mask saved, not the dropped input per adapter, which peft's forward keeps).
+
     The output is in the adapter's dtype (fp32), so the adapter's contribution is never rounded to 16 bits; with
     frozen weights in fp32 (no mixed precision) every matmul is fp32 and the numbers are peft's.
     Idempotent; saving, loading and merging stay peft's (only ``forward`` changes, per instance).
@@ -434,9 +447,10 @@ def fuse_lora(model: nn.Module) -> int:
     LoraLinear = _lora_linear_class()
     if LoraLinear is None:  # pragma: no cover - peft is a dependency
         return 0
+    fused = (LoraLinear, *_quantized_lora_classes())
     n = 0
     for m in model.modules():
-        if type(m) is LoraLinear:
+        if type(m) in fused:
             m.forward = types.MethodType(fused_forward, m)
             n += 1
         elif _is_swiglu_mlp(m):
