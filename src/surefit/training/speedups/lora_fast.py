@@ -80,8 +80,8 @@ def pack_mask(keep: torch.Tensor) -> torch.Tensor:
     """A boolean mask as uint8 bits, eight elements per byte (:func:`unpack_mask` gives it back).
 
     On a CPU numpy's ``packbits`` (one pass; the torch version below took 3-7x longer both ways on SmolLM2's
-    shapes). Elsewhere, and under torch.compile, torch ops: the mask's bytes read eight at a time as int64 and folded
-    by shifts (values stay below 2^57, so no shift or sign is a concern)."""
+    shapes). Elsewhere, and under torch.compile, two torch operations (each one a kernel launch on a GPU): the mask's
+    bytes, eight to a row, times their bits' values, summed (distinct powers of two: at most 255, exact)."""
     flat = keep.reshape(-1)
     if flat.device.type == "cpu" and not torch.compiler.is_compiling():
         import numpy as np
@@ -89,12 +89,9 @@ def pack_mask(keep: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
     flat = flat.view(torch.uint8)
     n = flat.numel()
-    if n % 8 or flat.storage_offset() % 8:
+    if n % 8:
         flat = torch.cat([flat, flat.new_zeros(-n % 8)])
-    x = flat.view(torch.int64)
-    x = x | (x >> 7)  # a new tensor: the mask itself is left as it is
-    x.bitwise_or_(x >> 14).bitwise_or_(x >> 28)
-    return x.bitwise_and_(0xFF).to(torch.uint8)
+    return flat.view(-1, 8).mul(_bit_values(flat.device)).sum(-1, dtype=torch.uint8)
 
 
 def unpack_mask(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
@@ -104,11 +101,20 @@ def unpack_mask(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
         import numpy as np
 
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little")).view(tuple(shape))
-    y = bits.to(torch.int64)
-    y = y.bitwise_or_(y << 28).bitwise_and_(0x0000000F0000000F)
-    y = y.bitwise_or_(y << 14).bitwise_and_(0x0003000300030003)
-    y = y.bitwise_or_(y << 7).bitwise_and_(0x0101010101010101)
-    return y.view(torch.uint8)[:n].view(tuple(shape))
+    y = bits[:, None].bitwise_right_shift(_bit_values(bits.device, shifts=True)).bitwise_and_(1)
+    return y.view(-1)[:n].view(tuple(shape))
+
+
+_bits: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device, shifts: bool = False) -> torch.Tensor:
+    """uint8 ``[1, 2, 4, ..., 128]`` (or ``[0, 1, ..., 7]`` for ``shifts``) on ``device``, made once per device."""
+    key = (str(device), shifts)
+    if key not in _bits:
+        k = torch.arange(8, dtype=torch.uint8)
+        _bits[key] = (k if shifts else torch.ones(8, dtype=torch.uint8) << k).to(device)
+    return _bits[key]
 
 
 def _saved_mask(ctx: Any, keep: torch.Tensor | None) -> torch.Tensor | None:
