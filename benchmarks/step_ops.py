@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         def __torch_dispatch__(self, func: Any, types: Any, a: Any = (), k: Any = None) -> Any:
             name = _op_name(func)
             self.ops[name] += 1
-            if args.where and name not in METADATA:
+            if args.where and (args.where_metadata or name not in METADATA):
                 self.where[(name, _caller())] += 1
             return func(*a, **(k or {}))
 
@@ -159,7 +159,7 @@ def prepare(args: argparse.Namespace, wd: Path) -> None:
 def run_side(src: str, args: argparse.Namespace, wd: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workdir", str(wd), "--dropout",
-           str(args.dropout), "--where", str(args.where)] + (["--torch-pack"] if args.torch_pack else [])
+           str(args.dropout), "--where", str(args.where)] + (["--where-metadata"] if args.where_metadata else []) + (["--torch-pack"] if args.torch_pack else [])
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("STEP_OPS ")]
     if p.returncode or not line:
@@ -186,6 +186,7 @@ def main() -> None:
     ap.add_argument("--dropout", type=float, default=0.05)
     ap.add_argument("--torch-pack", action="store_true", help="count the mask packing's torch path (a GPU's)")
     ap.add_argument("--where", type=int, default=40, help="record the N most frequent (operation, caller) pairs")
+    ap.add_argument("--where-metadata", action="store_true", help="record where metadata operations come from too")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
