@@ -14,13 +14,17 @@ counts every aten operation by name (forward, backward, clipping, optimizer); st
 the two sides alternating, ``--repeats`` times; the final adapter's sha256 of both sides must agree (same numbers).
 
 Views and other metadata-only operations (``view``, ``t``, ``slice``, ``detach``, ``empty`` ...) launch no kernel on a
-GPU: they are counted apart (``metadata``). On a CPU the fused LoRA layers pack dropout masks with numpy (no aten
-operation); on a GPU they take the torch path, so ``--torch-pack`` counts that path's operations too (the masks and
-gradients are the same either way).
+GPU: they are counted apart (``metadata``). The fused LoRA layers take other paths on a CPU than elsewhere: numpy packs
+their dropout masks (no aten operation) and the masks are cast before a product. ``--gpu-paths`` takes a GPU's paths on
+the CPU (masks packed by torch operations, products with the boolean mask) to count what a GPU launches; the masks
+and gradients are the same either way (tests/training/test_lora_fast.py).
 
     OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/step_ops.py --before /tmp/base/src --after src
-    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/step_ops.py --after src --model tiny-qwen3 --torch-pack
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/step_ops.py --before /tmp/base/src --after src \
+        --model tiny-qwen3 --layers 28 --gpu-paths --repeats 1 --rows 16     # the H200 job's structure
+    OMP_NUM_THREADS=1 PYTHONPATH=src python benchmarks/step_ops.py --report results/step_ops.json ...  # the markdown
 
+``--before`` is a ``src`` folder of the code to compare with (e.g. ``git archive HEAD~3 src | tar -x -C /tmp/base``).
 Writes results/step_ops.{json,md} (``--out`` elsewhere).
 """
 
@@ -75,11 +79,13 @@ def worker(args: argparse.Namespace) -> None:
     import surefit
     from surefit.training import loop
 
-    if args.torch_pack:
+    if args.gpu_paths:
         import types
 
         import surefit.training.speedups.lora_fast as lf
 
+        if hasattr(lf, "CAST_MASKS_ON"):  # products take the boolean mask as it is, as off the CPU
+            lf.CAST_MASKS_ON = set()
         # pack_mask / unpack_mask take the torch path (a GPU's) when they think they are being compiled.
         proxy = _TorchProxy(torch, types.SimpleNamespace(is_compiling=lambda: True))
         for fn in ("pack_mask", "unpack_mask"):
@@ -149,9 +155,18 @@ def prepare(args: argparse.Namespace, wd: Path) -> None:
     spec = cpu_sft.prepare(argparse.Namespace(shared=args.shared, rows=args.rows, val_rows=4, workload="squad"), wd)
     if args.model == "tiny-qwen3":
         import gpu_small_card
+        import torch
+        from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-        folder = wd / "tiny-qwen3"
-        gpu_small_card.build_model(folder, tiny=True)
+        folder = wd / f"tiny-qwen3-{args.layers}"
+        cfg = gpu_small_card.qwen3_config(tiny=True)
+        cfg.num_hidden_layers = args.layers
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(cfg)
+        tok = AutoTokenizer.from_pretrained(spec["model_path"])  # the embedded SmolLM2's, as gpu_small_card's default
+        model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
+        model.save_pretrained(folder, safe_serialization=True)
+        tok.save_pretrained(folder)
         spec["model_path"] = str(folder)
     (wd / "spec.json").write_text(json.dumps(spec, indent=2))
 
@@ -159,7 +174,7 @@ def prepare(args: argparse.Namespace, wd: Path) -> None:
 def run_side(src: str, args: argparse.Namespace, wd: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workdir", str(wd), "--dropout",
-           str(args.dropout), "--where", str(args.where)] + (["--where-metadata"] if args.where_metadata else []) + (["--torch-pack"] if args.torch_pack else [])
+           str(args.dropout), "--where", str(args.where)] + (["--where-metadata"] if args.where_metadata else []) + (["--gpu-paths"] if args.gpu_paths else [])
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("STEP_OPS ")]
     if p.returncode or not line:
@@ -174,6 +189,49 @@ def summary(ops: dict[str, int]) -> dict[str, Any]:
             "top": sorted(([k, n] for k, n in ops.items() if k not in METADATA), key=lambda kv: -kv[1])[:20]}
 
 
+def report(results: list[dict[str, Any]], machine: dict[str, Any], started: str) -> list[str]:
+    """The markdown of one or more results (one per model / packing path)."""
+    import benchlib
+
+    md = ["# step_ops: aten operations per surefit optimizer step, and its CPU time", "",
+          f"Run on {started}. One optimizer step of `surefit.train` (forward, backward, clipping, optimizer; precision "
+          "bf16, LoRA r=16 / alpha 32 on q, k, v, o, gate, up, down, batch 4, SQuAD rows of `cpu_sft.py`, seed 0), "
+          "counted by a `TorchDispatchMode` at step 2; `compute` = operations that launch a kernel on a GPU, "
+          "`metadata` = views, detaches and allocations. CPU seconds: `time.process_time` of steps 3 onward, one "
+          "thread, the two sides alternating in fresh processes; the ratio is per repeat (after / before).", ""]
+    for r in results:
+        sides = r["sides"]
+        model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
+        title = f"{model}, dropout {r['dropout']}" + (", the fused LoRA's GPU paths (masks packed by torch operations, "
+                                                     "products with the boolean mask)" if r["gpu_paths"] else
+                                                     ", the fused LoRA's CPU paths (masks packed by numpy)")
+        md += [f"## {title}", "", "| code | operations | compute | metadata | CPU s, steps 3+ (per repeat) | adapter sha256 |",
+               "|---|---|---|---|---|---|"]
+        for name, s in sides.items():
+            md.append(f"| {name} | {s['total']:,} | {s['compute']:,} | {s['metadata']:,} | "
+                      f"{', '.join(f'{x:.2f}' for x in s['step_cpu_s'])} | `{s['sha256'][0][:16]}`"
+                      f"{'' if len(s['sha256']) == 1 else ' (varied!)'} |")
+        if "cpu_ratio_median" in r:
+            md += ["", f"CPU time after / before: median {r['cpu_ratio_median']:.3f} (per repeat "
+                   f"{', '.join(f'{x:.3f}' for x in r['cpu_ratio_after_over_before'])}); same final adapter: "
+                   f"{'yes' if r['same_weights'] else 'NO'}."]
+        names = list(sides)
+        kinds = sorted({k for s in sides.values() for k, _ in s["top"][:16]},
+                       key=lambda k: -max(s["ops"].get(k, 0) for s in sides.values()))
+        md += ["", "Compute operations by kind:", "", "| operation | " + " | ".join(names) + " |",
+               "|---|" + "---|" * len(names)]
+        md += [f"| `{k}` | " + " | ".join(f"{sides[n]['ops'].get(k, 0):,}" for n in names) + " |" for k in kinds]
+        last = sides[names[-1]]
+        if last.get("where"):
+            md += ["", f"Where the {names[-1]} code's most frequent compute operations come from (operation @ the "
+                   "innermost surefit / transformers / peft / accelerate frame; builtin backward formulas show as "
+                   "accelerate's `backward` call):", ""]
+            md += [f"- `{w}` x{n}" for w, n in last["where"][:25]]
+        md += ["", f"Command: `{r['command']}`", ""]
+    md += [*benchlib.machine_lines(machine, [], []), ""]
+    return md
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -184,14 +242,26 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24, help="training rows (batch 4: rows/4 steps; step 2 is counted)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dropout", type=float, default=0.05)
-    ap.add_argument("--torch-pack", action="store_true", help="count the mask packing's torch path (a GPU's)")
+    ap.add_argument("--gpu-paths", action="store_true",
+                    help="take the fused LoRA's GPU paths on the CPU: masks packed by torch operations, bool mask products")
+    ap.add_argument("--layers", type=int, default=2, help="tiny-qwen3's decoder layers (28: Qwen3-0.6B's structure)")
     ap.add_argument("--where", type=int, default=40, help="record the N most frequent (operation, caller) pairs")
     ap.add_argument("--where-metadata", action="store_true", help="record where metadata operations come from too")
+    ap.add_argument("--report", nargs="+", default=None, help="write step_ops.md from these result JSON files")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.report:
+        sys.path.insert(0, str(HERE))
+        import benchlib
+
+        results = [json.loads(Path(f).read_text()) for f in args.report]
+        started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        (Path(args.out) / "step_ops.md").write_text("\n".join(report(results, benchlib.machine_info(), started)))
+        print(f"wrote {Path(args.out) / 'step_ops.md'}")
         return
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="step_ops-"))
     wd.mkdir(parents=True, exist_ok=True)
@@ -205,7 +275,7 @@ def main() -> None:
             print(f"repeat {r + 1} {name}: {sum(res['step_seconds']):.2f} CPU s over {len(res['step_seconds'])} steps, "
                   f"{sum(res['ops'].values())} ops, sha {res['sha256'][:12]}", flush=True)
     result: dict[str, Any] = {"model": args.model, "rows": args.rows, "dropout": args.dropout,
-                              "torch_pack": args.torch_pack, "repeats": args.repeats, "sides": {}}
+                              "gpu_paths": args.gpu_paths, "layers": args.layers if args.model == "tiny-qwen3" else None, "repeats": args.repeats, "sides": {}}
     for name, rs in runs.items():
         result["sides"][name] = {"src": sides[name], **summary(rs[0]["ops"]), "ops": rs[0]["ops"],
                                  "where": rs[0]["where"],
@@ -222,7 +292,8 @@ def main() -> None:
     for name, s in result["sides"].items():
         print(name, s["total"], s["compute"], s["metadata"], s["top"][:12])
     stem = f"step_ops{'' if args.model == 'smollm2' else '_' + args.model.replace('-', '_')}"
-    stem += "_torch_pack" if args.torch_pack else ""
+    stem += f"_{args.layers}layers" if args.model == "tiny-qwen3" and args.layers != 2 else ""
+    stem += "_gpu_paths" if args.gpu_paths else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
