@@ -68,6 +68,28 @@ def _caller() -> str:
     return "?"
 
 
+def masks_worker(args: argparse.Namespace) -> None:
+    """``--masks``: CPU seconds of the keyed dropout masks of one SmolLM2-135M micro-batch (30 layers: q, k, v, o, gate,
+    up on [4, 287, 576], down on [4, 287, 1536]; p 0.05), each micro-batch new (its salted keys computed anew)."""
+    from surefit.training.dropout import SeededDropout, training_rows
+
+    mods = []
+    for i in range(30):
+        for name, width in (("self_attn.q_proj", 576), ("self_attn.k_proj", 576), ("self_attn.v_proj", 576),
+                            ("self_attn.o_proj", 576), ("mlp.gate_proj", 576), ("mlp.up_proj", 576),
+                            ("mlp.down_proj", 1536)):
+            mods.append((SeededDropout(0.05, name=f"model.layers.{i}.{name}.lora_dropout.default").train(), width))
+    times = []
+    for step in range(args.mask_steps + 1):
+        t0 = time.process_time()
+        with training_rows(0, step, [3, 17, 5, 40]):
+            for m, width in mods:
+                m.keep((4, 287, width), "cpu")
+        if step:  # the first one warms up
+            times.append(time.process_time() - t0)
+    print("STEP_OPS " + json.dumps({"mask_seconds": times}))
+
+
 def worker(args: argparse.Namespace) -> None:
     """One side: train, count step 2's operations, time the later steps; print one JSON line."""
     import torch
@@ -161,6 +183,7 @@ def prepare(args: argparse.Namespace, wd: Path) -> None:
         folder = wd / f"tiny-qwen3-{args.layers}"
         cfg = gpu_small_card.qwen3_config(tiny=True)
         cfg.num_hidden_layers = args.layers
+        cfg.layer_types = [cfg.layer_types[0]] * args.layers
         torch.manual_seed(0)
         model = Qwen3ForCausalLM(cfg)
         tok = AutoTokenizer.from_pretrained(spec["model_path"])  # the embedded SmolLM2's, as gpu_small_card's default
@@ -180,6 +203,28 @@ def run_side(src: str, args: argparse.Namespace, wd: Path) -> dict[str, Any]:
     if p.returncode or not line:
         raise SystemExit(f"worker for {src} failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     return json.loads(line[0][len("STEP_OPS "):])
+
+
+def masks_ab(args: argparse.Namespace) -> None:
+    """Before against after, alternating processes: median CPU seconds of one micro-batch's keyed masks."""
+    sides = {"before": args.before, "after": args.after} if args.before else {"after": args.after}
+    res: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(args.repeats):
+        for name, src in sides.items():
+            env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), OMP_NUM_THREADS="1")
+            p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", "--masks", "--mask-steps",
+                                str(args.mask_steps)], env=env, capture_output=True, text=True, check=True)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("STEP_OPS ")][0]
+            res[name].append(statistics.median(json.loads(line[len("STEP_OPS "):])["mask_seconds"]))
+    out = {"masks_micro_batch_cpu_s": {k: [round(x, 4) for x in v] for k, v in res.items()},
+           "command": " ".join(["python", "benchmarks/step_ops.py", *sys.argv[1:]])}
+    if "before" in res:
+        ratios = [b / a for a, b in zip(res["before"], res["after"], strict=True)]
+        out["ratio_after_over_before"] = [round(x, 3) for x in ratios]
+        out["ratio_median"] = round(statistics.median(ratios), 3)
+    print(json.dumps(out, indent=1))
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "step_ops_masks.json").write_text(json.dumps(out, indent=1) + "\n")
 
 
 def summary(ops: dict[str, int]) -> dict[str, Any]:
@@ -248,11 +293,13 @@ def main() -> None:
     ap.add_argument("--where", type=int, default=40, help="record the N most frequent (operation, caller) pairs")
     ap.add_argument("--where-metadata", action="store_true", help="record where metadata operations come from too")
     ap.add_argument("--report", nargs="+", default=None, help="write step_ops.md from these result JSON files")
+    ap.add_argument("--masks", action="store_true", help="time the keyed masks of one micro-batch only (no training)")
+    ap.add_argument("--mask-steps", type=int, default=10)
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     if args.worker:
-        worker(args)
+        (masks_worker if args.masks else worker)(args)
         return
     if args.report:
         sys.path.insert(0, str(HERE))
@@ -262,6 +309,9 @@ def main() -> None:
         started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
         (Path(args.out) / "step_ops.md").write_text("\n".join(report(results, benchlib.machine_info(), started)))
         print(f"wrote {Path(args.out) / 'step_ops.md'}")
+        return
+    if args.masks:
+        masks_ab(args)
         return
     wd = Path(args.workdir or tempfile.mkdtemp(prefix="step_ops-"))
     wd.mkdir(parents=True, exist_ok=True)
