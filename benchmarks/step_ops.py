@@ -244,9 +244,36 @@ def report(results: list[dict[str, Any]], machine: dict[str, Any], started: str)
           "counted by a `TorchDispatchMode` at step 2; `compute` = operations that launch a kernel on a GPU, "
           "`metadata` = views, detaches and allocations. CPU seconds: `time.process_time` of steps 3 onward, one "
           "thread, the two sides alternating in fresh processes; the ratio is per repeat (after / before).", ""]
+    md += ["| run | compute operations before | after | all operations before | after | CPU time after / before |",
+           "|---|---|---|---|---|---|"]
     for r in results:
+        if "sides" in r and "before" in r["sides"]:
+            b, a = r["sides"]["before"], r["sides"]["after"]
+            paths = "a GPU's paths" if r["gpu_paths"] else "the CPU's paths"
+            cpu = "-" if r["gpu_paths"] else f"{r['cpu_ratio_median']:.3f} (median of {r['repeats']})"
+            layers = f" ({r['layers']} layers)" if r.get("layers") else ""
+            md.append(f"| {r['model']}{layers}, "
+                      f"{r['rows']} rows, {paths} | {b['compute']:,} | {a['compute']:,} ({a['compute'] / b['compute']:.2f}x) | "
+                      f"{b['total']:,} | {a['total']:,} | {cpu} |")
+        elif "ratio_median" in r:
+            md.append(f"| the keyed masks of one micro-batch alone | | | | | {r['ratio_median']:.3f} (median of "
+                      f"{len(r['ratio_after_over_before'])}) |")
+    md.append("")
+    for r in results:
+        if "masks_micro_batch_cpu_s" in r:
+            t = r["masks_micro_batch_cpu_s"]
+            md += ["## The keyed masks alone", "",
+                   "CPU seconds of the keyed dropout masks of one SmolLM2-135M micro-batch (210 masks: q, k, v, o, gate, "
+                   "up on [4, 287, 576], down on [4, 287, 1536]), median of 10 micro-batches per process, the two "
+                   "sides alternating:", "", "| code | per repeat |", "|---|---|"]
+            md += [f"| {k} | {', '.join(f'{x:.3f}' for x in v)} |" for k, v in t.items()]
+            if "ratio_median" in r:
+                md += ["", f"After / before: median {r['ratio_median']:.3f} (per repeat "
+                       f"{', '.join(f'{x:.3f}' for x in r['ratio_after_over_before'])})."]
+            md += ["", f"Command: `{r['command']}`", ""]
+            continue
         sides = r["sides"]
-        model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "")
+        model = r["model"] + (f" ({r['layers']} layers)" if r.get("layers") else "") + f", {r['rows']} rows"
         title = f"{model}, dropout {r['dropout']}" + (", the fused LoRA's GPU paths (masks packed by torch operations, "
                                                      "products with the boolean mask)" if r["gpu_paths"] else
                                                      ", the fused LoRA's CPU paths (masks packed by numpy)")
@@ -256,7 +283,10 @@ def report(results: list[dict[str, Any]], machine: dict[str, Any], started: str)
             md.append(f"| {name} | {s['total']:,} | {s['compute']:,} | {s['metadata']:,} | "
                       f"{', '.join(f'{x:.2f}' for x in s['step_cpu_s'])} | `{s['sha256'][0][:16]}`"
                       f"{'' if len(s['sha256']) == 1 else ' (varied!)'} |")
-        if "cpu_ratio_median" in r:
+        if r.get("gpu_paths"):
+            md += ["", "(These CPU seconds measure nothing a GPU does: its paths are slower on a CPU, which is why the CPU "
+                   "keeps its own.)"]
+        elif "cpu_ratio_median" in r:
             md += ["", f"CPU time after / before: median {r['cpu_ratio_median']:.3f} (per repeat "
                    f"{', '.join(f'{x:.3f}' for x in r['cpu_ratio_after_over_before'])}); same final adapter: "
                    f"{'yes' if r['same_weights'] else 'NO'}."]

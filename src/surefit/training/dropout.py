@@ -21,7 +21,9 @@ masks; to make that independent of the grouping too, under ``--share_prefixes`` 
 supervised token is keyed by the tokens up to it (rows of a step with the same first tokens share the masks there, as
 they share the hidden states) rather than by the example.
 
-The hash is integer mixing in int64 kept below 2^32 (no overflow), vectorised in torch: the same masks on every device.
+The hash is integer mixing in int64 (values below 2^32, products below 2^59: no overflow), vectorised in torch: the
+same masks on every device. The keys salted by a module are computed for all modules at once, once per micro-batch
+(:meth:`_Rows.salted_keys`): per module call a mask is then four operations (kernel launches on a GPU).
 """
 
 from __future__ import annotations
