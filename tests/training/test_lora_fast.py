@@ -574,3 +574,44 @@ def test_dropout_masks_saved_as_bits_take_an_eighth_and_give_the_same_gradients_
     monkeypatch.setattr(lf, "PACK_MASKS", True)
     other = _saved_bytes_loss_grads(_peft(tiny_llama(), dropout=0.0), batch, keyed)[0]
     assert other == 0  # no dropout, no mask saved
+
+
+@pytest.mark.parametrize("frozen16", [True, False])
+def test_a_gpus_mask_paths_give_the_cpus_loss_and_gradients_to_the_bit(monkeypatch, frozen16):
+    """Off the CPU the products take the boolean mask itself and the bits are packed by torch operations (fewer kernel
+    launches): run here, on the CPU's kernels, they give the same loss and gradients to the bit."""
+    import surefit.training.speedups.lora_fast as lf
+    from surefit.training.dropout import seed_dropout
+
+    model = _peft(tiny_llama(), dropout=0.1)
+    seed_dropout(model)
+    if frozen16:
+        store_frozen_in(model, torch.bfloat16)
+    fuse_lora(model)
+    model.train()
+    batch = _batch(n=4)
+    _, loss_ref, g_ref = _saved_bytes_loss_grads(model, batch, keyed=True)
+
+    def torch_path(fn):
+        def run(*a):
+            with monkeypatch.context() as m:
+                m.setattr(torch.compiler, "is_compiling", lambda: True)
+                return fn(*a)
+        return run
+
+    factors, real_as = [], lf._as
+
+    def as_factor(keep, dtype):
+        factor = real_as(keep, dtype)
+        factors.append(factor.dtype)
+        return factor
+
+    monkeypatch.setattr(lf, "CAST_MASKS_ON", set())
+    monkeypatch.setattr(lf, "pack_mask", torch_path(lf.pack_mask))
+    monkeypatch.setattr(lf, "unpack_mask", torch_path(lf.unpack_mask))
+    monkeypatch.setattr(lf, "_as", as_factor)
+    _, loss, g = _saved_bytes_loss_grads(model, batch, keyed=True)
+    assert len(factors) >= 14 and set(factors) == {torch.bool}  # every product took the boolean mask as it is
+    assert loss == loss_ref and g.keys() == g_ref.keys() and len(g) == 28
+    for k in g:
+        assert torch.equal(g[k], g_ref[k]), k

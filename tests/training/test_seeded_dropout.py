@@ -126,3 +126,47 @@ def test_fused_lora_forward_and_pefts_forward_draw_the_same_masks(frozen_dtype):
     with training_rows(seed=0, step=1, rows=[3, 4]):
         no_dropout = fused_model(x.to(frozen_dtype)).float()
     assert torch.equal(no_dropout, b)  # deterministic
+
+
+def _reference_keep(seed, step, rows, salt, shape, p):
+    """The keyed mask written out as the module docstring defines it, one module at a time, with the 32-bit mask
+    after the multiply (what the masks were before the salted keys were computed for all modules at once)."""
+    import hashlib
+
+    m32, mul = 0xFFFFFFFF, 0x45D9F3B
+
+    def mix(x):
+        for _ in range(2):
+            x = ((x ^ (x >> 16)) * mul) & m32
+        return x ^ (x >> 16)
+
+    base = torch.tensor([int.from_bytes(hashlib.blake2b(repr((seed, step, r)).encode(), digest_size=4).digest(), "little")
+                         for r in rows], dtype=torch.int64)
+    length = shape[1] if len(shape) > 2 else 1
+    keys = mix(base[:, None] ^ mix(torch.arange(length, dtype=torch.int64) + 0x2545F491)[None, :])
+    width = math.prod(shape[2:]) if len(shape) > 2 else shape[1]
+    pairs = (width + 1) // 2
+    h = ((mix(keys ^ salt)[..., None] ^ mix(torch.arange(pairs, dtype=torch.int64) + 0x6A09E667)) * mul) & m32
+    h = h ^ (h >> 16)
+    # each 16-bit half v, read as a signed int16 s, is kept when s >= -2^15 + round(p * 2^16): s + 2^15 is v ^ 2^15
+    halves = torch.stack([h & 0xFFFF, h >> 16], -1) ^ (1 << 15)
+    keep = (halves >= round(p * (1 << 16))).reshape(*keys.shape, 2 * pairs)
+    return keep[..., :width].reshape(shape)
+
+
+@pytest.mark.parametrize("limit", [1 << 22, 1, 200])
+def test_the_masks_of_many_modules_are_each_their_definitions_alone_or_salted_together(monkeypatch, limit):
+    import surefit.training.dropout as d
+
+    monkeypatch.setattr(d, "SALTED_ELEMENTS", limit)  # all modules' salted keys at once, one by one, or in groups
+    mods = [_drop(0.2, name=f"model.layers.{i}.mlp.dropout") for i in range(12)]
+    rows = [7, 0, 31]
+    for shape in [(3, 9, 10), (3, 5, 7), (3, 11), (3, 4, 2, 3)]:
+        with training_rows(seed=5, step=2, rows=rows):
+            got = [m.keep(shape, "cpu") for m in reversed(mods)]  # any order of calls
+        for m, mask in zip(reversed(mods), got, strict=True):
+            assert torch.equal(mask, _reference_keep(5, 2, rows, m.salt, shape, 0.2)), (shape, m.name)
+    loose = d.keep_mask((3, 4, 6), 0.2, 12345, "cpu")  # no micro-batch: no mask
+    assert loose is None
+    with training_rows(seed=5, step=2, rows=rows):  # a salt no live module has
+        assert torch.equal(d.keep_mask((3, 4, 6), 0.2, 12345, "cpu"), _reference_keep(5, 2, rows, 12345, (3, 4, 6), 0.2))

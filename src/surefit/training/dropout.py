@@ -21,12 +21,15 @@ masks; to make that independent of the grouping too, under ``--share_prefixes`` 
 supervised token is keyed by the tokens up to it (rows of a step with the same first tokens share the masks there, as
 they share the hidden states) rather than by the example.
 
-The hash is integer mixing in int64 kept below 2^32 (no overflow), vectorised in torch: the same masks on every device.
+The hash is integer mixing in int64 (values below 2^32, products below 2^59: no overflow), vectorised in torch: the
+same masks on every device. The keys salted by a module are computed for all modules at once, once per micro-batch
+(:meth:`_Rows.salted_keys`): per module call a mask is then four operations (kernel launches on a GPU).
 """
 
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -68,8 +71,20 @@ class _Rows:
         self.seed, self.step = seed, step
         self.base = torch.tensor([_hash_ints(seed, step, int(r)) for r in rows], dtype=torch.int64)
         self.content = _hash_ints("prefix", seed, step)
-        self.explicit: torch.Tensor | None = None
+        self._explicit: torch.Tensor | None = None
         self._cache: dict[tuple[int, Any], torch.Tensor] = {}
+        # (length, device) -> ({salt: row of the table}, the salted keys of a group of modules, [salts, batch, length])
+        self._salted: dict[tuple[int | None, str], tuple[dict[int, int], torch.Tensor]] = {}
+
+    @property
+    def explicit(self) -> torch.Tensor | None:
+        """Keys set by :func:`share_prefix_keys` or :func:`relayout` in place of the examples' own, if any."""
+        return self._explicit
+
+    @explicit.setter
+    def explicit(self, keys: torch.Tensor | None) -> None:
+        self._explicit = keys
+        self._salted.clear()  # salted from the keys they replace
 
     def _position_hashes(self, length: int, device: Any) -> torch.Tensor:
         return _mix(torch.arange(length, dtype=torch.int64, device=device).add_(_POSITION))
@@ -94,6 +109,41 @@ class _Rows:
         if batch != self.base.numel():
             return None
         return self.example_keys(length, device)
+
+    def salted_keys(self, batch: int, length: int | None, salt: int, device: Any) -> torch.Tensor | None:
+        """``_mix(keys(batch, length) ^ salt)``: the keys of a module, salted by it.
+
+        Why a table: this is the same for every module call of the micro-batch but for the salt, so it is computed
+        for the live modules' salts at once (up to :data:`SALTED_ELEMENTS` values), in the order they were created
+        (the model's), rather than in eleven small operations per call; elementwise, so the values are the same."""
+        keys = self.keys(batch, length, device)
+        if keys is None:
+            return None
+        ck = (length, str(device))
+        hit = self._salted.get(ck)
+        if hit is None or salt not in hit[0]:
+            salts = live_salts()
+            if salt not in salts:
+                salts = [salt]
+            per = max(1, SALTED_ELEMENTS // max(keys.numel(), 1))
+            start = salts.index(salt) // per * per
+            group = salts[start : start + per]
+            table = _mix(keys[None] ^ torch.tensor(group, dtype=torch.int64, device=keys.device)[:, None, None])
+            hit = ({s: i for i, s in enumerate(group)}, table)
+            self._salted[ck] = hit  # one group at a time: at most SALTED_ELEMENTS values held
+        return hit[1][hit[0][salt]]
+
+
+# The most salted keys a micro-batch holds (int64: 32 MB): all modules at once for SmolLM2-135M or Qwen3-0.6B at batch
+# 8 x 512 tokens (0.3 and 0.8 million), groups of modules for longer sequences.
+SALTED_ELEMENTS = 1 << 22
+# Every SeededDropout made, in creation order (the model's module order), for salted_keys' table.
+_LIVE: weakref.WeakKeyDictionary[SeededDropout, None] = weakref.WeakKeyDictionary()
+
+
+def live_salts() -> list[int]:
+    """The salts of the live :class:`SeededDropout` modules in training mode that draw masks, without repeats."""
+    return list(dict.fromkeys(m.salt for m in list(_LIVE.keys()) if m.training and 0 < m.p < 1))
 
 
 _current: list[_Rows | None] = [None]  # module-level, not a contextvar: a backward pass may run in another thread
@@ -176,23 +226,26 @@ def keep_mask(shape: Sequence[int], p: float, salt: int, device: Any) -> torch.T
     if rows is None or len(shape) < 2:
         return None
     batch = int(shape[0])
+    length: int | None = None
     if len(shape) == 2:  # [batch, features]: one key per row (position 0's)
-        keys = rows.keys(batch, None, device)
         per, width = (batch, 1), int(shape[1])
     else:
-        keys = rows.keys(batch, int(shape[1]), device)
-        per = (batch, int(shape[1]))
+        length = int(shape[1])
+        per = (batch, length)
         width = 1
         for s in shape[2:]:
             width *= int(s)
-    if keys is None:
+    salted = rows.salted_keys(batch, length, salt, device)
+    if salted is None:
         return None
     pairs = (width + 1) // 2
-    h = _mix(keys.reshape(per) ^ salt)[..., None] ^ _feature_hashes(pairs, device)
-    h.mul_(_MUL).bitwise_and_(_M32)
-    h.bitwise_xor_(h >> 16)
-    # Each int64 holds the hash in its low 32 bits: as int16s, the first two of every four are its halves.
-    halves = h.view(torch.int16).view(*per, pairs, 4)[..., :2]
+    h = salted.reshape(per)[..., None] ^ _feature_hashes(pairs, device)
+    # One multiply-xorshift round on the low 32 bits, y = h * _MUL mod 2^32, as halves: (y ^ y >> 16) & 0xFFFF and
+    # y >> 16. The product is below 2^59, exact in int64, and its 16-bit words 0 and 1 are y's: no mask is needed.
+    h.mul_(_MUL)
+    words = h.view(torch.int16).view(*per, pairs, 4)  # little-endian: words 0 and 1 are y's low and high halves
+    halves = words[..., :2]
+    halves[..., 0].bitwise_xor_(halves[..., 1])
     keep = (halves >= _LOWEST + round(p * _SPAN)).reshape(*per, 2 * pairs)
     if 2 * pairs != width:
         keep = keep[..., :width]
@@ -208,6 +261,7 @@ class SeededDropout(nn.Dropout):
         super().__init__(p, inplace)
         self.name = name
         self.salt = module_salt(name)
+        _LIVE[self] = None
 
     def keep(self, shape: Sequence[int], device: Any) -> torch.Tensor | None:
         """This module's mask for a tensor of ``shape`` in the micro-batch in progress, or None (then torch's

@@ -71,6 +71,15 @@ def _reduce(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     return left.t() @ right
 
 
+def _masked(x: torch.Tensor, kf: torch.Tensor | None) -> torch.Tensor:
+    """``x * kf`` (``x`` 16-bit, ``kf`` its mask as :func:`_as` gives it) as :func:`_reduce` takes it: in fp32 under
+    :data:`ADAPTER_GRADS_FP32`, written by the product itself (the product is exact, so these are the numbers of the
+    product and a cast after it, in one operation instead of two)."""
+    if kf is None or not ADAPTER_GRADS_FP32:
+        return x if kf is None else x * kf
+    return torch.mul(x, kf, out=torch.empty(x.shape, dtype=torch.float32, device=x.device))
+
+
 # Masks kept for the backward pass as bits rather than bytes: one byte per element was 26% of what a SmolLM2-135M chat
 # step saved (217 of 842 MB). The same mask comes back, so the gradients are unchanged to the bit (tested).
 PACK_MASKS = True
@@ -80,8 +89,8 @@ def pack_mask(keep: torch.Tensor) -> torch.Tensor:
     """A boolean mask as uint8 bits, eight elements per byte (:func:`unpack_mask` gives it back).
 
     On a CPU numpy's ``packbits`` (one pass; the torch version below took 3-7x longer both ways on SmolLM2's
-    shapes). Elsewhere, and under torch.compile, torch ops: the mask's bytes read eight at a time as int64 and folded
-    by shifts (values stay below 2^57, so no shift or sign is a concern)."""
+    shapes). Elsewhere, and under torch.compile, two torch operations (each one a kernel launch on a GPU): the mask's
+    bytes, eight to a row, times their bits' values, summed (distinct powers of two: at most 255, exact)."""
     flat = keep.reshape(-1)
     if flat.device.type == "cpu" and not torch.compiler.is_compiling():
         import numpy as np
@@ -89,12 +98,9 @@ def pack_mask(keep: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
     flat = flat.view(torch.uint8)
     n = flat.numel()
-    if n % 8 or flat.storage_offset() % 8:
+    if n % 8:
         flat = torch.cat([flat, flat.new_zeros(-n % 8)])
-    x = flat.view(torch.int64)
-    x = x | (x >> 7)  # a new tensor: the mask itself is left as it is
-    x.bitwise_or_(x >> 14).bitwise_or_(x >> 28)
-    return x.bitwise_and_(0xFF).to(torch.uint8)
+    return flat.view(-1, 8).mul(_bit_values(flat.device)).sum(-1, dtype=torch.uint8)
 
 
 def unpack_mask(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
@@ -104,11 +110,20 @@ def unpack_mask(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torc
         import numpy as np
 
         return torch.from_numpy(np.unpackbits(bits.numpy(), count=n, bitorder="little")).view(tuple(shape))
-    y = bits.to(torch.int64)
-    y = y.bitwise_or_(y << 28).bitwise_and_(0x0000000F0000000F)
-    y = y.bitwise_or_(y << 14).bitwise_and_(0x0003000300030003)
-    y = y.bitwise_or_(y << 7).bitwise_and_(0x0101010101010101)
-    return y.view(torch.uint8)[:n].view(tuple(shape))
+    y = bits[:, None].bitwise_right_shift(_bit_values(bits.device, shifts=True)).bitwise_and_(1)
+    return y.view(-1)[:n].view(tuple(shape))
+
+
+_bits: dict[tuple[str, bool], torch.Tensor] = {}
+
+
+def _bit_values(device: torch.device, shifts: bool = False) -> torch.Tensor:
+    """uint8 ``[1, 2, 4, ..., 128]`` (or ``[0, 1, ..., 7]`` for ``shifts``) on ``device``, made once per device."""
+    key = (str(device), shifts)
+    if key not in _bits:
+        k = torch.arange(8, dtype=torch.uint8)
+        _bits[key] = (k if shifts else torch.ones(8, dtype=torch.uint8) << k).to(device)
+    return _bits[key]
 
 
 def _saved_mask(ctx: Any, keep: torch.Tensor | None) -> torch.Tensor | None:
@@ -124,9 +139,17 @@ def _restored_mask(ctx: Any, keep: torch.Tensor | None) -> torch.Tensor | None:
     return keep if ctx.mask_shape is None or keep is None else unpack_mask(keep, ctx.mask_shape)
 
 
+# Devices where a mask is converted to the other operand's dtype before a product. Elsewhere the product takes the
+# boolean mask as it is: one kernel launch instead of two on a GPU, the same products (x * 1 and x * 0).
+CAST_MASKS_ON = {"cpu"}
+
+
 def _as(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The boolean mask as 0/1 in ``dtype``. Through uint8: on a CPU, converting bool directly (or ``where``, or
-    multiplying by a bool tensor) was 3-7x slower than this conversion and a same-dtype multiply together."""
+    """The boolean mask as a factor of a product with a ``dtype`` tensor: 0/1 in ``dtype`` on a CPU (through uint8:
+    converting bool directly, or ``where``, or multiplying by a bool tensor was 3-7x slower there than this conversion
+    and a same-dtype multiply together); elsewhere the mask itself (:data:`CAST_MASKS_ON`)."""
+    if keep.device.type not in CAST_MASKS_ON:
+        return keep.view(torch.bool)
     return keep.view(torch.uint8).to(dtype)
 
 
@@ -220,8 +243,7 @@ class _LoraMixed(torch.autograd.Function):
             grad_a = None
             if needs[4]:
                 kf = None if keep is None else _as(keep, xh.dtype)
-                xd = xh if kf is None else xh * kf
-                grad_a = _reduce(grad_u, xd)
+                grad_a = _reduce(grad_u, _masked(xh, kf))
             grad_x = None
             if needs[0]:
                 gx = grad_u @ ah
@@ -281,10 +303,7 @@ class _SwiGLUDown(torch.autograd.Function):
             kf = None if keep is None else _as(keep, w.dtype)
             grad_a = None
             if needs[4]:
-                xd = (silu * up).to(w.dtype)
-                if kf is not None:
-                    xd.mul_(kf)
-                grad_a = _reduce(grad_u, xd)
+                grad_a = _reduce(grad_u, _masked((silu * up).to(w.dtype), kf))
             grad_gate = grad_up = None
             if needs[0] or needs[1]:
                 gx = grad_u @ ah
