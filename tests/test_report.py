@@ -135,6 +135,28 @@ def test_curves_png_is_drawn(sft_run):
     assert (img.min(-1) < 0.9).mean() > 0.02 and img.std() > 0.05
 
 
+def test_curves_are_redrawn_after_an_epoch_at_most_every_30_s_and_the_end_draws_what_is_stale(sft_run, tmp_path):
+    from surefit.run_folder import CURVES_EVERY_S, CurvesRedraw
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(sft_run / "metrics.jsonl", run / "metrics.jsonl")
+    now = [100.0]
+    redraw = CurvesRedraw(run, clock=lambda: now[0])
+    now[0] += CURVES_EVERY_S - 1
+    redraw()  # epochs of seconds: not drawn
+    assert not (run / "curves.png").exists()
+    now[0] += 1
+    redraw()  # 30 s since the start
+    assert (run / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    (run / "curves.png").unlink()
+    now[0] += CURVES_EVERY_S - 1
+    redraw()  # 29 s since the last drawing
+    assert not (run / "curves.png").exists()
+    write_report(run, redraw=False)  # the end of a run: curves.png is stale (here: missing), so it is drawn
+    assert (run / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
+
+
 def test_report_html_has_every_section_and_no_external_resource(sft_run):
     page = (sft_run / "report.html").read_text(encoding="utf-8")
     for anchor, title in SECTIONS:

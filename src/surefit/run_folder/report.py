@@ -121,8 +121,15 @@ def write_curves(run_dir: str | Path) -> Path:
     metrics = task_metrics(epochs)
     schedule = _read_json(run_dir / SCHEDULE)
     panels = (3 if metrics else 2) + (1 if isinstance(schedule, dict) else 0)
-    fig = Figure(figsize=(5.2 * panels, 4.0), dpi=100, layout="constrained")
+    width, height = 5.2 * panels, 4.0
+    fig = Figure(figsize=(width, height), dpi=100)
     FigureCanvasAgg(fig)
+    # Fixed margins in inches (room for tick labels of up to ~7 characters and an axis label), not a layout engine:
+    # matplotlib's constrained layout measured every text before drawing, about 40% of a drawing's 0.4-0.6 s.
+    left, right, gap = 0.9, 0.2, 0.95
+    axes_w = (width - left - right - gap * (panels - 1)) / panels
+    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=0.55 / height, top=1 - 0.65 / height,
+                        wspace=gap / axes_w)
     axes = fig.subplots(1, panels, squeeze=False)[0]
 
     ax = axes[0]
@@ -516,7 +523,7 @@ def write_report(run_dir: str | Path, say: Any = None, redraw: bool = True) -> P
         run_dir: a run's ``--output_dir`` (finished, interrupted or still training).
         say: where to print the one-line summary (``None``: silent).
         redraw: ``False``: keep a ``curves.png`` drawn after the last metrics were written (the end of a run, whose
-            last epoch has just drawn it; drawing it again cost about half a second).
+            last epoch has just drawn it; drawing it again costs about a quarter of a second).
     """
     run_dir = Path(run_dir)
     if redraw or not curves_current(run_dir):
