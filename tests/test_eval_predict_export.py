@@ -64,6 +64,44 @@ def test_sft_eval_reproduces_the_last_epoch_and_writes_json(sft_run, tmp_path, c
     assert [r["prediction"] for r in now] == [r["prediction"] for r in trained]
 
 
+def test_sft_eval_generates_as_far_as_training_did_when_training_answers_are_longer(tiny_lm_dir, tmp_path, capsys):
+    """Training caps generation at the longest validation answer + 4 tokens; ``surefit eval`` used the longest
+    training target + 4, so a training set with a long answer made eval generate further and score another F1
+    (seen on docs/outputs.md's command with --limit 40: 0.6458 against 0.6467)."""
+    from surefit.tasks.sft import use_sft
+
+    train, val = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    rows = qa_rows(16) + [{"input": "the cat sat .\n\nQuestion: tell the story ?",
+                           "target": " ".join(["the cat sat on the mat near the dog"] * 4)}]
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    val.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(20)[16:]), encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(tiny_lm_dir), "--data", str(train), "--val_data", str(val), "--epochs", "1",
+                 "--lora_r", "4", "--batch_size", "4", "--lr", "1e-6", "--max_seq_length", "128",
+                 "--eval_generate", "true", "--output_dir", str(out)]) == 0
+    report = json.loads((out / "data_report.json").read_text())
+    assert "longest_target\": 37" in json.dumps(report)  # the long training answer is there, in tokens
+    caps = []
+    real = use_sft.Generation
+
+    def spy(*args, **kwargs):
+        gen = real(*args, **kwargs)
+        caps.append(gen.max_new_tokens)
+        return gen
+
+    use_sft.Generation = spy
+    try:
+        assert main(["eval", "--run", str(out), "--predictions", str(tmp_path / "p.jsonl")]) == 0
+    finally:
+        use_sft.Generation = real
+    printed = capsys.readouterr().out
+    # training's cap: "eval generates up to 8 tokens (the longest validation answer, 4 tokens with its terminator, + 4)"
+    assert caps == [8], (caps, printed)
+    trained = [json.loads(x)["prediction"] for x in (out / "predictions/epoch_1.jsonl").read_text().splitlines()]
+    now = [json.loads(x)["prediction"] for x in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert now == trained and len(now) == 4
+
+
 def test_sft_eval_json_to_stdout_and_on_another_file(sft_run, tmp_path, capsys):
     rows = qa_rows(40)[32:]
     data = tmp_path / "other.jsonl"

@@ -318,7 +318,8 @@ class SFTConfig(TrainConfig):
         True, "Run the LM head and the cross-entropy fused, in chunks: no full logits tensor in memory, the same loss "
         "and gradients. false: the unfused head (its logits for all supervised tokens at once).")
     max_new_tokens: int | None = opt(
-        None, "Generation length for evaluation. Default: the longest training target in tokens, plus 4."
+        None, "Generation length for evaluation. Default: the longest answer of the rows scored (the validation "
+        "answers; without validation rows, the training targets) in tokens, plus 4."
     )
 
     def problems(self) -> list[Problem]:

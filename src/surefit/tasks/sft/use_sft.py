@@ -141,7 +141,9 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
         raise DataError(Problem(f"no rows of {described} fit: all {rep.rows} targets are longer than "
                                 f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
                                 "evaluate on rows with shorter targets"))
-    max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc)
+    # training's rule for the rows it scores: no answer longer than their longest reference needs (train_sft.py)
+    scored = max((len(e.input_ids) - e.prompt_len for e in examples), default=0)
+    max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc, scored)
     metric = choose_metric(cfg, bool(run.summary.format_conversational))
     scoring = Scoring(target_field, metric, Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)),
                       answer=encoder.answer_of())
@@ -153,12 +155,17 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     return described, len(examples), metrics, records
 
 
-def _max_new_tokens(run: Run, given: int | None, loaded: Loaded, train_rows: list | None, enc: dict) -> int:
-    """Generation length as training chose it: --max_new_tokens, else the longest training target + 4."""
+def _max_new_tokens(run: Run, given: int | None, loaded: Loaded, train_rows: list | None, enc: dict,
+                    scored: int = 0) -> int:
+    """Generation length as training chose it: --max_new_tokens, else the longest answer (with its terminator) of the
+    rows being scored + 4, as each epoch's evaluation capped it; rows without answers (predict): the longest training
+    target + 4."""
     if given:
         return given
     if (configured := run.config_as(SFTConfig).max_new_tokens):
         return configured
+    if scored:
+        return scored + 4
     longest = run.summary.encoded("train", "longest_target")
     if not longest and train_rows is not None:
         longest = loaded.extra["encoder"].encode(train_rows, "train")[1].longest_target
