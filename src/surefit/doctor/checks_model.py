@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
-from surefit.doctor.core import REGISTRY, Finding, Setup, describe, register
+from surefit.doctor.core import REGISTRY, Finding, Setup, describe, input_embeddings, register
 from surefit.doctor.patterns import codes_in
 
 SCAN_ROWS = 50_000  # rows read per split and column by the scans
@@ -375,13 +375,7 @@ def check_attention_mask(setup: Setup) -> list[Finding]:
 @register("token-id-out-of-range")
 def check_token_ids(setup: Setup) -> list[Finding]:
     """Token ids outside the input embedding (tokens added to the tokenizer without resizing the model)."""
-    model = setup.base_model
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
-    rows_n = getattr(emb, "num_embeddings", None)
+    rows_n = getattr(input_embeddings(setup.base_model), "num_embeddings", None)
     if not isinstance(rows_n, int):
         return []
     tok = _tokenizer(setup)

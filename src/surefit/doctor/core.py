@@ -513,6 +513,15 @@ class Setup:
         return None
 
 
+def input_embeddings(model: Any) -> Any:
+    """The model's input embedding module, or ``None`` where it has none (or does not say)."""
+    getter = getattr(model, "get_input_embeddings", None)
+    try:
+        return getter() if callable(getter) else None
+    except (NotImplementedError, AttributeError):
+        return None
+
+
 def _model_device(model: Any) -> Any:
     """Where a model takes its inputs: its input embeddings' device (a model spread by ``device_map`` starts there),
     else its first parameter's; ``None`` for anything that is not an ``nn.Module`` with parameters."""
@@ -520,12 +529,7 @@ def _model_device(model: Any) -> Any:
 
     if not isinstance(model, nn.Module):
         return None
-    getter = getattr(model, "get_input_embeddings", None)
-    try:
-        emb = getter() if callable(getter) else None
-    except (NotImplementedError, AttributeError):
-        emb = None
-    weight = getattr(emb, "weight", None)
+    weight = getattr(input_embeddings(model), "weight", None)
     if weight is not None:
         return weight.device
     return next((p.device for p in model.parameters()), None)
