@@ -33,6 +33,9 @@ def main() -> None:
     ap.add_argument("--quantize", choices=("none", "4bit"), default="none")
     ap.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer files (default: the embedded model's)")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and 16 rows: checks the script runs")
+    ap.add_argument("--attention", choices=("surefit", "torch"), default="surefit",
+                    help="attention kernel order while training: surefit's (flash, efficient, cuDNN) or torch's own")
+    ap.add_argument("--steps", type=int, default=0, help="stop after this many optimizer steps (0: the whole epoch)")
     ap.add_argument("--out", help="where the operator table goes (default: a temporary folder)")
     args = ap.parse_args()
 
@@ -41,7 +44,10 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     import surefit
+    import surefit.training.precision as precision
 
+    if args.attention == "torch":
+        precision.ATTENTION_ORDER = None
     cuda = torch.cuda.is_available()
     small = args.job == "small"
     rows, batch = (16, 4) if args.tiny else ((64, 4) if small else (256, 8))
@@ -77,7 +83,7 @@ def main() -> None:
                                    max_seq_length=512, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=2e-4, seed=0,
                                    precision="bf16", quantize=args.quantize, val_fraction=0.1,
                                    gpu_memory_gb=str(CAP_GB) if small and cuda else None,
-                                   output_dir=str(Path(tmp) / "run"), overwrite=True)
+                                   max_steps=args.steps or None, output_dir=str(Path(tmp) / "run"), overwrite=True)
         total = time.perf_counter() - t0
         plan = json.loads((Path(tmp) / "run" / "memory_plan.json").read_text(encoding="utf-8"))
     # marks[0] is step 1's optimizer call, so the first whole step is marks[1] -> marks[2]
@@ -88,12 +94,13 @@ def main() -> None:
     cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_{args.job}_{args.quantize}.txt").write_text(table + "\n\n" + cpu_table + "\n", encoding="utf-8")
+    (out / f"profile_{args.job}_{args.quantize}_{args.attention}.txt").write_text(table + "\n\n" + cpu_table + "\n", encoding="utf-8")
     epoch = result.history[-1]
+    kernels = {e.key: e.count for e in prof.key_averages() if "attention" in e.key and e.key.startswith("aten::_")}
     print("RESULT " + json.dumps({
-        "job": args.job, "quantize": args.quantize, "device": device, "rows": rows, "batch": batch,
+        "job": args.job, "quantize": args.quantize, "attention": args.attention, "device": device, "rows": rows, "batch": batch,
         "whole_s": round(total, 1), "to_step1_optimizer_s": round(marks[0] - t0, 1) if marks else None, "time_per_epoch": round(epoch["time_per_epoch"], 2), "steps": len(steps),
-        "step_s": steps, "median_step_s": sorted(steps)[len(steps) // 2] if steps else None, **memory,
+        "attention_ops": kernels, "step_s": steps, "median_step_s": sorted(steps)[len(steps) // 2] if steps else None, **memory,
         "plan": {k: plan.get(k) for k in ("micro_batch_size", "grad_accum", "gradient_checkpointing", "frozen_dtype",
                                             "quantized", "estimated_bytes")}}), flush=True)
     print(cpu_table[:6000])

@@ -21,3 +21,40 @@ def test_denormals_flush_inside_training_on_cpu_and_come_back_after():
     assert _survives()
     with flush_denormals(torch.device("meta")):  # any other device: untouched
         assert _survives()
+
+
+def test_a_training_run_flushes_denormals_in_its_steps_and_restores_the_setting(tmp_path):
+    # The run's own forwards see the flag: fit once took it from a keyword argument it no longer had, and never set it.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import surefit
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero control (not x86 with SSE3)")
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(repo / "examples/custom/make_shards.py"), "--out", str(tmp_path / "s"),
+                    "--vocab", "17", "--train", "32", "--val", "8", "--shard_rows", "64", "--seed", "0"],
+                   check=True, capture_output=True)
+    seen = tmp_path / "seen.txt"
+    (tmp_path / "m.py").write_text(f'''import torch
+from torch import nn
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(17, 4)
+    def forward(self, batch):
+        if self.training:
+            kept = float(torch.tensor([{TINY!r}], dtype=torch.float32) * 1.0) != 0.0
+            with open({str(seen)!r}, "a") as fh:
+                fh.write("survived\\n" if kept else "flushed\\n")
+        return (self.lin(batch["inputs_embeds"].mean(1)),)
+def build():
+    return M()
+''')
+    surefit.train(task="custom", model=f"{tmp_path / 'm.py'}:build", data=str(tmp_path / "s" / "train"),
+                  loss="cross_entropy", epochs=1, batch_size=16, output_dir=str(tmp_path / "o"))
+    seen_in = seen.read_text().split()
+    assert len(seen_in) >= 2 and set(seen_in[-2:]) == {"flushed"}  # the two training steps (the doctor's dry run comes before fit)
+    assert _survives()  # torch's default again after the run

@@ -55,7 +55,7 @@ from surefit.training.distributed import (
 from surefit.training.dropout import UNKEYED, training_rows
 from surefit.training.heap import release_free_memory
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
-from surefit.training.precision import flushing_denormals, saved_activations_in
+from surefit.training.precision import device_settings, saved_activations_in
 from surefit.training.processes import barrier, max_over_processes, share_from_main, sum_over_processes, world_size
 from surefit.training.schedule import Schedule, Warmup, make_scheduler, plan_schedule
 from surefit.training.selection import Selection
@@ -614,7 +614,6 @@ class _Fit:
             fix=f"resume with: {self.checkpointing.resume_command}"))
 
 
-@flushing_denormals
 def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks) -> list[dict[str, Any]]:
     """Train for ``settings.epochs``, evaluating before the first epoch and after each one, with checkpoints.
 
@@ -640,6 +639,12 @@ def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks
     Raises:
         TrainingInterrupted: after saving, when a stop signal arrived.
     """
+    # Process-wide settings (the CPU's denormal flushing, a GPU's attention kernel order) last as long as the run.
+    with device_settings(hooks.accelerator.device):
+        return _fit(model, work, settings, hooks)
+
+
+def _fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks) -> list[dict[str, Any]]:
     from surefit.eval.progress import Progress
 
     run = _Fit(model, work, settings, hooks)

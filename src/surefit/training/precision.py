@@ -7,7 +7,6 @@ loss stay fp32 (``training/speedups/lora_fast.py``), so such a run learns as in 
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -103,15 +102,45 @@ def flush_denormals(device: Any):
             torch.set_flush_denormal(False)
 
 
-def flushing_denormals(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run ``fn`` under :func:`flush_denormals` on the device of its ``accelerator`` keyword argument."""
+# On a GPU, the order in which scaled_dot_product_attention tries its kernels while surefit trains. torch puts cuDNN's
+# first on Hopper and Blackwell; cuDNN builds an execution graph for every new (batch, length) shape (tens of ms of
+# host time, once per thread: forward and backward each) and spends about 2-3 ms of host time per call. Training
+# batches change length every step, and an H200 run spent more host time there than the GPU spent on the whole step
+# (results/h200/README.md). Flash and memory-efficient attention take any length at a small, fixed host cost.
+ATTENTION_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with flush_denormals(getattr(kwargs.get("accelerator"), "device", None)):
-            return fn(*args, **kwargs)
 
-    return wrapper
+@contextmanager
+def attention_kernels(device: Any, order: Sequence[str] | None = ATTENTION_ORDER):
+    """On a CUDA device, try attention kernels in ``order`` (None: torch's own order). Backends the user switched off
+    (``torch.backends.cuda.enable_*_sdp(False)``) stay off. The order is process-wide in torch, so it is set for the
+    duration and restored afterwards; it covers the backward pass and any recomputation, which run on other threads."""
+    if getattr(device, "type", None) != "cuda" or not order:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = torch.backends.cuda
+    enabled = {"FLASH_ATTENTION": backends.flash_sdp_enabled(), "EFFICIENT_ATTENTION": backends.mem_efficient_sdp_enabled(),
+               "CUDNN_ATTENTION": backends.cudnn_sdp_enabled(), "MATH": backends.math_sdp_enabled()}
+    chosen = [getattr(SDPBackend, name) for name in order if enabled.get(name)]
+    if not chosen:  # every listed kernel switched off by the user: theirs to decide
+        yield
+        return
+    saved = torch._C._get_sdp_priority_order()
+    try:
+        with sdpa_kernel(chosen, set_priority=True):
+            yield
+    finally:  # sdpa_kernel restores the order of the enabled kernels only: a switched-off one would move to the end
+        torch._C._set_sdp_priority_order(saved)
+
+
+@contextmanager
+def device_settings(device: Any):
+    """The process-wide settings a training run holds while it runs on ``device`` (:func:`flush_denormals` on a CPU,
+    :func:`attention_kernels` on a GPU), restored afterwards."""
+    with flush_denormals(device), attention_kernels(device, ATTENTION_ORDER):
+        yield
 
 
 def saved_activations_in(dtype: str | None, store: Callable[[torch.dtype], Any] | None) -> Any:
