@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a 2-layer model and 16 rows: checks the script runs")
     ap.add_argument("--attention", choices=("surefit", "torch"), default="surefit",
                     help="attention kernel order while training: surefit's (flash, efficient, cuDNN) or torch's own")
+    ap.add_argument("--norm", choices=("torch", "transformers"), default="torch",
+                    help="RMSNorm forward: torch's rms_norm (surefit's default: fused on a GPU) or transformers' own")
     ap.add_argument("--steps", type=int, default=0, help="stop after this many optimizer steps (0: the whole epoch)")
     ap.add_argument("--out", help="where the operator table goes (default: a temporary folder)")
     args = ap.parse_args()
@@ -48,6 +50,10 @@ def main() -> None:
 
     if args.attention == "torch":
         precision.ATTENTION_ORDER = None
+    if args.norm == "transformers":
+        import surefit.training.speedups.lora_fast as lora_fast
+
+        lora_fast.FUSED_RMS_NORM = False
     cuda = torch.cuda.is_available()
     small = args.job == "small"
     rows, batch = (16, 4) if args.tiny else ((64, 4) if small else (256, 8))
@@ -94,13 +100,14 @@ def main() -> None:
     cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp())
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"profile_{args.job}_{args.quantize}_{args.attention}.txt").write_text(table + "\n\n" + cpu_table + "\n", encoding="utf-8")
+    (out / f"profile_{args.job}_{args.quantize}_{args.attention}_{args.norm}.txt").write_text(table + "\n\n" + cpu_table + "\n", encoding="utf-8")
     epoch = result.history[-1]
+    launches = sum(e.count for e in prof.key_averages() if e.key in ("cudaLaunchKernel", "cuLaunchKernelEx"))
     kernels = {e.key: e.count for e in prof.key_averages() if "attention" in e.key and e.key.startswith("aten::_")}
     print("RESULT " + json.dumps({
-        "job": args.job, "quantize": args.quantize, "attention": args.attention, "device": device, "rows": rows, "batch": batch,
+        "job": args.job, "quantize": args.quantize, "attention": args.attention, "norm": args.norm, "device": device, "rows": rows, "batch": batch,
         "whole_s": round(total, 1), "to_step1_optimizer_s": round(marks[0] - t0, 1) if marks else None, "time_per_epoch": round(epoch["time_per_epoch"], 2), "steps": len(steps),
-        "attention_ops": kernels, "step_s": steps, "median_step_s": sorted(steps)[len(steps) // 2] if steps else None, **memory,
+        "attention_ops": kernels, "launches_2_steps": launches, "step_s": steps, "median_step_s": sorted(steps)[len(steps) // 2] if steps else None, **memory,
         "plan": {k: plan.get(k) for k in ("micro_batch_size", "grad_accum", "gradient_checkpointing", "frozen_dtype",
                                             "quantized", "estimated_bytes")}}), flush=True)
     print(cpu_table[:6000])

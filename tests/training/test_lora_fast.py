@@ -615,3 +615,30 @@ def test_a_gpus_mask_paths_give_the_cpus_loss_and_gradients_to_the_bit(monkeypat
     assert loss == loss_ref and g.keys() == g_ref.keys() and len(g) == 28
     for k in g:
         assert torch.equal(g[k], g_ref[k]), k
+
+
+@pytest.mark.parametrize("frozen16", [False, True])
+def test_rms_norms_take_torchs_rms_norm_with_the_same_loss_and_gradients_to_the_bit_and_others_keep_theirs(frozen16):
+    # On a GPU torch's rms_norm is one fused kernel each way; on a CPU it is the same operations as transformers'.
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from surefit.training.speedups.lora_fast import _is_rms_norm, _rms_norm_forward
+
+    ref = _peft(tiny_llama(), dropout=0.0)
+    if frozen16:
+        store_frozen_in(ref, torch.bfloat16)
+    fused = copy.deepcopy(ref)
+    fuse_lora(ref)
+    for m in ref.modules():  # the reference: the fused LoRA layers and MLPs, transformers' own norms
+        if _is_rms_norm(m):
+            m.forward = type(m).forward.__get__(m)
+    fuse_lora(fused)
+    norms = [m for m in fused.modules() if getattr(m.forward, "__func__", None) is _rms_norm_forward]
+    assert len(norms) == 2 * 2 + 1  # two per decoder layer and the final one
+    loss_ref, grads_ref = _loss_and_grads(ref, _batch(), bf16=frozen16)
+    loss, grads = _loss_and_grads(fused, _batch(), bf16=frozen16)
+    assert loss == loss_ref and grads.keys() == grads_ref.keys()
+    assert all(torch.equal(grads[k], grads_ref[k]) for k in grads)
+    assert _is_rms_norm(Qwen3RMSNorm(8))
+    assert not _is_rms_norm(GemmaRMSNorm(8))  # (1 + weight), in fp32: another computation

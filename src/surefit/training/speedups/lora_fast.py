@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import types
 import weakref
 from typing import Any
@@ -338,14 +339,7 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
         return False
     cls = type(m)
     if cls not in _swiglu_classes:
-        try:
-            import inspect
-
-            lines = inspect.getsource(cls.forward).splitlines()
-        except (OSError, TypeError):
-            lines = []
-        body = tuple(ln.strip() for ln in lines[1:] if ln.strip() and not ln.strip().startswith("#"))
-        head = lines[0].strip().replace(" ", "") if lines else ""
+        head, body = _forward_body(cls)
         _swiglu_classes[cls] = head.startswith("defforward(self,x)") and body in _SWIGLU_FORWARDS
     return _swiglu_classes[cls]
 
@@ -367,6 +361,50 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
     bias = None if down.base_layer.bias is None else down.base_layer.bias.to(down.lora_A[name].weight.dtype)
     return _SwiGLUDown.apply(gate, up, w, bias, down.lora_A[name].weight, down.lora_B[name].weight,
                              (p, float(down.scaling[name]), drop))
+
+
+# The RMSNorm forward of Llama, Qwen2/3, Mistral, SmolLM and most decoders in transformers, line for line.
+_RMS_NORM_FORWARD = (
+    "input_dtype = hidden_states.dtype",
+    "hidden_states = hidden_states.to(torch.float32)",
+    "variance = hidden_states.pow(2).mean(-1, keepdim=True)",
+    "hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)",
+    "return self.weight * hidden_states.to(input_dtype)",
+)
+_rms_norm_classes: dict[type, bool] = {}
+FUSED_RMS_NORM = True  # False: transformers' own norm forward (benchmarks/gpu_profile.py --norm transformers)
+
+
+def _is_rms_norm(m: nn.Module) -> bool:
+    """True for a module whose forward is exactly :data:`_RMS_NORM_FORWARD` (read from its source)."""
+    cls = type(m)
+    if cls not in _rms_norm_classes:
+        _rms_norm_classes[cls] = isinstance(getattr(m, "weight", None), torch.Tensor) \
+            and _forward_body(cls) == ("defforward(self,hidden_states)", _RMS_NORM_FORWARD)
+    return _rms_norm_classes[cls]
+
+
+def _forward_body(cls: type) -> tuple[str, tuple[str, ...]]:
+    """A class's ``forward``: its ``def`` line without spaces or annotations, and its statements (comments out)."""
+    try:
+        import inspect
+
+        lines = inspect.getsource(cls.forward).splitlines()  # type: ignore[attr-defined]
+    except (OSError, TypeError, AttributeError):
+        return "", ()
+    lines = [ln for ln in lines if not ln.lstrip().startswith("@")]
+    if not lines:
+        return "", ()
+    head = re.sub(r":[^,)]*", "", re.sub(r"->.*", "", lines[0]).strip().rstrip(":")).replace(" ", "")
+    return head, tuple(ln.strip() for ln in lines[1:] if ln.strip() and not ln.strip().startswith("#"))
+
+
+def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    # torch's rms_norm: on a GPU one fused kernel each way where the forward above launches seven and its backward
+    # about ten (113 norms in a Qwen3-0.6B step); on a CPU the same operations as above (bitwise equal, tested).
+    dtype = hidden_states.dtype
+    normed = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],), eps=self.variance_epsilon)
+    return self.weight * normed.to(dtype)
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -454,7 +492,8 @@ def fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
 
 
 def fuse_lora(model: nn.Module) -> int:
-    """Give every peft LoRA ``Linear`` of ``model`` the fused forward; returns how many layers have it.
+    """Give every peft LoRA ``Linear`` of ``model`` the fused forward; returns how many layers have it. Gated MLPs
+    over a LoRA ``down_proj`` and transformers' RMSNorm get theirs too (:func:`_rms_norm_forward`).
 
     QLoRA's layers (a bitsandbytes 4-bit or 8-bit base) get it too: the base is called as peft calls it, the adapter
     runs as :class:`_LoraBranch` (a bit mask saved, not the dropped input per adapter, which peft's forward keeps).
@@ -476,6 +515,8 @@ def fuse_lora(model: nn.Module) -> int:
             # Used only when down_proj is a LoRA layer on 16-bit frozen weights (checked at each call).
             m._surefit_act = type(m.act_fn)  # type: ignore[assignment]  # a new attribute on the module
             m.forward = types.MethodType(_fused_mlp_forward, m)
+        elif FUSED_RMS_NORM and _is_rms_norm(m):
+            m.forward = types.MethodType(_rms_norm_forward, m)
     return n
 
 
