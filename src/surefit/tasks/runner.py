@@ -33,7 +33,7 @@ from surefit.tasks.baseline_eval import BaselineReuse
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
-from surefit.training.precision import autocast_where
+from surefit.training.precision import autocast_where, device_settings
 from surefit.training.processes import is_main_process, on_main, world_size
 from surefit.training.trackers import MetricsLog
 from surefit.training.work import Evaluation, TrainingWork
@@ -190,7 +190,16 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, tim
             raise
     folder.start(p.found)
     warn_small_validation(p.found.data_report, cfg, say)
+    # The doctor's dry run and the planner's probe compute as training will (a GPU's attention kernels, the CPU's
+    # denormal flushing): the plan measures the kernels the steps use.
+    with device_settings(p.accelerator.device):
+        return _run_prepared(folder, p, clock, times, resume_from)
 
+
+def _run_prepared(folder: RunFolder, p: Prepared, clock: startup.Clock, times: walltime.WallTimes,
+                  resume_from: Path | None) -> RunResult:
+    """The doctor, the memory plan, the loop and the final save of a prepared run."""
+    cfg, say = folder.cfg, folder.say
     cache = startup_cache.StartupCache(None if getattr(cfg, "no_cache", False) else startup_cache.cache_dir(), say)
     with clock.phase("cache key"):
         key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None

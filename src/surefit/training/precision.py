@@ -85,6 +85,9 @@ def _process_settings() -> dict[str, Any]:
                                 InitProcessGroupKwargs(timeout=WAIT)]}
 
 
+_flushing = 0  # how many flush_denormals contexts are open
+
+
 @contextmanager
 def flush_denormals(device: Any):
     """On a CPU, treat denormal floats (below 1.2e-38) as zero while training.
@@ -94,11 +97,14 @@ def flush_denormals(device: Any):
     losses to 4 decimals (fp32 runs were unaffected either way). GPUs flush in most kernels already. torch can set
     this process-wide flag but not read it, so it is switched back off afterwards, torch's default.
     """
+    global _flushing
     on = getattr(device, "type", None) == "cpu" and torch.set_flush_denormal(True)
+    _flushing += bool(on)
     try:
         yield
     finally:
-        if on:
+        _flushing -= bool(on)
+        if on and not _flushing:  # nested (the runner's around fit's): the outermost switches it off
             torch.set_flush_denormal(False)
 
 
