@@ -108,6 +108,10 @@ def worker(args: argparse.Namespace) -> None:
 
         if hasattr(lf, "CAST_MASKS_ON"):  # products take the boolean mask as it is, as off the CPU
             lf.CAST_MASKS_ON = set()
+        import surefit.training.dropout as dropout
+
+        if hasattr(dropout, "CONTIGUOUS_WORDS_ON"):  # the keyed masks compare strided words, as off the CPU
+            dropout.CONTIGUOUS_WORDS_ON = set()
         # pack_mask / unpack_mask take the torch path (a GPU's) when they think they are being compiled.
         proxy = _TorchProxy(torch, types.SimpleNamespace(is_compiling=lambda: True))
         for fn in ("pack_mask", "unpack_mask"):
