@@ -644,3 +644,21 @@ def test_rms_norms_take_torchs_rms_norm_with_the_same_loss_and_gradients_to_the_
     assert all(torch.equal(grads[k], grads_ref[k]) for k in grads)
     assert _is_rms_norm(Qwen3RMSNorm(8))
     assert not _is_rms_norm(GemmaRMSNorm(8))  # (1 + weight), in fp32: another computation
+
+
+@pytest.mark.parametrize("tokens,width", [(1388, 576), (700, 1536), (37, 96), (5, 3)])
+def test_the_cpus_row_major_adapter_products_give_the_same_bits_as_the_plain_ones(tokens, width):
+    # B's gradient as (u^T @ grad)^T and the forward's u @ B^T over a row-major copy: faster on a CPU, the same sums
+    # (equal to the bit on the Xeon this was measured on; the order of a matmul's sums is its library's, so the test
+    # allows fp32 rounding).
+    from surefit.training.speedups.lora_fast import _reduce, _row_major_t
+
+    g = torch.Generator().manual_seed(tokens)
+    grad = torch.randn(2, tokens, width, generator=g)
+    u = torch.randn(2, tokens, 16, generator=g).bfloat16()
+    b = torch.randn(width, 16, generator=g)
+    plain = grad.reshape(-1, width).t() @ u.reshape(-1, 16).float()
+    torch.testing.assert_close(_reduce(grad, u), plain, rtol=1e-6, atol=1e-6)
+    bh = _row_major_t(b, torch.bfloat16)
+    assert torch.equal(bh, b.bfloat16()) and bh.t().is_contiguous()
+    torch.testing.assert_close(u @ bh.t(), u @ b.bfloat16().t(), rtol=0.008, atol=1e-6)  # one bf16 rounding
