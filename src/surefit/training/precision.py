@@ -121,8 +121,8 @@ def attention_kernels(device: Any, order: Sequence[str] | None = ATTENTION_ORDER
     """On a CUDA device, try attention kernels in ``order`` (None: torch's own order). Backends the user switched off
     (``torch.backends.cuda.enable_*_sdp(False)``) stay off. The order is process-wide in torch, so it is set for the
     duration and restored afterwards; it covers the backward pass and any recomputation, which run on other threads."""
-    if getattr(device, "type", None) != "cuda" or not order:
-        yield
+    if getattr(device, "type", None) != "cuda" or not order or not hasattr(torch._C, "_set_sdp_priority_order"):
+        yield  # (a torch without settable kernel priorities keeps its own order)
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
