@@ -261,7 +261,8 @@ def test_qlora_layers_take_the_fused_forward_same_numbers_less_saved(lm64, bits)
     seed_dropout(peft_model)
     fused = copy.deepcopy(peft_model)
     assert fuse_lora(fused) == 14  # 2 layers x q, k, v, o, gate, up, down
-    ids = torch.randint(3, 60, (3, 24))
+    # where bitsandbytes placed the model (a GPU, where there is one)
+    ids = torch.randint(3, 60, (3, 24)).to(peft_model.get_input_embeddings().weight.device)
     results = []
     for model in (peft_model, fused):
         model.train()
