@@ -20,8 +20,10 @@ caps it):
 - ``shared``: the default with ``--eval_share_prefixes``.
 - ``merged``: the default with ``--eval_merge_lora`` (the adapter merged into a 16-bit working copy of the weights:
   one matmul per layer); ``merged_shared``: with both.
-- ``prefill``: not a goal, where the time goes: ``generate`` and the default with ``max_new_tokens`` 1 (the prompts'
-  forward and one token), once each.
+- ``packed``: the default with ``--eval_pack_lora`` (each adapted layer one 16-bit GEMM over ``[x | s x A^T]`` and
+  ``[W | B]``); ``packed_shared``: with ``--eval_share_prefixes`` too.
+- ``prefill``: not a goal, where the time goes: ``generate``, the default and ``packed`` with ``max_new_tokens`` 1
+  (the prompts' forward and one token), in the same alternation.
 
 Agreement: rows identical to ``generate`` (same weights, same precision), and to an fp32 reference (the same base
 and adapter weights in fp32, no autocast, the exact path), with the share of the reference's tokens matched before a
@@ -243,7 +245,8 @@ def _report(results: dict[str, Any], args: Any) -> str:
         f"{args.batch}. `exact`: surefit with `--eval_generate_batch_size {args.batch}` (each batch prefilled and "
         "decoded alone). `surefit`: the default (prompts prefilled "
         f"{args.batch} at a time, decoded in the planner's batch). `shared`: the default with "
-        "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both. "
+        "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both; "
+        "`packed`: the default with `--eval_pack_lora`; `packed_shared`: with `--eval_share_prefixes` too. "
         "The machine was shared with other work: speeds are new tokens per CPU second of "
         "the one-thread process, fastest of the repeats; the load average (1 min) at the start and end of each "
         "workload is listed.", "",
