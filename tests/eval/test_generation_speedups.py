@@ -402,3 +402,23 @@ def test_packed_layer_errs_as_much_as_the_training_forward_and_less_than_merging
     # fp64 sizes (seed 0): training forward 9.97e-4 / 9.73e-4, packed 1.007e-3 / 9.75e-4, merged 1.35e-3 / 1.12e-3
     assert rms(packed) < 1.1 * rms(lean)
     assert rms(merged) > 1.1 * rms(packed)
+
+
+def test_packed_siblings_reuse_a_result_only_for_the_same_input_unchanged():
+    """q, k and v share one GEMM when called in a row on the same tensor; another input, or the same tensor written
+    in place in between, gets its own GEMM: k_proj gives what it gives when its group is run on that input."""
+    from surefit.training.speedups.lora_generate import packed_lora
+
+    model = _lora_model(bf16=True)
+    attn = model.get_base_model().model.layers[0].self_attn
+    x, other = torch.randn(2, 5, attn.q_proj.in_features), torch.randn(2, 5, attn.q_proj.in_features)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_lora(model):
+        attn.q_proj(other)
+        want_other = attn.k_proj(other)
+        attn.q_proj(x)
+        assert torch.equal(attn.k_proj(other), want_other)  # not the k of x
+        attn.q_proj(x)
+        x.mul_(2)  # written in place after q_proj read it
+        got = attn.k_proj(x)
+        attn.q_proj(x)
+        assert torch.equal(got, attn.k_proj(x)) and not torch.equal(got, attn.k_proj(x / 2))

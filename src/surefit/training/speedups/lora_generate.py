@@ -91,7 +91,8 @@ class _Pack:
     adapter are summed in the GEMM's fp32 accumulator and the layer's output is rounded to 16 bits once, where the
     training forward rounds the base output and the adapter's output to 16 bits each and adds them in fp32. W and B
     are copied side by side once per generation (zeros where an adapter does not feed an output), never rounded into
-    each other as merging does."""
+    each other as merging does. A base layer's bias is added to the 16-bit output (a second rounding, where there is
+    a bias). The siblings after the first reuse its GEMM only for the same input tensor, not written since."""
 
     def __init__(self, layers: list[Any], names: list[str]):
         ws = [layer.base_layer.weight.detach() for layer in layers]
