@@ -329,8 +329,8 @@ def test_packed_generation_equals_generate_under_the_same_packed_layers_and_rest
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forwards = {id(m): m.__dict__.get("forward") for m in model.modules()}
     prompts = _prompts()
-    with packed_lora(model) as n:
-        assert n == 14  # per block: q, k, v, gate, up, the MLP (down_proj inside it) and o_proj
+    with packed_lora(model) as packed:
+        assert packed.modules == 14 and not packed.out_of_memory  # per block: q, k, v, gate, up, the MLP (down_proj inside it) and o_proj
         free = _plain(model, prompts, set(), 10, _autocast(True), batch_size=4)
         eos = {free[0][2], free[4][5]}
         want = _plain(model, prompts, eos, 10, _autocast(True), batch_size=4)
@@ -355,9 +355,9 @@ def test_packed_lora_leaves_fp32_weights_to_the_lean_forward():
     x = torch.randint(2, 64, (3, 11))
     with torch.no_grad():
         want = model(input_ids=x).logits
-        with packed_lora(model) as n:
+        with packed_lora(model) as packed:
             got = model(input_ids=x).logits
-    assert n == 0 and torch.equal(got, want)
+    assert packed.modules == 0 and torch.equal(got, want)
 
 
 @pytest.mark.parametrize("b_std", [0.02, 0.0002], ids=["trained-size", "young"])
@@ -390,11 +390,11 @@ def test_packed_layer_errs_as_much_as_the_training_forward_and_less_than_merging
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         with lean_lora(model):
             lean = model(x)
-        with packed_lora(model) as n:
+        with packed_lora(model) as info:
             packed = model(x)
         with merged_lora(model):
             merged = model(x)
-    assert n == 1 and lean.dtype == torch.float32 and packed.dtype == torch.bfloat16
+    assert info.modules == 1 and lean.dtype == torch.float32 and packed.dtype == torch.bfloat16
 
     def rms(y):
         return (y.double() - exact).pow(2).mean().sqrt().item()
@@ -422,3 +422,36 @@ def test_packed_siblings_reuse_a_result_only_for_the_same_input_unchanged():
         got = attn.k_proj(x)
         attn.q_proj(x)
         assert torch.equal(got, attn.k_proj(x)) and not torch.equal(got, attn.k_proj(x / 2))
+
+
+def test_out_of_memory_while_packing_generates_unpacked_and_says_so(monkeypatch):
+    """The packed weights are a copy of the adapted layers': where that copy does not fit (a GPU's out of memory while
+    packing), evaluation generates with the lean forward, the same answers as without the option, and says so."""
+    from conftest import build_tokenizer
+    from surefit.tasks.sft.train_sft import Generation, generate_texts
+    from surefit.training.precision import make_accelerator
+    from surefit.training.speedups import lora_generate
+    from surefit.training.work import Switches
+
+    tok = build_tokenizer()
+    model = _lora_model(bf16=True)
+    prompts = [p for p in _prompts() if len(p) < 10]
+    forwards = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    want = generate_texts(model, prompts, tok, make_accelerator("bf16", lora=True), Generation([0], 6, 8), say=lambda _: None)
+    made = []
+
+    class FullPack(lora_generate._Pack):
+        def __init__(self, layers, names):
+            if made:  # the second group's copy does not fit
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            made.append(1)
+            super().__init__(layers, names)
+
+    monkeypatch.setattr(lora_generate, "_Pack", FullPack)
+    said: list[str] = []
+    got = generate_texts(model, prompts, tok, make_accelerator("bf16", lora=True),
+                         Generation([0], 6, 8, Switches(eval_pack_lora=True)), say=said.append)
+    assert got == want and made
+    assert said == ["out of memory while packing the LoRA layers' weights for generation: generated with the adapter "
+                    "applied as in training instead (slower; --eval_pack_lora false skips the attempt)"]
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards

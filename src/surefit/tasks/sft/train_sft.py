@@ -1162,6 +1162,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
     if stats.get("merge_out_of_memory"):
         say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
+    if stats.get("lora_out_of_memory"):
+        say("out of memory while packing the LoRA layers' weights for generation: generated with the adapter applied "
+            "as in training instead (slower; --eval_pack_lora false skips the attempt)")
     if out is not None:
         out.lengths += [len(g) for g in generated]
         out.raw += [tokenizer.decode(g, skip_special_tokens=False) for g in generated]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -175,16 +176,26 @@ def _packable(layer: Any) -> str | None:
     return name
 
 
+@dataclass
+class Packed:
+    """What :func:`packed_lora` did: modules that run packed, and whether packing ran out of memory (and so none
+    do: the lean forward runs instead)."""
+
+    modules: int = 0
+    out_of_memory: bool = False
+
+
 def _hooks(m: Any) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks)
 
 
 @contextlib.contextmanager
-def packed_lora(model: Any) -> Iterator[int]:
+def packed_lora(model: Any) -> Iterator[Packed]:
     """Within this context (no gradients), LoRA layers on frozen 16-bit weights run as packed GEMMs (:class:`_Pack`):
     q, k and v as one, gate and up as one, each other adapted layer as one, and a SwiGLU MLP's product is formed in
     16 bits inside down_proj's packed input; the other LoRA layers (fp32 weights, say) take :func:`lean_lora`, as do
-    all of them where packing runs out of memory. Yields how many modules run packed.
+    all of them where packing runs out of memory. Yields a :class:`Packed` (how many modules run packed, and whether
+    packing ran out of memory).
 
     Not bit for bit the training forward's numbers: every layer output is rounded to 16 bits once (the adapter is
     summed inside the GEMM, never rounded into the weight as ``--eval_merge_lora`` does), and so is the MLP's
@@ -244,7 +255,7 @@ def packed_lora(model: Any) -> Iterator[int]:
         if out_of_memory:
             restore()
         with lean_lora(model):  # the layers left unpacked (fp32 weights, other forwards) take the lean forward
-            yield len(changed)
+            yield Packed(len(changed), out_of_memory)
     finally:
         cast.source = cast.cast = None
         restore()
