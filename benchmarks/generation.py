@@ -20,8 +20,10 @@ caps it):
 - ``shared``: the default with ``--eval_share_prefixes``.
 - ``merged``: the default with ``--eval_merge_lora`` (the adapter merged into a 16-bit working copy of the weights:
   one matmul per layer); ``merged_shared``: with both.
-- ``prefill``: not a goal, where the time goes: ``generate`` and the default with ``max_new_tokens`` 1 (the prompts'
-  forward and one token), once each.
+- ``packed``: the default with ``--eval_pack_lora`` (each adapted layer one 16-bit GEMM over ``[x | s x A^T]`` and
+  ``[W | B]``); ``packed_shared``: with ``--eval_share_prefixes`` too.
+- ``prefill``: not a goal, where the time goes: ``generate``, the default and ``packed`` with ``max_new_tokens`` 1
+  (the prompts' forward and one token), in the same alternation.
 
 Agreement: rows identical to ``generate`` (same weights, same precision), and to an fp32 reference (the same base
 and adapter weights in fp32, no autocast, the exact path), with the share of the reference's tokens matched before a
@@ -68,6 +70,7 @@ def main() -> None:
                     help="default: as training sets it, the longest answer of the rows + 4 (at most 256)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="squad,chat")
+    ap.add_argument("--configs", default="", help="comma list of configurations besides generate (default: all)")
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
     ap.add_argument("--quick", action="store_true", help="smoke test: 6 rows, 6 new tokens, 1 repeat, no files")
     ap.add_argument("--out", default="benchmarks/results/generation")
@@ -86,7 +89,7 @@ def main() -> None:
     from surefit.training.plan import generation_batch
     from surefit.training.precision import make_accelerator, store_frozen_in
     from surefit.training.speedups.lora_fast import fuse_lora
-    from surefit.training.speedups.lora_generate import lean_lora
+    from surefit.training.speedups.lora_generate import lean_lora, packed_lora
     from surefit.training.speedups.prefixes import why_not_shared
 
     source = resolve_model(None)
@@ -127,12 +130,13 @@ def main() -> None:
         planned = generation_batch(model, [len(p) + max_new for p in prompts], args.batch, None, mixed)
 
         def ours(m: Any = model, rows: int = args.batch, share: bool = False, stats: dict | None = None,
-                 mixed_run: bool = True, merge: bool = False, new: int | None = None) -> list[list[int]]:
+                 mixed_run: bool = True, merge: bool = False, new: int | None = None,
+                 pack: bool = False) -> list[list[int]]:
             decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=new or max_new,
                             batch_size=rows, prefill_batch=args.batch, share_prefixes=share and shareable,
                             merge_lora=merge)
             return greedy_generate(m, prompts, decode, device=acc.device, autocast=acc.autocast if mixed_run else None,
-                                   lora_context=lean_lora, stats=stats)
+                                   lora_context=packed_lora if pack else lean_lora, stats=stats)
 
         def anchor(new: int | None = None) -> list[list[int]]:
             cfg = GenerationConfig(do_sample=False, max_new_tokens=new or max_new, eos_token_id=eos,
@@ -157,22 +161,32 @@ def main() -> None:
             "shared": lambda: ours(rows=planned.rows, share=True, stats=stats),
             "merged": lambda: ours(rows=planned.rows, merge=True),
             "merged_shared": lambda: ours(rows=planned.rows, share=True, merge=True),
+            "packed": lambda: ours(rows=planned.rows, pack=True),
+            "packed_shared": lambda: ours(rows=planned.rows, share=True, pack=True),
         }
+        if args.configs:
+            keep = {"generate", *args.configs.split(",")}
+            runs = {k: v for k, v in runs.items() if k in keep}
         cpu: dict[str, list[float]] = {k: [] for k in runs}
         wall: dict[str, list[float]] = {k: [] for k in runs}
         outputs: dict[str, list[list[int]]] = {}
         load = [os.getloadavg()[0]]
+        # The prompts' forward alone (max_new_tokens 1), timed in the same alternation, fastest repeat kept.
+        prefills = {"generate": lambda: anchor(1), "surefit": lambda: ours(rows=planned.rows, new=1),
+                    "packed": lambda: ours(rows=planned.rows, new=1, pack=True)}
+        prefills = {k: v for k, v in prefills.items() if k in runs}
+        prefill_cpu: dict[str, list[float]] = {k: [] for k in prefills}
         for _ in range(args.repeats):
             for name, fn in runs.items():
                 t0, c0 = time.perf_counter(), time.process_time()
                 outputs[name] = fn()
                 cpu[name].append(time.process_time() - c0)
                 wall[name].append(time.perf_counter() - t0)
-        prefill = {}
-        for name, fn in (("generate", lambda: anchor(1)), ("surefit", lambda: ours(rows=planned.rows, new=1))):
-            c0 = time.process_time()
-            fn()
-            prefill[name] = round(time.process_time() - c0, 2)
+            for name, fn in prefills.items():
+                c0 = time.process_time()
+                fn()
+                prefill_cpu[name].append(time.process_time() - c0)
+        prefill = {k: round(min(v), 2) for k, v in prefill_cpu.items()}
         load.append(os.getloadavg()[0])
         outputs["fp32"] = ours(ref, mixed_run=False)  # untimed
 
@@ -195,8 +209,9 @@ def main() -> None:
             "new_tokens_per_cpu_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
             "prefill_cpu_seconds": prefill,
             "rows_identical": {**{f"{k}_vs_{r}": same(k, r) for r in ("generate", "fp32") for k in runs if k != r},
-                               "merged_vs_surefit": same("merged", "surefit"),
-                               "merged_shared_vs_shared": same("merged_shared", "shared")},
+                               **{f"{a}_vs_{b}": same(a, b) for a, b in (("merged", "surefit"), ("packed", "surefit"),
+                                                                         ("merged_shared", "shared"))
+                                  if a in runs and b in runs}},
             "token_agreement_vs_fp32": {k: agree(k, "fp32") for k in runs},
             "speedup_vs_generate": {k: round(best["generate"] / best[k], 2) for k in runs if k != "generate"},
             "wall_speedup_vs_generate": {k: round(min(wall["generate"]) / min(wall[k]), 2)
@@ -230,12 +245,14 @@ def _report(results: dict[str, Any], args: Any) -> str:
         f"{args.batch}. `exact`: surefit with `--eval_generate_batch_size {args.batch}` (each batch prefilled and "
         "decoded alone). `surefit`: the default (prompts prefilled "
         f"{args.batch} at a time, decoded in the planner's batch). `shared`: the default with "
-        "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both. "
+        "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both; "
+        "`packed`: the default with `--eval_pack_lora`; `packed_shared`: with `--eval_share_prefixes` too. "
         "The machine was shared with other work: speeds are new tokens per CPU second of "
         "the one-thread process, fastest of the repeats; the load average (1 min) at the start and end of each "
         "workload is listed.", "",
         "| workload | rows | max new tokens | decode rows | load avg | "
-        + " | ".join(next(iter(w.values()))["new_tokens_per_cpu_s"]) + " | prefill CPU s: generate / surefit |",
+        + " | ".join(next(iter(w.values()))["new_tokens_per_cpu_s"]) + " | prefill CPU s: "
+        + " / ".join(next(iter(w.values()))["prefill_cpu_seconds"]) + " |",
         "|---|---|---|---|---|" + "---|" * (len(next(iter(w.values()))["new_tokens_per_cpu_s"]) + 1),
     ]
     for name, r in w.items():
@@ -243,7 +260,7 @@ def _report(results: dict[str, Any], args: Any) -> str:
         lines.append(f"| {name} | {r['prompts']} | {r['max_new_tokens']} | {r['decode_rows']} | "
                      f"{r['load_average'][0]:.1f} / {r['load_average'][1]:.1f} | "
                      + " | ".join(str(v) for v in t.values())
-                     + f" | {r['prefill_cpu_seconds']['generate']} / {r['prefill_cpu_seconds']['surefit']} |")
+                     + " | " + " / ".join(str(v) for v in r["prefill_cpu_seconds"].values()) + " |")
     lines += ["", "| workload | goal | CPU s (generate: this) | ratio (CPU s) | ratio (wall s) | result |",
               "|---|---|---|---|---|---|"]
     for name, r in w.items():

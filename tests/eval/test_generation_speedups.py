@@ -194,6 +194,11 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
     assert main([*common, "--eval_merge_lora", "true", "--eval_share_prefixes", "true",
                  "--output_dir", str(tmp_path / "b")]) == 0
     assert calls and all(c["merge_lora"] is True and c["share_prefixes"] is True for c in calls)
+    calls.clear()
+    from surefit.training.speedups.lora_generate import packed_lora
+
+    assert main([*common, "--eval_pack_lora", "true", "--output_dir", str(tmp_path / "c")]) == 0
+    assert calls and all(c["lora_context"] is packed_lora and c["merge_lora"] is False for c in calls)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["whole-prompts", "shared-prefixes"])
@@ -312,3 +317,141 @@ def test_one_cast_serves_the_layers_that_read_the_same_input_and_an_in_place_wri
     assert again is not first and torch.equal(again, x.to(torch.bfloat16))
     y = x.clone()  # equal values, another tensor
     assert cast(y, torch.bfloat16) is not again
+
+
+def test_packed_generation_equals_generate_under_the_same_packed_layers_and_restores_the_model():
+    """--eval_pack_lora: greedy_generate with packed layers gives the tokens of generate() run with the same packed
+    layers, batch for batch (the exact path: decode batch = prefill batch); the weights, the adapter and every
+    forward are as they were afterwards, also after an error."""
+    from surefit.training.speedups.lora_generate import packed_lora
+
+    model = _lora_model(bf16=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    prompts = _prompts()
+    with packed_lora(model) as packed:
+        assert packed.modules == 14 and not packed.out_of_memory  # per block: q, k, v, gate, up, the MLP (down_proj inside it) and o_proj
+        free = _plain(model, prompts, set(), 10, _autocast(True), batch_size=4)
+        eos = {free[0][2], free[4][5]}
+        want = _plain(model, prompts, eos, 10, _autocast(True), batch_size=4)
+    assert len(set(map(len, want))) > 2
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=10,
+                                                 batch_size=4), autocast=_autocast(True), lora_context=packed_lora)
+    assert got == want
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards
+    with pytest.raises(torch.OutOfMemoryError), packed_lora(model):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards
+
+
+def test_packed_lora_leaves_fp32_weights_to_the_lean_forward():
+    """Frozen weights in fp32 (no mixed precision): nothing is packed and the logits are the training forward's."""
+    from surefit.training.speedups.lora_generate import packed_lora
+
+    model = _lora_model(bf16=False)
+    x = torch.randint(2, 64, (3, 11))
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+        with packed_lora(model) as packed:
+            got = model(input_ids=x).logits
+    assert packed.modules == 0 and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("b_std", [0.02, 0.0002], ids=["trained-size", "young"])
+def test_packed_layer_errs_as_much_as_the_training_forward_and_less_than_merging(b_std):
+    """One adapted layer's output against the exact value (fp64) of what the layer holds: the packed GEMM rounds the
+    output once to bf16, the training forward rounds base and adapter outputs each and sums in fp32: errors of the
+    same size. Merging also rounds W + s * B @ A into bf16 weights: larger errors, for a trained or a young adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    from surefit.training.precision import store_frozen_in
+    from surefit.training.speedups.lora_fast import fuse_lora
+    from surefit.training.speedups.lora_generate import lean_lora, packed_lora
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential()
+    net.add_module("o_proj", torch.nn.Linear(256, 384, bias=False))
+    model = get_peft_model(net, LoraConfig(r=8, lora_alpha=16, target_modules=["o_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, b_std)
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    model.eval()
+    layer = model.get_base_model().o_proj
+    x = torch.randn(64, 256)
+    xh = x.bfloat16().double()
+    a, b = layer.lora_A["default"].weight.double(), layer.lora_B["default"].weight.double()
+    exact = xh @ layer.base_layer.weight.double().t() + layer.scaling["default"] * (xh @ a.t()) @ b.t()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with lean_lora(model):
+            lean = model(x)
+        with packed_lora(model) as info:
+            packed = model(x)
+        with merged_lora(model):
+            merged = model(x)
+    assert info.modules == 1 and lean.dtype == torch.float32 and packed.dtype == torch.bfloat16
+
+    def rms(y):
+        return (y.double() - exact).pow(2).mean().sqrt().item()
+
+    # fp64 sizes (seed 0): training forward 9.97e-4 / 9.73e-4, packed 1.007e-3 / 9.75e-4, merged 1.35e-3 / 1.12e-3
+    assert rms(packed) < 1.1 * rms(lean)
+    assert rms(merged) > 1.1 * rms(packed)
+
+
+def test_packed_siblings_reuse_a_result_only_for_the_same_input_unchanged():
+    """q, k and v share one GEMM when called in a row on the same tensor; another input, or the same tensor written
+    in place in between, gets its own GEMM: k_proj gives what it gives when its group is run on that input."""
+    from surefit.training.speedups.lora_generate import packed_lora
+
+    model = _lora_model(bf16=True)
+    attn = model.get_base_model().model.layers[0].self_attn
+    x, other = torch.randn(2, 5, attn.q_proj.in_features), torch.randn(2, 5, attn.q_proj.in_features)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), packed_lora(model):
+        attn.q_proj(other)
+        want_other = attn.k_proj(other)
+        attn.q_proj(x)
+        assert torch.equal(attn.k_proj(other), want_other)  # not the k of x
+        attn.q_proj(x)
+        x.mul_(2)  # written in place after q_proj read it
+        got = attn.k_proj(x)
+        attn.q_proj(x)
+        assert torch.equal(got, attn.k_proj(x)) and not torch.equal(got, attn.k_proj(x / 2))
+
+
+def test_out_of_memory_while_packing_generates_unpacked_and_says_so(monkeypatch):
+    """The packed weights are a copy of the adapted layers': where that copy does not fit (a GPU's out of memory while
+    packing), evaluation generates with the lean forward, the same answers as without the option, and says so."""
+    from conftest import build_tokenizer
+    from surefit.tasks.sft.train_sft import Generation, generate_texts
+    from surefit.training.precision import make_accelerator
+    from surefit.training.speedups import lora_generate
+    from surefit.training.work import Switches
+
+    tok = build_tokenizer()
+    model = _lora_model(bf16=True)
+    prompts = [p for p in _prompts() if len(p) < 10]
+    forwards = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    want = generate_texts(model, prompts, tok, make_accelerator("bf16", lora=True), Generation([0], 6, 8), say=lambda _: None)
+    made = []
+
+    class FullPack(lora_generate._Pack):
+        def __init__(self, layers, names):
+            if made:  # the second group's copy does not fit
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            made.append(1)
+            super().__init__(layers, names)
+
+    monkeypatch.setattr(lora_generate, "_Pack", FullPack)
+    said: list[str] = []
+    got = generate_texts(model, prompts, tok, make_accelerator("bf16", lora=True),
+                         Generation([0], 6, 8, Switches(eval_pack_lora=True)), say=said.append)
+    assert got == want and made
+    assert said == ["out of memory while packing the LoRA layers' weights for generation: generated with the adapter "
+                    "applied as in training instead (slower; --eval_pack_lora false skips the attempt)"]
+    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards

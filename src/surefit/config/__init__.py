@@ -296,6 +296,12 @@ class SFTConfig(TrainConfig):
         "outputs with no casts around them (faster prompts). The merged weights round away part of a young adapter "
         "and the layer outputs are not summed in fp32, so answers can differ from the model training computes "
         "(agreement measured in docs/performance.md). false: the adapter applied as in training.")
+    eval_pack_lora: bool = opt(
+        False, "Generate evaluation answers with each LoRA layer (q, k and v together; gate and up together) as one "
+        "16-bit matmul over [input | adapter projection] and [weight | B] side by side: the adapter is never rounded "
+        "into the weights, but each layer's output is rounded to 16 bits once instead of summed in fp32, so an answer "
+        "can differ at a near-tie (agreement with fp32 measured in docs/performance.md). Costs a copy of the adapted "
+        "weights while generating. false: the adapter applied as in training.")
     eval_share_prefixes: bool = opt(
         False, "Generation computes a prompt beginning that evaluation prompts share (16 tokens or more, e.g. one "
         "SQuAD paragraph) once. Computed in another batch shape, it can round differently under 16-bit precision and "

@@ -91,7 +91,8 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
         progress: called as ``progress(done, total)`` after each batch (prompts done of all), or ``None``.
         lora_context: without merged adapters (or when merging ran out of memory), a context entered with the model
             around the whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
-        stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``prompt_tokens``,
+        stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``lora_out_of_memory``
+            (0/1: ``lora_context`` yielded an object whose ``out_of_memory`` is true), ``prompt_tokens``,
             ``prefill_tokens`` (computed).
 
     Returns:
@@ -114,7 +115,9 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
             merged = stack.enter_context(merging)
             stats["merged_layers"], stats["merge_out_of_memory"] = merged.layers, int(merged.out_of_memory)
             if lora_context is not None and not merged.layers:
-                stack.enter_context(lora_context(model))
+                entered = stack.enter_context(lora_context(model))
+                # a context that can run out of memory setting itself up (packed layers) says so as merging does
+                stats["lora_out_of_memory"] = int(bool(getattr(entered, "out_of_memory", False)))
             for idx, shared in batches:
                 ctx = autocast() if autocast is not None else contextlib.nullcontext()
                 with ctx:

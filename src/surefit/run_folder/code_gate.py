@@ -58,7 +58,8 @@ DATA_SETTINGS = frozenset({
     "labels_key", "precision", "quantize", "lr_scheduler", "on_nonfinite", "on_bad_rows", "truncation_side",
     "lora_variant", "sharding", "system_prompt", "thinking", "system_turn", "cache_dir",
     # switches
-    "overwrite", "allow_changed_data", "force", "no_cache", "eval_generate", "eval_merge_lora", "eval_share_prefixes", "share_prefixes",
+    "overwrite", "allow_changed_data", "force", "no_cache", "eval_generate", "eval_merge_lora", "eval_share_prefixes", "eval_pack_lora",
+    "share_prefixes",
     "fused_cross_entropy", "gradient_checkpointing", "chat_template", "precompute_ref", "profile",
 })
 

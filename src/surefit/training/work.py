@@ -111,6 +111,7 @@ class Switches:
         eval_generate: generate answers and score them at each evaluation (false: the validation loss only).
         eval_merge_lora: generate with the adapter merged into a temporary copy of the weights.
         eval_share_prefixes: generate with prompt beginnings shared by several prompts computed once.
+        eval_pack_lora: generate with each LoRA layer (or q/k/v, gate/up together) as one packed 16-bit matmul.
     """
 
     share_prefixes: bool = True
@@ -118,11 +119,13 @@ class Switches:
     eval_generate: bool = True
     eval_merge_lora: bool = False
     eval_share_prefixes: bool = False
+    eval_pack_lora: bool = False
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Switches:
         """A config's switches (a setting the config lacks keeps its default)."""
-        names = ("share_prefixes", "fused_cross_entropy", "eval_generate", "eval_merge_lora", "eval_share_prefixes")
+        names = ("share_prefixes", "fused_cross_entropy", "eval_generate", "eval_merge_lora", "eval_share_prefixes",
+                 "eval_pack_lora")
         got = {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
         if got.get("eval_generate", True) is None:  # auto: training resolves it; an explicit evaluation generates
             got["eval_generate"] = True

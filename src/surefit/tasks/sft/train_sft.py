@@ -106,7 +106,7 @@ from surefit.training.processes import is_main_process, sum_over_processes
 from surefit.training.schedule import plan_schedule
 from surefit.training.speedups import fused_head
 from surefit.training.speedups.lora_fast import SavedActivationsIn, fuse_lora
-from surefit.training.speedups.lora_generate import lean_lora
+from surefit.training.speedups.lora_generate import lean_lora, packed_lora
 from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
 from surefit.training.work import PlanInputs, Switches, TrainingWork
 
@@ -651,7 +651,7 @@ class EncodedData:
 NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
     "preset", "model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_variant", "quantize", "precision",
     "gradient_checkpointing", "sharding", "gpu_memory_gb", "batch_size", "grad_accum", "eval_batch_size", "metric",
-    "eval_generate", "eval_merge_lora", "eval_share_prefixes", "share_prefixes", "fused_cross_entropy",
+    "eval_generate", "eval_merge_lora", "eval_share_prefixes", "eval_pack_lora", "share_prefixes", "fused_cross_entropy",
     "max_new_tokens", "pad_to_multiple_of"}
 
 
@@ -1102,7 +1102,7 @@ def save(model: Any, tokenizer: Any, folder: Path) -> None:
 @dataclass
 class Generation:
     """How answers are generated: the ids that end one, the longest, the batch of prompts run at once (halved on out
-    of memory, with the decode batch), the switches (``eval_merge_lora``, ``eval_share_prefixes``; the others do not
+    of memory, with the decode batch), the switches (``eval_merge_lora``, ``eval_share_prefixes``, ``eval_pack_lora``; the others do not
     touch generation) and the rows decoded at once (the planner's ``generation_batch``; None: the prompts' batch)."""
 
     eos_token_ids: list[int]
@@ -1129,7 +1129,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
     process, for any number of batches; one line in a log file). ``out`` receives each continuation's length in tokens
     (its stop token excluded) and its raw text. ``gen.switches.eval_merge_lora``: decode with the adapter merged into a
     temporary copy of the weights; ``eval_share_prefixes``: compute a prompt beginning several prompts share once, for
-    the model families verified for it (see :func:`surefit.eval.generate.greedy_generate`). Otherwise the answers are
+    the model families verified for it (see :func:`surefit.eval.generate.greedy_generate`); ``eval_pack_lora``: each
+    LoRA layer as one packed 16-bit matmul (``training/speedups/lora_generate.packed_lora``). Otherwise the answers are
     those of the unoptimised generation, bit for bit (the adapter's lean forward and the reserved cache compute the
     same numbers)."""
 
@@ -1151,7 +1152,7 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
                 device=accelerator.device,
                 autocast=accelerator.autocast,
                 progress=lambda done, total: bar.set(done),
-                lora_context=lean_lora,
+                lora_context=packed_lora if gen.switches.eval_pack_lora else lean_lora,
                 stats=stats,
             ),
             gen.batch_size,
@@ -1161,6 +1162,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
     if stats.get("merge_out_of_memory"):
         say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
+    if stats.get("lora_out_of_memory"):
+        say("out of memory while packing the LoRA layers' weights for generation: generated with the adapter applied "
+            "as in training instead (slower; --eval_pack_lora false skips the attempt)")
     if out is not None:
         out.lengths += [len(g) for g in generated]
         out.raw += [tokenizer.decode(g, skip_special_tokens=False) for g in generated]
