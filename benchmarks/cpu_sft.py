@@ -227,16 +227,17 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
             benchlib.PHASES.switch("after")
 
     def timed(kind: str, fn: Any) -> Any:
+        # Each evaluation pass (its loss, its generation) is "eval"; what follows one is training again until fit
+        # returns ("after"). An evaluation that generates nothing (loss only, e.g. chat rows' long answers) must not
+        # leave the phase at "eval" for the epoch after it, which the earlier version did.
         def wrapper(*a: Any, **k: Any) -> Any:
-            if kind == "loss":  # an evaluation starts with its loss pass and ends with its generation
-                benchlib.PHASES.switch("eval")
+            benchlib.PHASES.switch("eval")
             t0 = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
                 marks["evals"].append((kind, time.perf_counter() - t0))
-                if kind == "generate":  # after the epoch-0 evaluation comes training; after the last, the save
-                    benchlib.PHASES.switch("train" if len(marks["evals"]) == 2 else "after")
+                benchlib.PHASES.switch("train")
         return wrapper
 
     def apply_lora(*a: Any, **k: Any) -> Any:
@@ -264,9 +265,13 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
     epochs = [r for r in records if r.get("type") == "epoch"]
     final = epochs[-1]
     # Evaluation seconds per evaluation (loss + generation), in order: epoch 0, then epoch 1.
-    per_eval: list[float] = []
-    for i in range(0, len(marks["evals"]) - 1, 2):
-        per_eval.append(marks["evals"][i][1] + marks["evals"][i + 1][1])
+    # An evaluation is its loss pass and the generation passes after it, if any (none when it scores the loss only).
+    groups: list[list[tuple[str, float]]] = []
+    for kind, seconds in marks["evals"]:
+        if kind == "loss" or not groups:
+            groups.append([])
+        groups[-1].append((kind, seconds))
+    per_eval = [sum(sec for _, sec in g) for g in groups]
     # The same from metrics.jsonl alone: the epoch-1 record is written after training and its evaluation.
     eval1_from_log = (final["time"] - epochs[0]["time"] - final["time_per_epoch"]) if len(epochs) > 1 else None
     return {
@@ -281,7 +286,7 @@ def worker_surefit(name: str, opts: dict[str, Any], spec: dict[str, Any], workdi
         "api_seconds": t_end - t0,
         "eval_seconds": per_eval,
         "eval_seconds_epoch1": per_eval[1] if len(per_eval) > 1 else None,
-        "eval_split_epoch1": {k: s for k, s in marks["evals"][2:4]} if len(marks["evals"]) >= 4 else None,
+        "eval_split_epoch1": dict(groups[1]) if len(groups) > 1 else None,
         "eval1_seconds_from_metrics_log": eval1_from_log,
         # surefit's own evaluation wall time per epoch record (newer versions log it; None where absent)
         "eval_seconds_logged": [e.get("eval_seconds") for e in epochs],
