@@ -21,6 +21,9 @@ SFT_OPTIONS = {
     # The caches' folder, with a keep-best run: eval/predict/export read the run's saved settings, inspect the store.
     "cache_dir": ["--epochs", "2", "--keep_best", "eval_loss", "--cache_dir", "{tmp}/my cache"],
     "pad_to_multiple_of": ["--epochs", "2", "--keep_best", "eval_f1", "--pad_to_multiple_of", "32"],
+    # evaluation's generation switches, saved with the run and used again by eval and predict
+    "eval_generation": ["--epochs", "2", "--keep_best", "eval_f1", "--eval_pack_lora", "true",
+                        "--eval_share_prefixes", "true"],
 }
 CLS_OPTIONS = {
     "early_stopping_steps": ["--epochs", "2", "--early_stopping", "eval_macro_f1:2", "--eval_every", "3",

@@ -70,7 +70,8 @@ def _reduce(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     dtype = torch.float32 if ADAPTER_GRADS_FP32 else right.dtype
     if right.device.type == "cpu" and right.shape[1] < left.shape[1]:
         # B's gradient ([out, r]): as (right^T @ left)^T with right^T made row-major in the cast, the CPU's matmul
-        # runs 1.4-1.6x as fast as over left's transposed view, with the same sums (same bits, tested).
+        # runs 1.4-1.6x as fast as over left's transposed view. The same sums; the same bits with one thread, while
+        # with several the library may split them otherwise (docs/performance.md).
         rt = torch.empty((right.shape[1], right.shape[0]), dtype=dtype, device=right.device).copy_(right.t())
         return (rt @ left.to(dtype)).t()
     return left.t().to(dtype) @ right.to(dtype)
@@ -78,7 +79,8 @@ def _reduce(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
 def _row_major_t(b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``b`` in ``dtype`` as the transposed view of a row-major ``b^T`` (one copy, as the cast alone was): the
-    forward's ``u @ b^T`` (inner dimension r) then reads a row-major operand, 1.7x as fast on a CPU, the same bits."""
+    forward's ``u @ b^T`` (inner dimension r) then reads a row-major operand, 1.7x as fast on a CPU (the same bits
+    with one thread; see :func:`_reduce`)."""
     return torch.empty((b.shape[1], b.shape[0]), dtype=dtype, device=b.device).copy_(b.t()).t()
 
 
