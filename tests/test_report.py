@@ -1,4 +1,4 @@
-"""--report_to tensorboard, OUTPUT/curves.png, OUTPUT/report.html and `surefit report`, the page checked in headless
+"""--report_to tensorboard, OUTPUT/curves.svg, OUTPUT/report.html and `surefit report`, the page checked in headless
 Chromium. CPU, seconds (one tiny training run shared by the module)."""
 
 import json
@@ -122,20 +122,87 @@ def test_report_to_settings_are_checked(monkeypatch):
 
 
 def _image(path: Path):
-    from matplotlib.image import imread
+    from matplotlib.image import imread  # the browser's screenshot (a PNG); surefit itself draws no PNG
 
     return imread(str(path))[..., :3]
 
 
-def test_curves_png_is_drawn(sft_run):
-    png = sft_run / "curves.png"
-    assert png.read_bytes()[:8] == PNG_SIGNATURE
-    img = _image(png)
-    assert img.shape[1] >= 3 * img.shape[0]  # three panels: step loss, loss per epoch, eval F1/EM
-    assert (img.min(-1) < 0.9).mean() > 0.02 and img.std() > 0.05
+def _svg(path: Path):
+    """The panels of curves.svg: ``{title: {label: [(x, y) pixel points]}}``, parsed as XML (so well-formed)."""
+    import xml.etree.ElementTree as ET
+
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.parse(path).getroot()
+    assert root.tag == f"{ns}svg"
+    panels = {}
+    for g in root.iter(f"{ns}g"):
+        if g.get("class") != "panel":
+            continue
+        series = {}
+        for line in g.iter(f"{ns}polyline"):
+            series[line.get("data-label")] = [tuple(map(float, p.split(","))) for p in line.get("points").split()]
+        for group in g.iter(f"{ns}g"):
+            if group.get("class") == "markers":
+                series.setdefault(group.get("data-label") + " (points)", [
+                    (float(m.get("cx", m.get("x"))), float(m.get("cy", m.get("y")))) for m in group])
+        panels[g.get("data-title")] = series
+    return root, panels
 
 
-def test_curves_are_redrawn_after_an_epoch_at_most_every_30_s_and_the_end_draws_what_is_stale(sft_run, tmp_path):
+def _rank(values):
+    return sorted(range(len(values)), key=lambda i: values[i])
+
+
+def test_curves_svg_draws_the_logged_numbers(sft_run):
+    root, panels = _svg(sft_run / "curves.svg")
+    assert list(panels) == ["training loss", "loss per epoch (epoch 0 = before training)", "evaluation metrics",
+                            "learning rate"]
+    records = _records(sft_run)
+    steps = [r for r in records if r["type"] == "step"]
+    epochs = [r for r in records if r["type"] == "epoch"]
+    line = panels["training loss"]["training loss (logged steps)"]
+    assert len(line) == len(steps) == 16
+    # x grows with the step; y is drawn downwards, so the pixel order is the losses' order reversed
+    assert [x for x, _ in line] == sorted(x for x, _ in line)
+    assert _rank([-y for _, y in line]) == _rank([r["loss"] for r in steps])
+    assert len(panels["training loss"]["epoch mean (points)"]) == 2
+    per_epoch = panels["loss per epoch (epoch 0 = before training)"]
+    assert len(per_epoch["evaluation"]) == 3 and len(per_epoch["train"]) == 2  # epochs 0-2; train after 1 and 2
+    assert _rank([-y for _, y in per_epoch["evaluation"]]) == _rank([r["eval_loss"] for r in epochs])
+    assert set(panels["evaluation metrics"]) >= {"f1", "em"}
+    assert len(panels["learning rate"]["logged steps (points)"]) == 16
+    texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
+    assert "run  (sft)" in texts and "optimizer step" in texts
+
+
+def test_curves_svg_escapes_text_and_skips_what_is_not_finite(tmp_path):
+    run = _fake_run(tmp_path / "a<b&c", "sft", [{"eval_loss": 2.0, "eval_f1": 0.1}, {"eval_loss": float("nan"),
+                                                                                        "eval_f1": 0.5}])
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    lines[1] = json.dumps({"type": "step", "step": 1, "epoch": 1, "loss": float("inf")})
+    (run / "metrics.jsonl").write_text("\n".join(lines), encoding="utf-8")
+    from surefit.run_folder.report import write_curves
+
+    root, panels = _svg(write_curves(run))
+    assert [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")][0] == "a<b&c  (sft)"
+    assert len(panels["training loss"]["training loss (logged steps)"]) == 5  # 6 steps, the infinite one left out
+    assert len(panels["loss per epoch (epoch 0 = before training)"]["evaluation"]) == 1  # the NaN left out
+    assert "nan" not in (run / "curves.svg").read_text().lower()
+
+
+def test_a_long_run_is_drawn_thinned_with_its_spikes_and_ends_kept():
+    from surefit.run_folder.svg_chart import MAX_LINE_POINTS, thin
+
+    pts = [(float(i), 1.0 + (i % 7) * 0.01) for i in range(100_000)]
+    pts[54_321] = (54_321.0, 9.0)  # one spike
+    kept = thin(pts)
+    assert len(kept) <= MAX_LINE_POINTS
+    assert kept[0] == pts[0] and kept[-1] == pts[-1] and (54_321.0, 9.0) in kept
+    assert [x for x, _ in kept] == sorted(x for x, _ in kept)
+    assert thin(pts[:MAX_LINE_POINTS]) == pts[:MAX_LINE_POINTS]  # short lines are drawn whole
+
+
+def test_curves_are_redrawn_after_an_epoch_at_most_every_few_seconds_and_the_end_draws_what_is_stale(sft_run, tmp_path):
     from surefit.run_folder import CURVES_EVERY_S, CurvesRedraw
 
     run = tmp_path / "run"
@@ -145,23 +212,23 @@ def test_curves_are_redrawn_after_an_epoch_at_most_every_30_s_and_the_end_draws_
     redraw = CurvesRedraw(run, clock=lambda: now[0])
     now[0] += CURVES_EVERY_S - 1
     redraw()  # epochs of seconds: not drawn
-    assert not (run / "curves.png").exists()
+    assert not (run / "curves.svg").exists()
     now[0] += 1
-    redraw()  # 30 s since the start
-    assert (run / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
-    (run / "curves.png").unlink()
+    redraw()  # CURVES_EVERY_S since the start
+    assert (run / "curves.svg").read_text().startswith("<svg ")
+    (run / "curves.svg").unlink()
     now[0] += CURVES_EVERY_S - 1
-    redraw()  # 29 s since the last drawing
-    assert not (run / "curves.png").exists()
-    write_report(run, redraw=False)  # the end of a run: curves.png is stale (here: missing), so it is drawn
-    assert (run / "curves.png").read_bytes()[:8] == PNG_SIGNATURE
+    redraw()  # a second less than CURVES_EVERY_S since the last drawing
+    assert not (run / "curves.svg").exists()
+    write_report(run, redraw=False)  # the end of a run: curves.svg is stale (here: missing), so it is drawn
+    assert (run / "curves.svg").read_text().startswith("<svg ")
 
 
 def test_report_html_has_every_section_and_no_external_resource(sft_run):
     page = (sft_run / "report.html").read_text(encoding="utf-8")
     for anchor, title in SECTIONS:
         assert f'<section id="{anchor}"><h2>{title}</h2>' in page
-    assert 'src="data:image/png;base64,' in page
+    assert 'src="data:image/svg+xml;base64,' in page
     assert "http://" not in page and "https://" not in page and "<script" not in page and "<link" not in page
     assert "report_to" in page and "tensorboard" in page  # the config
     assert "memory_plan.json" in page or "checkpoint" in page  # the memory plan, from wherever it was found
@@ -174,10 +241,10 @@ def test_report_html_has_every_section_and_no_external_resource(sft_run):
 
 def test_report_command_rebuilds_both_files(sft_run, capsys):
     (sft_run / "report.html").unlink()
-    (sft_run / "curves.png").unlink()
+    (sft_run / "curves.svg").unlink()
     assert main(["report", "--run", str(sft_run)]) == 0
     assert "report.html" in capsys.readouterr().out
-    assert (sft_run / "report.html").is_file() and (sft_run / "curves.png").is_file()
+    assert (sft_run / "report.html").is_file() and (sft_run / "curves.svg").is_file()
 
 
 def test_report_command_refuses_a_folder_without_a_run(tmp_path, capsys):
@@ -241,15 +308,15 @@ def test_classification_and_custom_runs_get_their_own_panels_and_tables(tmp_path
     assert "confusion matrix after epoch 1" in page and "per-class F1 after epoch 1" in page
     assert "eval_accuracy" in page and "eval_macro_f1" in page and "a good film" in page
     assert "micro_batch_size" in page  # the plan, from config.yaml when there is no memory_plan.json or checkpoint
-    img = _image(cls / "curves.png")
-    assert img.shape[1] >= 3 * img.shape[0]  # accuracy / macro-F1 panel
+    _, panels = _svg(cls / "curves.svg")
+    assert set(panels["evaluation metrics"]) == {"accuracy", "macro_f1", "accuracy (points)", "macro_f1 (points)"}
 
     custom = _fake_run(tmp_path / "custom", "custom", [{"eval_loss": 2.0, "avg_valid_loss": 2.0},
                                                       {"eval_loss": 1.5, "avg_valid_loss": 1.5}])
     page = write_report(custom).read_text(encoding="utf-8")
     assert "the custom task writes none" in page and "doctor.json is absent" in page
-    img = _image(custom / "curves.png")
-    assert 2 * img.shape[0] <= img.shape[1] < 3 * img.shape[0]  # no task metric: two panels
+    _, panels = _svg(custom / "curves.svg")
+    assert list(panels) == ["training loss", "loss per epoch (epoch 0 = before training)"]  # no task metric
 
 
 # ------------------------------------------------------------------------------------------------ in a browser
@@ -280,7 +347,7 @@ def test_report_renders_in_headless_chromium(sft_run, tmp_path):
     dom = _browse(tmp_path, page, "--dump-dom").stdout
     for anchor, title in SECTIONS:
         assert f'id="{anchor}"' in dom and f"<h2>{title}</h2>" in dom, title
-    assert 'src="data:image/png;base64,' in dom
+    assert 'src="data:image/svg+xml;base64,' in dom
 
     shot = tmp_path / "shot.png"
     # Tall enough to hold the curves below the config, plan, doctor and metrics sections.
@@ -290,7 +357,7 @@ def test_report_renders_in_headless_chromium(sft_run, tmp_path):
     assert img.shape[:2] == (3200, 1200)
     ink = img.min(-1) < 0.85
     assert ink.mean() > 0.01 and img.std() > 0.05, "the page rendered (nearly) blank"
-    # The embedded curves were decoded and drawn: matplotlib's first line colour (#1f77b4) is on screen.
+    # The embedded curves were decoded and drawn: the first line colour (#1f77b4) is on screen.
     blue = (abs(img[..., 0] - 0x1F / 255) < 0.06) & (abs(img[..., 1] - 0x77 / 255) < 0.06) & (
         abs(img[..., 2] - 0xB4 / 255) < 0.06)
     assert blue.sum() > 200, int(blue.sum())

@@ -206,7 +206,7 @@ def test_the_command_ends_with_its_exit_code_output_and_exit_handlers(tmp_path, 
     done = _surefit_process(tmp_path, _argv(tiny_lm_dir, _data(tmp_path / "train.jsonl"), out, "--epochs", "1"))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
-    assert lines[-1] == "exit handler ran" and lines[-2] == f"wrote {out / 'curves.png'} and {out / 'report.html'}"
+    assert lines[-1] == "exit handler ran" and lines[-2] == f"wrote {out / 'curves.svg'} and {out / 'report.html'}"
     assert (out / "final" / "adapter_model.safetensors").is_file()
     refused = _surefit_process(tmp_path, ["train", "--data", str(tmp_path / "missing.jsonl"), "--output_dir",
                                           str(tmp_path / "r2")])

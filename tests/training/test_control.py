@@ -134,7 +134,7 @@ def test_default_final_is_the_last_state_said_once(tiny_lm_dir, lm_data, capsys,
     assert [r["epoch"] for r in records if r["type"] == "epoch"] == [1]
     assert not any(k.startswith("eval_") and k != "eval_seconds" for r in records for k in r)
     assert records[-1]["train_loss"] > 0
-    for name in ("final/adapter_model.safetensors", "checkpoints/epoch-1/manifest.json", "report.html", "curves.png"):
+    for name in ("final/adapter_model.safetensors", "checkpoints/epoch-1/manifest.json", "report.html", "curves.svg"):
         assert (tmp_path / "r" / name).is_file(), name
 
 

@@ -17,7 +17,7 @@ from surefit.tasks import get_task
 
 
 def report(run: str | Path, say=print) -> Path:
-    """(Re)build ``curves.png`` and ``report.html`` in a run folder (finished, interrupted or still training).
+    """(Re)build ``curves.svg`` and ``report.html`` in a run folder (finished, interrupted or still training).
 
     Returns:
         The path of ``report.html``.
@@ -35,7 +35,7 @@ def report(run: str | Path, say=print) -> Path:
                                   "pass the --output_dir a `surefit train` wrote"))
     from surefit.run_folder.guard import check_outputs, run_inputs
 
-    pages = [folder / "curves.png", folder / "report.html"]
+    pages = [folder / "curves.svg", folder / "report.html"]
     check_outputs([Output("surefit report", p) for p in pages], [i for i in run_inputs(folder) if i.path not in pages])
     return write_report(folder, say=say)
 

@@ -10,8 +10,8 @@ from typing import Any
 def add_finished_run_commands(sub: Any) -> None:
     """``report``, ``eval``, ``predict`` and ``export``: they read a finished run folder (finished.py, then the task
     module)."""
-    report = sub.add_parser("report", allow_abbrev=False, help="(re)build curves.png and report.html of a run folder",
-                            description="Draw OUTPUT/curves.png and write OUTPUT/report.html (config, memory plan, "
+    report = sub.add_parser("report", allow_abbrev=False, help="(re)build curves.svg and report.html of a run folder",
+                            description="Draw OUTPUT/curves.svg and write OUTPUT/report.html (config, memory plan, "
                             "doctor findings, metrics, curves, sample predictions) from a finished, interrupted or "
                             "running run folder.")
     report.add_argument("--run", required=True, metavar="OUTPUT", help="the run's --output_dir")

@@ -18,7 +18,7 @@ Layout (every name a run writes; a previous run's copies are only replaced with 
     checkpoints/         step-NNNNNNN/ and epoch-N/ (training/checkpoint.py)
     final/               the trained model in its ecosystem format (written by the task's ``save``)
     tensorboard/         with --report_to tensorboard
-    curves.png, report.html
+    curves.svg, report.html
     .surefit.lock        held (flock) by the run training in the folder: pid, host, command, start time
 
 Safety (docs/safety.md): one run at a time per folder (:class:`RunLock`); files a reader must see whole are written
@@ -78,8 +78,8 @@ CHECKPOINTS = "checkpoints"
 FINAL = "final"
 
 # What a run writes; a previous run's copies are only replaced with --overwrite.
-RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.png",
-             "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP, PROFILE, SHORTENED)
+RUN_FILES = (METRICS, PREDICTIONS, CHECKPOINTS, FINAL, DATA_REPORT, EXCLUDED, COLUMNS, REJECTED, "curves.svg",
+             "curves.png", "report.html", "tensorboard", MEMORY_PLAN, DATA_FILES, STARTUP, PROFILE, SHORTENED)
 
 # Settings that only affect bookkeeping, so a resumed run may change them and still be the same run.
 RESUME_MAY_CHANGE = {"resume", "overwrite", "allow_changed_data", "output_dir", "log_every", "save_every", "keep_checkpoints", "eval_batch_size",
@@ -252,7 +252,7 @@ class RunFolder:
         return ("srun " if flags.slurm else "") + command + flags.relaunch_note()
 
     def metrics_log(self, accelerator: Any) -> MetricsLog:
-        """``metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after an epoch
+        """``metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.svg`` redrawn after an epoch
         (:class:`CurvesRedraw`)."""
         return open_metrics_log(self.cfg, self.path, accelerator)
 
@@ -261,7 +261,7 @@ class RunFolder:
         return save_final(self.path, save_model)
 
     def write_report(self, accelerator: Any = None) -> None:
-        """``curves.png`` and ``report.html``, at the end of a run."""
+        """``curves.svg`` and ``report.html``, at the end of a run."""
         write_run_report(self.path, accelerator, self.say)
 
 
@@ -364,7 +364,7 @@ def predictions_path(out: Path, epoch: int) -> Path:
 
 
 def open_metrics_log(cfg: TrainConfig, out: Path, accelerator: Any) -> MetricsLog:
-    """``OUTPUT/metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.png`` redrawn after an epoch
+    """``OUTPUT/metrics.jsonl``, copied to the ``--report_to`` trackers, with ``curves.svg`` redrawn after an epoch
     (at most every :data:`CURVES_EVERY_S` seconds: :class:`CurvesRedraw`).
 
     ``accelerator`` must come from ``make_accelerator(..., report_to=cfg.trackers, project_dir=out)``.
@@ -377,15 +377,14 @@ def open_metrics_log(cfg: TrainConfig, out: Path, accelerator: Any) -> MetricsLo
     return MetricsLog(out / METRICS, trackers=trackers, after_epoch=after_epoch, writes=bool(main))
 
 
-CURVES_EVERY_S = 30.0
+CURVES_EVERY_S = 5.0
 
 
 class CurvesRedraw:
-    """Redraws ``curves.png`` after an epoch record, at most once every ``every_s`` seconds.
+    """Redraws ``curves.svg`` after an epoch record, at most once every ``every_s`` seconds.
 
-    A drawing costs about 0.25 s of one core (0.4-0.6 s before ``write_curves`` had fixed margins): a run whose
-    epochs take seconds spent up to half its time drawing curves nobody could watch; a run whose epochs take a
-    minute or more is drawn after every epoch as before. The end of the run draws what is not drawn yet
+    A drawing takes milliseconds (``run_folder/svg_chart.py``), so a run whose epochs take seconds or more is drawn
+    after every epoch; the limit is for runs of many tiny epochs. The end of the run draws what is not drawn yet
     (:func:`write_run_report`).
     """
 
@@ -403,7 +402,7 @@ class CurvesRedraw:
 
 
 def write_run_report(out: Path, accelerator: Any = None, say: Say = print) -> None:
-    """At the end of a run: ``curves.png`` (unless the last epoch has just drawn it) and ``report.html`` (main
+    """At the end of a run: ``curves.svg`` (unless the last epoch has just drawn it) and ``report.html`` (main
     process only; ``surefit report`` rebuilds them)."""
     if accelerator is not None and not getattr(accelerator, "is_main_process", True):
         return

@@ -1,4 +1,4 @@
-"""The run's pictures and page: ``OUTPUT/curves.png`` and ``OUTPUT/report.html``.
+"""The run's pictures and page: ``OUTPUT/curves.svg`` and ``OUTPUT/report.html``.
 
 Both are built only from files the run folder already holds (``metrics.jsonl``, ``config.yaml``, ``doctor.json``,
 ``memory_plan.json``, the checkpoints' ``trainer_state.json``, ``predictions/epoch_N.jsonl``), so ``surefit report
@@ -22,10 +22,12 @@ from typing import Any
 import yaml
 
 from surefit.config.yaml_files import load_yaml_text
+from surefit.run_folder.svg_chart import Panel, Series
+from surefit.run_folder.svg_chart import render as render_chart
 from surefit.startup.walltime import Profile
 from surefit.units import human_bytes
 
-CURVES = "curves.png"
+CURVES = "curves.svg"
 SCHEDULE = "schedule.json"  # written by tasks/common.train: the learning-rate schedule, drawn in the curves
 REPORT = "report.html"
 # Task metrics drawn per epoch, in this order, when the records hold them: sft (eval_f1, eval_em), classification
@@ -107,103 +109,88 @@ def task_metrics(epochs: list[dict[str, Any]]) -> list[str]:
 
 
 def write_curves(run_dir: str | Path) -> Path:
-    """Draw ``curves.png``: training loss per step, train/eval loss per epoch, and the task metric per epoch.
+    """Draw ``curves.svg``: training loss per step, train/eval loss per epoch, the task metric per epoch and the
+    learning-rate schedule (:mod:`surefit.run_folder.svg_chart`: milliseconds, no plotting library).
 
-    Uses matplotlib's Agg canvas directly (no pyplot), so it needs no display and leaves the caller's matplotlib
-    backend alone. The file is replaced atomically: a reader never sees half a PNG.
+    The file is replaced atomically: a reader never sees half a picture.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
     run_dir = Path(run_dir)
     steps, epochs = read_metrics(run_dir)
     metrics = task_metrics(epochs)
     schedule = _read_json(run_dir / SCHEDULE)
-    panels = (3 if metrics else 2) + (1 if isinstance(schedule, dict) else 0)
-    width, height = 5.2 * panels, 4.0
-    fig = Figure(figsize=(width, height), dpi=100)
-    FigureCanvasAgg(fig)
-    # Fixed margins in inches (room for tick labels of up to ~7 characters and an axis label), not a layout engine:
-    # matplotlib's constrained layout measured every text before drawing, about 40% of a drawing's 0.4-0.6 s.
-    left, right, gap = 0.9, 0.2, 0.95
-    axes_w = (width - left - right - gap * (panels - 1)) / panels
-    fig.subplots_adjust(left=left / width, right=1 - right / width, bottom=0.55 / height, top=1 - 0.65 / height,
-                        wspace=gap / axes_w)
-    axes = fig.subplots(1, panels, squeeze=False)[0]
+    panels = [_loss_panel(steps, epochs)]
 
-    ax = axes[0]
-    xs = [r["step"] for r in steps if _num(r.get("loss")) is not None]
-    ys = [r["loss"] for r in steps if _num(r.get("loss")) is not None]
-    if xs:
-        ax.plot(xs, ys, color="#1f77b4", linewidth=1.4, label="training loss (logged steps)")
-    ends = [r for r in epochs if r["epoch"] >= 1 and _num(r.get("train_loss")) is not None and "step" in r]
-    if ends:
-        ax.plot([r["step"] for r in ends], [r["train_loss"] for r in ends], "o", color="#ff7f0e",
-                label="epoch mean")
-        for r in ends:
-            ax.axvline(r["step"], color="#cccccc", linewidth=0.8, zorder=0)
-    if not xs and not ends:
-        ax.text(0.5, 0.5, "no training step logged yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set(title="training loss", xlabel="optimizer step", ylabel="loss")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-    ax = axes[1]
     evals = read_evaluations(run_dir)
-    for key, label, style in (("train_loss", "train", "o-"), ("eval_loss", "evaluation", "s-")):
+    per_epoch = Panel("loss per epoch (epoch 0 = before training)", "epoch", "loss", empty_note="no evaluation yet")
+    for key, label, color, marker in (("train_loss", "train", "#1f77b4", "circle"),
+                                      ("eval_loss", "evaluation", "#ff7f0e", "square")):
         pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
         if key == "eval_loss":  # --eval_every: the evaluations between epoch ends, at their fraction of an epoch
             pts = sorted(pts + [(r["epoch_progress"], r[key]) for r in evals if _num(r.get(key)) is not None])
         if pts:
-            ax.plot(*zip(*pts, strict=True), style, label=label)
-    if not epochs:
-        ax.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=ax.transAxes)
-    ax.set(title="loss per epoch (epoch 0 = before training)", xlabel="epoch", ylabel="loss")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            per_epoch.series.append(Series([x for x, _ in pts], [y for _, y in pts], color, label, "line+points",
+                                           marker))
+    panels.append(per_epoch)
 
     if metrics:
-        ax = axes[2]
-        for key in metrics:
+        scores = Panel("evaluation metrics", "epoch", "score")
+        for key, color in zip(metrics, _COLORS, strict=False):
             pts = [(r["epoch"], r[key]) for r in epochs if _num(r.get(key)) is not None]
             pts = sorted(pts + [(r["epoch_progress"], r[key]) for r in evals if _num(r.get(key)) is not None])
-            ax.plot(*zip(*pts, strict=True), "o-", label=key.removeprefix("eval_"))
-        values = [r[k] for r in epochs for k in metrics if _num(r.get(k)) is not None and not math.isnan(r[k])]
+            scores.series.append(Series([x for x, _ in pts], [y for _, y in pts], color, key.removeprefix("eval_"),
+                                        "line+points"))
+        values = [r[k] for r in epochs for k in metrics if _num(r.get(k)) is not None and math.isfinite(r[k])]
         if values and -1.0 <= min(values) and max(values) <= 1.0:  # scores: show them on their whole scale
-            ax.set_ylim(min(0.0, min(values)) - 0.03, 1.03)
-        ax.set(title="evaluation metrics", xlabel="epoch", ylabel="score")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            scores.ylim = (min(0.0, min(values)) - 0.03, 1.03)
+        panels.append(scores)
     if isinstance(schedule, dict):
-        _draw_schedule(axes[-1], schedule, steps)
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
+        panels.append(_schedule_panel(schedule, steps))
     config = _read_config(run_dir)
-    fig.suptitle(f"{run_dir.name}  ({config.get('task', '?')})", fontsize=11)
     target = run_dir / CURVES
     tmp = run_dir / f".{CURVES}.tmp"
     tmp.unlink(missing_ok=True)  # a leftover (or planted) temporary name is never written through
-    fig.savefig(tmp, format="png")
+    tmp.write_text(render_chart(panels, f"{run_dir.name}  ({config.get('task', '?')})"), encoding="utf-8")
     os.replace(tmp, target)
     return target
 
 
-def _draw_schedule(ax: Any, schedule: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+# matplotlib's first colours: the curves look as they did when matplotlib drew them
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2")
+
+
+def _loss_panel(steps: list[dict[str, Any]], epochs: list[dict[str, Any]]) -> Panel:
+    """The logged steps' training loss, with each epoch's mean at its last step and a guide line there."""
+    panel = Panel("training loss", "optimizer step", "loss", empty_note="no training step logged yet")
+    logged = [r for r in steps if _num(r.get("loss")) is not None]
+    if logged:
+        panel.series.append(Series([r["step"] for r in logged], [r["loss"] for r in logged], "#1f77b4",
+                                   "training loss (logged steps)"))
+    ends = [r for r in epochs if r["epoch"] >= 1 and _num(r.get("train_loss")) is not None and _num(r.get("step"))]
+    if ends:
+        panel.series.append(Series([r["step"] for r in ends], [r["train_loss"] for r in ends], "#ff7f0e",
+                                   "epoch mean", "points"))
+        panel.vlines = [float(r["step"]) for r in ends]
+    return panel
+
+
+def _schedule_panel(schedule: dict[str, Any], steps: list[dict[str, Any]]) -> Panel:
     """The planned learning rate of every optimizer step (schedule.json) and the rates the logged steps ran at."""
     from surefit.training.schedule import Schedule
 
+    panel = Panel("learning rate", "optimizer step", "lr", empty_note="schedule.json unreadable")
     try:
         plan = Schedule(**schedule)
         # As metrics.jsonl's "lr": the rate set after step n, which step n + 1 runs at.
         xs = list(range(0, plan.total_steps + 1))
-        ax.plot(xs, [plan.lr_at(x) for x in xs], color="#2ca02c", linewidth=1.4,
-                label=f"{plan.kind}, warmup {plan.warmup_steps}")
+        panel.series.append(Series([float(x) for x in xs], [plan.lr_at(x) for x in xs], "#2ca02c",
+                                   f"{plan.kind}, warmup {plan.warmup_steps}"))
     except (TypeError, ValueError):
-        ax.text(0.5, 0.5, "schedule.json unreadable", ha="center", va="center", transform=ax.transAxes)
+        return panel
     logged = [(r["step"], r["lr"]) for r in steps if _num(r.get("lr")) is not None]
     if logged:
-        ax.plot(*zip(*logged, strict=True), ".", color="#d62728", label="logged steps")
-    ax.set(title="learning rate", xlabel="optimizer step", ylabel="lr")
+        panel.series.append(Series([x for x, _ in logged], [y for _, y in logged], "#d62728", "logged steps",
+                                   "points", "dot"))
+    return panel
 
 
 # ------------------------------------------------------------------------------------------------------ the page
@@ -464,7 +451,7 @@ SECTIONS = (("config", "Configuration"), ("memory-plan", "Memory plan"), ("docto
 
 
 def render_report(run_dir: str | Path) -> str:
-    """The report page of a run folder, as one self-contained HTML string (reads ``curves.png`` if present)."""
+    """The report page of a run folder, as one self-contained HTML string (reads ``curves.svg`` if present)."""
     run_dir = Path(run_dir)
     config = _read_config(run_dir)
     steps, epochs = read_metrics(run_dir)
@@ -492,13 +479,14 @@ def render_report(run_dir: str | Path) -> str:
     parts.append(_section("memory-plan", "Memory plan", _plan_section(run_dir, config)))
     parts.append(_section("doctor", "Doctor findings", _doctor_section(run_dir)))
     parts.append(_section("metrics", "Metrics", _metrics_section(epochs, steps) + _evaluations_section(run_dir, epochs)))
-    png = run_dir / CURVES
-    if png.is_file():
-        data = base64.b64encode(png.read_bytes()).decode("ascii")
+    svg = run_dir / CURVES
+    if svg.is_file():
+        # As an image, not inline markup: the picture cannot add script or style to the page, whatever its text.
+        data = base64.b64encode(svg.read_bytes()).decode("ascii")
         body = (f'<img class="curves" alt="training loss per step, loss and metrics per epoch" '
-                f'src="data:image/png;base64,{data}">')
+                f'src="data:image/svg+xml;base64,{data}">')
     else:
-        body = _note("no curves.png (run `surefit report --run` on this folder to draw it)")
+        body = _note(f"no {CURVES} (run `surefit report --run` on this folder to draw it)")
     parts.append(_section("curves", "Curves", body))
     parts.append(_section("predictions", "Sample predictions", _samples_section(run_dir) + _predictions_section(run_dir)))
     parts.append(_section("time", "Where the time went", _time_section(run_dir)))
@@ -507,7 +495,7 @@ def render_report(run_dir: str | Path) -> str:
 
 
 def curves_current(run_dir: Path) -> bool:
-    """Whether ``curves.png`` was drawn after the last change to what it shows (metrics.jsonl, schedule.json)."""
+    """Whether ``curves.svg`` was drawn after the last change to what it shows (metrics.jsonl, schedule.json)."""
     try:
         drawn = (run_dir / CURVES).stat().st_mtime_ns
     except OSError:
@@ -517,13 +505,13 @@ def curves_current(run_dir: Path) -> bool:
 
 
 def write_report(run_dir: str | Path, say: Any = None, redraw: bool = True) -> Path:
-    """(Re)build ``curves.png`` and ``report.html`` in a run folder; returns the page's path.
+    """(Re)build ``curves.svg`` and ``report.html`` in a run folder; returns the page's path.
 
     Args:
         run_dir: a run's ``--output_dir`` (finished, interrupted or still training).
         say: where to print the one-line summary (``None``: silent).
-        redraw: ``False``: keep a ``curves.png`` drawn after the last metrics were written (the end of a run, whose
-            last epoch has just drawn it; drawing it again costs about a quarter of a second).
+        redraw: ``False``: keep a ``curves.svg`` drawn after the last metrics were written (the end of a run, whose
+            last epoch has just drawn it).
     """
     run_dir = Path(run_dir)
     if redraw or not curves_current(run_dir):

@@ -128,7 +128,7 @@ class MetricsLog:
 
     Args:
         trackers: also send each record's numbers to these experiment trackers (``--report_to``).
-        after_epoch: called after each epoch record is written (e.g. to redraw ``curves.png``); a failure there is
+        after_epoch: called after each epoch record is written (e.g. to redraw ``curves.svg``); a failure there is
             reported, never fatal to training.
     """
 
