@@ -466,6 +466,13 @@ def worker_main(name: str, workdir: Path, warm: bool) -> None:
     else:
         rec = worker_seeds(name, opts, spec, workdir, warm)
     benchlib.write_result(workdir, name, rec)
+    if kind == "surefit":
+        # The process ends as the `surefit` command ends (cli.exit_now: the exit handlers run and the output is
+        # flushed, without the interpreter's teardown of the trained model's objects); the trainers' processes end
+        # as a Python script does, which is what their users run.
+        from surefit.cli import exit_now
+
+        exit_now(0)
 
 
 # ================================================================================================== report
@@ -656,7 +663,9 @@ def whole_process_lines(ok: dict[str, dict[str, Any]]) -> list[str]:
              "two evaluations (before and after the epoch: the validation loss, and generated answers scored where "
              "the run generates); the anchors "
              "evaluate nothing. A trainer's untimed warm-up step (see below) is one step more than it would run "
-             "alone, so one ordinary step's time is taken off its whole process for these goals.", "",
+             "alone, so one ordinary step's time is taken off its whole process for these goals. surefit's worker "
+             "ends as the `surefit` command does (`cli.exit_now`: exit handlers run, output flushed, no interpreter "
+             "teardown of the trained model's objects); the trainers' workers end as a Python script does.", "",
              "| goal | measured | target | result | detail |", "|---|---|---|---|---|"]
     lines += [benchlib.ratio_line(label, value, goal, True, detail)[0]
               for label, value, goal, detail in _whole_goals(ok)]
@@ -736,7 +745,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"), help="the shared data folder")
     ap.add_argument("--workload", choices=sorted(WORKLOADS), default="squad",
-                    help="squad: " + WORKLOADS["squad"] + "; chat: " + WORKLOADS["chat"])
+                    help=("squad: " + WORKLOADS["squad"] + "; chat: " + WORKLOADS["chat"]).replace("%", "%%"))
     ap.add_argument("--rows", type=int, default=None,
                     help="training rows: the first N rows of the workload (default 64; --quick 8; --eval-speed 200)")
     ap.add_argument("--val_rows", type=int, default=None, help="surefit's held-out rows (default 8; --eval-speed 200)")

@@ -22,6 +22,10 @@ caps it):
   one matmul per layer); ``merged_shared``: with both.
 - ``packed``: the default with ``--eval_pack_lora`` (each adapted layer one 16-bit GEMM over ``[x | s x A^T]`` and
   ``[W | B]``); ``packed_shared``: with ``--eval_share_prefixes`` too.
+- ``loss+surefit``, ``loss+generate``: an evaluation as it ran before ``--eval_loss_in_prefill``: surefit's loss pass
+  (``training/loop.evaluate_loss``: right-padded batches of ``--batch``, shared prefixes, the fused head), then the
+  default generation, or ``generate``; ``one_pass``: the default evaluation now, the loss computed in the prompts'
+  forward (``eval/generate.LossPass``). Their losses are compared with each other and with the fp32 reference's.
 - ``prefill``: not a goal, where the time goes: ``generate``, the default and ``packed`` with ``max_new_tokens`` 1
   (the prompts' forward and one token), in the same alternation.
 
@@ -38,6 +42,7 @@ and the load average are recorded beside them) and the fastest repeat of each.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -48,8 +53,9 @@ from typing import Any
 GOAL = 3.0  # >= 3x model.generate on the same rows and weights (issue 34)
 
 
-def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[list[int]], int]:
-    """Prompts of ``rows`` rows encoded as evaluation encodes them, and the longest gold answer in tokens."""
+def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[list[int]], int, list[dict[str, Any]]]:
+    """Prompts of ``rows`` rows encoded as evaluation encodes them, the longest gold answer in tokens, and the
+    examples' features (input_ids, labels) for the loss."""
     from surefit.config import SFTConfig
     from surefit.tasks.sft.train_sft import Encoder, load_data
 
@@ -59,7 +65,7 @@ def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[lis
     enc = Encoder.build(cfg, tok, str(report.format), bool(report.format_conversational))
     examples, rep = enc.encode(train, "validation")
     longest = max(len(e.input_ids) - len(e.prompt_ids) for e in examples)
-    return [e.prompt_ids for e in examples], longest
+    return [e.prompt_ids for e in examples], longest, [e.features() for e in examples]
 
 
 def main() -> None:
@@ -83,14 +89,17 @@ def main() -> None:
     from transformers import GenerationConfig
 
     from surefit.data.collate import PadCollator
-    from surefit.eval.generate import Decode, greedy_generate
+    from surefit.eval.generate import Decode, LossPass, greedy_generate
     from surefit.models import load_causal_lm, load_tokenizer, model_folder, resolve_model
-    from surefit.tasks.sft.train_sft import eos_token_ids
+    from surefit.tasks.sft.train_sft import eos_token_ids, head_loss
+    from surefit.training.loop import evaluate_loss
+    from surefit.training.loss import causal_lm_loss_sum
     from surefit.training.plan import generation_batch
     from surefit.training.precision import make_accelerator, store_frozen_in
+    from surefit.training.speedups import fused_head
     from surefit.training.speedups.lora_fast import fuse_lora
     from surefit.training.speedups.lora_generate import lean_lora, packed_lora
-    from surefit.training.speedups.prefixes import why_not_shared
+    from surefit.training.speedups.prefixes import PrefixSharing, why_not_shared
 
     source = resolve_model(None)
     path = model_folder(source, log=print)
@@ -125,16 +134,24 @@ def main() -> None:
     mixed = acc.mixed_precision in ("bf16", "fp16")
 
     def measure(workload: str) -> dict[str, Any]:
-        prompts, longest = _prompts(workload, args.rows, Path(args.shared), tok)
+        prompts, longest, feats = _prompts(workload, args.rows, Path(args.shared), tok)
         max_new = args.max_new_tokens or min(longest + 4, 256)
         planned = generation_batch(model, [len(p) + max_new for p in prompts], args.batch, None, mixed)
 
+        losses: dict[str, float] = {}
+
         def ours(m: Any = model, rows: int = args.batch, share: bool = False, stats: dict | None = None,
                  mixed_run: bool = True, merge: bool = False, new: int | None = None,
-                 pack: bool = False) -> list[list[int]]:
+                 pack: bool = False, loss: str | None = None) -> list[list[int]]:
+            one = LossPass(feats, functools.partial(head_loss, fused=True)) if loss else None
             decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=new or max_new,
                             batch_size=rows, prefill_batch=args.batch, share_prefixes=share and shareable,
-                            merge_lora=merge)
+                            merge_lora=merge, loss_pass=one)
+            if one is not None:
+                out = greedy_generate(m, prompts, decode, device=acc.device,
+                                      autocast=acc.autocast if mixed_run else None, lora_context=lean_lora)
+                losses[str(loss)] = one.loss_sum / max(1, one.tokens)
+                return out
             return greedy_generate(m, prompts, decode, device=acc.device, autocast=acc.autocast if mixed_run else None,
                                    lora_context=packed_lora if pack else lean_lora, stats=stats)
 
@@ -153,6 +170,18 @@ def main() -> None:
                     out[i] = seq[: next((k for k, t in enumerate(seq) if t in eos), len(seq))]
             return out
 
+        def loss_pass(m: Any = model, name: str = "separate") -> None:
+            # surefit's evaluation loss pass as evaluate_examples ran it before the loss moved into the prefill
+            share = PrefixSharing() if shareable else None
+            losses[name] = evaluate_loss(m, feats, [len(f["input_ids"]) for f in feats],
+                                         loss_fn=functools.partial(causal_lm_loss_sum, share=share, fused=fused_head),
+                                         collate=PadCollator(pad_token_id=tok.pad_token_id), batch_size=args.batch,
+                                         accelerator=acc, say=lambda _: None)
+
+        def then(first: Any, second: Any) -> list[list[int]]:
+            first()
+            return second()
+
         stats: dict[str, int] = {}
         runs = {
             "generate": anchor,
@@ -163,6 +192,9 @@ def main() -> None:
             "merged_shared": lambda: ours(rows=planned.rows, share=True, merge=True),
             "packed": lambda: ours(rows=planned.rows, pack=True),
             "packed_shared": lambda: ours(rows=planned.rows, share=True, pack=True),
+            "loss+generate": lambda: then(loss_pass, anchor),
+            "loss+surefit": lambda: then(loss_pass, lambda: ours(rows=planned.rows)),
+            "one_pass": lambda: ours(rows=planned.rows, loss="one_pass"),
         }
         if args.configs:
             keep = {"generate", *args.configs.split(",")}
@@ -189,6 +221,8 @@ def main() -> None:
         prefill = {k: round(min(v), 2) for k, v in prefill_cpu.items()}
         load.append(os.getloadavg()[0])
         outputs["fp32"] = ours(ref, mixed_run=False)  # untimed
+        if "one_pass" in runs:  # in fp32 the one-pass loss is the separate pass's (tests/eval/test_loss_in_prefill.py)
+            ours(ref, mixed_run=False, loss="fp32")
 
         def same(a: str, b: str) -> int:
             return sum(x == y for x, y in zip(outputs[a], outputs[b], strict=True))
@@ -207,7 +241,7 @@ def main() -> None:
             "prefill_tokens_with_shared_prefixes": stats.get("prefill_tokens"), "load_average": load,
             "new_tokens": new_tokens, "cpu_seconds": cpu, "wall_seconds": wall, "best_cpu_seconds": best,
             "new_tokens_per_cpu_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
-            "prefill_cpu_seconds": prefill,
+            "prefill_cpu_seconds": prefill, "eval_loss": {k: round(v, 6) for k, v in losses.items()},
             "rows_identical": {**{f"{k}_vs_{r}": same(k, r) for r in ("generate", "fp32") for k in runs if k != r},
                                **{f"{a}_vs_{b}": same(a, b) for a, b in (("merged", "surefit"), ("packed", "surefit"),
                                                                          ("merged_shared", "shared"))
@@ -218,7 +252,17 @@ def main() -> None:
                                          for k in runs if k != "generate"},
         }
         rec["goals"] = {f"{k} vs generate": {"ratio": v, "goal": GOAL, "result": "PASS" if v >= GOAL else "FAIL"}
-                        for k, v in rec["speedup_vs_generate"].items()}
+                        for k, v in rec["speedup_vs_generate"].items()
+                        if k not in ("loss+generate", "loss+surefit", "one_pass")}
+        if {"loss+generate", "loss+surefit", "one_pass", "surefit"} <= set(best):
+            loss_only = best["loss+surefit"] - best["surefit"]  # the loss pass alone, by difference
+            marginal = best["one_pass"] - loss_only  # what answers add to an evaluation that scores the loss anyway
+            rec["evaluation"] = {
+                "loss_pass_cpu_s": round(loss_only, 2), "one_pass_minus_loss_pass_cpu_s": round(marginal, 2),
+                "one_pass_vs_loss+generate": round(best["loss+generate"] / best["one_pass"], 2),
+                "one_pass_vs_loss+surefit": round(best["loss+surefit"] / best["one_pass"], 2),
+                "answers_vs_generate": round(best["generate"] / marginal, 2) if marginal > 0 else None,
+            }
         return rec
 
     for workload in args.workloads.split(","):
@@ -279,6 +323,23 @@ def _report(results: dict[str, Any], args: Any) -> str:
         n = r["prompts"]
         lines.append(f"| {name} | " + " | ".join(f"{v}/{n}" for v in r["rows_identical"].values()) + " | "
                      + " | ".join(f"{v:.1%}" for v in r["token_agreement_vs_fp32"].values()) + " |")
+    evals = {k: r for k, r in w.items() if "evaluation" in r}
+    if evals:
+        lines += ["", "The evaluation as a whole, validation loss and answers (CPU s, fastest repeat): `loss+generate` "
+                  "(surefit's loss pass, then `model.generate`), `loss+surefit` (the loss pass, then the default "
+                  "generation: the evaluation before `--eval_loss_in_prefill`), `one_pass` (the loss computed in the "
+                  "prompts' forward, the default now). 'answers' is what generating adds to an evaluation that scores "
+                  "the loss anyway: `one_pass` less the loss pass alone (`loss+surefit` less `surefit`), against "
+                  "`generate`.", "",
+                  "| workload | loss+generate | loss+surefit | one_pass | one_pass vs loss+generate | one_pass vs "
+                  "loss+surefit | answers vs generate | eval loss: loss pass / one_pass / fp32 |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for name, r in evals.items():
+            b, e, lo = r["best_cpu_seconds"], r["evaluation"], r["eval_loss"]
+            lines.append(f"| {name} | {b['loss+generate']:.2f} | {b['loss+surefit']:.2f} | {b['one_pass']:.2f} | "
+                         f"{e['one_pass_vs_loss+generate']}x | {e['one_pass_vs_loss+surefit']}x | "
+                         f"{e['answers_vs_generate']}x | {lo.get('separate')} / {lo.get('one_pass')} / "
+                         f"{lo.get('fp32')} |")
     lines += ["", "Prompt tokens computed with shared prefixes: " + ", ".join(
         f"{k} {r['prefill_tokens_with_shared_prefixes'] or 0:,} of {r['prompt_tokens']:,}" for k, r in w.items()),
         "", "Planner: " + "; ".join(f"{k}: {r['planner']}" for k, r in w.items()), ""]

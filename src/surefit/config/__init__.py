@@ -306,6 +306,12 @@ class SFTConfig(TrainConfig):
         False, "Generation computes a prompt beginning that evaluation prompts share (16 tokens or more, e.g. one "
         "SQuAD paragraph) once. Computed in another batch shape, it can round differently under 16-bit precision and "
         "flip an answer token at a near-tie. false: every prompt computed whole, as generate() does.")
+    eval_loss_in_prefill: bool = opt(
+        True, "An evaluation that generates computes its validation loss and its prompts in one forward: each example "
+        "(prompt and answer) runs once, and generation continues from the prompt's part of it, where the earlier "
+        "evaluation ran the examples for the loss and then the prompts again. The same numbers in exact arithmetic; "
+        "under 16-bit precision the loss can differ in its last digits and an answer token can flip at a near-tie "
+        "(measured in docs/performance.md). false: two passes, the prompts computed alone as generate() does.")
     max_seq_length: int = opt(512, "Longest prompt + target in tokens. Prompts are cut to fit; targets never are.")
     truncation_side: Literal["left", "right"] = opt(
         "left", "Which end of the input to cut when a prompt is too long ('left' keeps the end, e.g. a question)."

@@ -13,6 +13,12 @@ round differently in 16 bits and are off unless asked for:
   ``model.generate`` would use with ``batch_size = prefill_batch``; the decode steps see more (masked) rows, which
   can round differently in 16 bits (counted in ``benchmarks/generation.py``).
 - The LM head runs at the last position only (``logits_to_keep=1``).
+- ``loss_pass``: the evaluation's validation loss and the prompts' forward are one forward. Each row is laid out
+  ``[pad | prompt | answer | pad]`` with every prompt ending in the same column; one forward over the whole example
+  gives the loss of its supervised tokens, and the keys and values of the columns up to that one are the prompt's
+  own (a causal model's prompt positions never see the answer), so the cache is cut there and decoding continues
+  from it. The same numbers as a separate loss pass and prefill in exact arithmetic; computed in another batch
+  shape, 16-bit rounding can differ (agreement measured in ``benchmarks/generation.py``).
 - The KV cache is reserved once per batch for prompt + ``max_new_tokens`` and written in place (``Reserved``):
   transformers' default cache concatenates every layer's keys and values at every step, copying the whole cache.
 - ``share_prefixes``: rows that begin with the same tokens (questions on one SQuAD paragraph) compute that prefix
@@ -39,12 +45,36 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from surefit.data.collate import PadCollator
+from surefit.data.collate import IGNORE_INDEX, PadCollator
 from surefit.eval.generate_speedups import Merged, merged_lora, reserve
 from surefit.models import inner_model
 
 # A prefix shorter than this is computed with each row: sharing it saves less than the extra forward costs.
 MIN_SHARED_PREFIX = 16
+
+
+class LossPassUnfit(RuntimeError):
+    """The model's KV cache holds layers other than plain full-attention ones (sliding windows, linear attention), so
+    a prompt's keys and values cannot be cut out of the whole example's, or the model transforms its logits after the
+    head. Raised at the first batch, before any loss is added: the caller computes the loss in a pass of its own."""
+
+
+@dataclass
+class LossPass:
+    """The validation loss computed in the prompts' forward (see the module's ``loss_pass``).
+
+    Attributes:
+        features: per prompt, ``input_ids`` (the prompt, then its answer) and ``labels`` (-100 where no loss); the
+            prompt must be the beginning of ``input_ids`` (:func:`why_no_loss_pass`).
+        head_loss: ``(model, hidden [n, H], targets [n]) -> loss sum``: the LM head and the cross-entropy on the hidden
+            states at supervised positions, as the loss pass computes them.
+        loss_sum, tokens: summed over every batch (the caller reads them after the generation).
+    """
+
+    features: list[dict[str, list[int]]]
+    head_loss: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]
+    loss_sum: float = 0.0
+    tokens: int = 0
 
 
 @dataclass
@@ -70,6 +100,21 @@ class Decode:
     merge_lora: bool = False
     reuse_cache: bool = True
     share_prefixes: bool = False
+    loss_pass: LossPass | None = None
+
+
+def why_no_loss_pass(model: Any, prompts: list[list[int]], features: list[dict[str, list[int]]], *,
+                     merge_lora: bool, share_prefixes: bool) -> str | None:
+    """Why the loss cannot be computed in the prompts' forward here (None: it can): merged adapters or shared
+    prefixes compute the prompts otherwise than the loss pass, a forward without ``logits_to_keep`` gives no hidden
+    states to score, a prompt that is not the beginning of its example cannot be cut out of it."""
+    if merge_lora or share_prefixes:
+        return "the prompts are computed with merged adapters or shared prefixes"
+    if "logits_to_keep" not in _forward_kwargs(model)[0]:
+        return "the model's forward takes no logits_to_keep"
+    if any(not p or f["input_ids"][: len(p)] != p for p, f in zip(prompts, features, strict=True)):
+        return "a prompt is not the beginning of its example"
+    return None
 
 
 @torch.no_grad()
@@ -105,6 +150,11 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
     model.eval()
     stats = stats if stats is not None else {}
     stats.update(prompt_tokens=sum(map(len, prompts)), prefill_tokens=0)
+    if decode.loss_pass is not None:
+        why = why_no_loss_pass(model, prompts, decode.loss_pass.features, merge_lora=merge_lora,
+                               share_prefixes=share_prefixes)
+        if why is not None:
+            raise ValueError(f"loss_pass: {why}")
     batches = _batches(prompts, batch_size, share_prefixes)
     out: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)
@@ -120,9 +170,11 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
                 stats["lora_out_of_memory"] = int(bool(getattr(entered, "out_of_memory", False)))
             for idx, shared in batches:
                 ctx = autocast() if autocast is not None else contextlib.nullcontext()
+                how = _Step(pad_token_id, eos, max_new_tokens, device, reuse_cache, decode.prefill_batch,
+                            decode.loss_pass)
+                feats = None if decode.loss_pass is None else [decode.loss_pass.features[i] for i in idx]
                 with ctx:
-                    new, computed = _decode(model, [prompts[i] for i in idx], shared, _Step(
-                        pad_token_id, eos, max_new_tokens, device, reuse_cache, decode.prefill_batch))
+                    new, computed = _decode(model, [prompts[i] for i in idx], shared, how, feats)
                 stats["prefill_tokens"] += computed
                 for i, seq in zip(idx, new, strict=True):
                     out[i] = seq
@@ -225,10 +277,94 @@ class _Step:
     device: Any
     reuse_cache: bool
     prefill_batch: int | None
+    loss_pass: LossPass | None = None
 
 
-def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], how: _Step, extra: dict,
-                     cache_arg: str) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, int] | None:
+def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, list[int]]], how: _Step,
+                  cache_arg: str) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+    """One forward over the whole examples: adds their loss to ``how.loss_pass`` and returns what :func:`_prefill`
+    does for the prompts (the last prompt position's logits, the cache cut after the prompts, their mask and last
+    positions, the tokens computed).
+
+    Rows are ``[pad | prompt | answer | pad]`` with every prompt ending in column ``P - 1``; the LM head's input is
+    kept at the supervised positions and at that column (the head swapped for an identity while the model runs)."""
+    from types import SimpleNamespace
+
+    assert how.loss_pass is not None
+    inner = inner_model(model)
+    head = inner.get_output_embeddings()
+    name = next(n for n, m in inner.named_children() if m is head)
+    width = max(map(len, prompts))
+    total = max(width - len(p) + len(f["input_ids"]) for p, f in zip(prompts, feats, strict=True))
+    rows = len(prompts)
+    ids = torch.full((rows, total), how.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, total), dtype=torch.long)
+    labels = torch.full((rows, total), IGNORE_INDEX, dtype=torch.long)
+    for r, (p, f) in enumerate(zip(prompts, feats, strict=True)):
+        start, n = width - len(p), len(f["input_ids"])
+        ids[r, start : start + n] = torch.tensor(f["input_ids"])
+        labels[r, start : start + n] = torch.tensor(f["labels"])
+        mask[r, start : start + n] = 1
+    ids, mask, labels = ids.to(how.device), mask.to(how.device), labels.to(how.device)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    scored = torch.zeros_like(mask, dtype=torch.bool)
+    scored[:, :-1] = labels[:, 1:] != IGNORE_INDEX  # position t predicts token t + 1
+    keep = scored.clone()
+    keep[:, width - 1] = True
+    capture = HeadInput()
+    setattr(inner, name, capture)
+    try:
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=keep)
+    finally:
+        setattr(inner, name, head)
+    if out.logits is not capture.seen:
+        # the model transforms the head's output (soft-capping, scaling): the loss would have to apply it too
+        raise LossPassUnfit("the model transforms its logits after the LM head")
+    cache = getattr(out, cache_arg)
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
+                         for layer in layers):
+        raise LossPassUnfit("the model's cache has layers other than plain full-attention ones")
+    seen = capture.seen
+    assert seen is not None  # the head ran inside model(...)
+    hidden = seen.reshape(-1, seen.shape[-1])  # the head's input at the kept positions, row by row
+    targets = labels[:, 1:][scored[:, :-1]]
+    if targets.numel():
+        how.loss_pass.loss_sum += float(how.loss_pass.head_loss(model, hidden[scored[keep]], targets))
+        how.loss_pass.tokens += int(targets.numel())
+    last = torch.zeros_like(keep)
+    last[:, width - 1] = True
+    logits = head(hidden[last[keep]])  # [rows, vocab]
+    for layer in layers:  # sliced, not crop(): its argument changed meaning between transformers versions
+        layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
+    step = SimpleNamespace(logits=logits[:, None, :], **{cache_arg: cache})
+    return step, mask[:, :width], positions[:, width - 1], int(mask.sum())
+
+
+class HeadInput(torch.nn.Module):
+    """Stands in for the LM head during a forward: keeps its input (the hidden states) and returns it (the loss in the
+    prompts' forward here; the fused head and loss in training)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: torch.Tensor | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.seen = hidden
+        return hidden
+
+
+def _prefill_part(model: Any, prompts: list[list[int]], shared: list[int], feats: list[dict[str, list[int]]] | None,
+                  how: _Step, extra: dict, cache_arg: str) -> tuple[Any, torch.Tensor, torch.Tensor, int]:
+    """:func:`_prefill`, or :func:`_loss_prefill` where the loss is computed in the prompts' forward."""
+    if feats is not None:
+        return _loss_prefill(model, prompts, feats, how, cache_arg)
+    return _prefill(model, prompts, shared, how.pad_token_id, how.device, extra, cache_arg)
+
+
+def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], feats: list[dict[str, list[int]]] | None,
+                     how: _Step, extra: dict, cache_arg: str) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor,
+                                                                           int] | None:
     """Prefill in parts of ``how.prefill_batch`` rows and stack their caches, left padded, into one batch.
 
     Returns ``(last logits, cache, attention mask, last positions, tokens computed)``, or None where a part's cache
@@ -237,8 +373,9 @@ def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], ho
     size = how.prefill_batch or len(prompts)
     parts = []
     for s in range(0, len(prompts), size):
-        step, mask, last, computed = _prefill(model, prompts[s : s + size], shared[s : s + size], how.pad_token_id,
-                                              how.device, extra, cache_arg)
+        step, mask, last, computed = _prefill_part(model, prompts[s : s + size], shared[s : s + size],
+                                                   None if feats is None else feats[s : s + size], how, extra,
+                                                   cache_arg)
         cache = getattr(step, cache_arg)
         layers = getattr(cache, "layers", None)
         if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
@@ -263,7 +400,8 @@ def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], ho
             sum(p[4] for p in parts))
 
 
-def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step) -> tuple[list[list[int]], int]:
+def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step,
+            feats: list[dict[str, list[int]]] | None = None) -> tuple[list[list[int]], int]:
     """Greedy decoding of one batch with a KV cache; a row leaves the batch when it ends.
 
     The same tokens as ``model.generate`` (greedy, same positions and mask), with less work per step: the LM head
@@ -277,12 +415,11 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step)
     extra, cache_arg = _forward_kwargs(model)
     stacked = None
     if how.prefill_batch and how.prefill_batch < rows and how.reuse_cache:
-        stacked = _stacked_prefill(model, prompts, shared, how, extra, cache_arg)
+        stacked = _stacked_prefill(model, prompts, shared, feats, how, extra, cache_arg)
     if stacked is not None:
         logits, cache, attention_mask, last, computed = stacked
     else:
-        step, attention_mask, last, computed = _prefill(model, prompts, shared, how.pad_token_id, how.device, extra,
-                                                        cache_arg)
+        step, attention_mask, last, computed = _prefill_part(model, prompts, shared, feats, how, extra, cache_arg)
         logits, cache = step.logits[:, -1], getattr(step, cache_arg)
         del step
     if how.reuse_cache:

@@ -59,7 +59,7 @@ DATA_SETTINGS = frozenset({
     "lora_variant", "sharding", "system_prompt", "thinking", "system_turn", "cache_dir",
     # switches
     "overwrite", "allow_changed_data", "force", "no_cache", "eval_generate", "eval_merge_lora", "eval_share_prefixes", "eval_pack_lora",
-    "share_prefixes",
+    "eval_loss_in_prefill", "share_prefixes",
     "fused_cross_entropy", "gradient_checkpointing", "chat_template", "precompute_ref", "profile",
 })
 

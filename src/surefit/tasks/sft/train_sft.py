@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import random
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -82,11 +83,12 @@ from surefit.errors import (
     raise_if,
     raise_with_rejected,
 )
-from surefit.eval.generate import Decode, greedy_generate
+from surefit.eval.generate import Decode, LossPass, LossPassUnfit, greedy_generate, why_no_loss_pass
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
 from surefit.eval.progress import Progress, phase
 from surefit.models import (
     apply_lora,
+    inner_model,
     load_causal_lm,
     load_tokenizer,
     model_folder,
@@ -651,7 +653,8 @@ class EncodedData:
 NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
     "preset", "model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_variant", "quantize", "precision",
     "gradient_checkpointing", "sharding", "gpu_memory_gb", "batch_size", "grad_accum", "eval_batch_size", "metric",
-    "eval_generate", "eval_merge_lora", "eval_share_prefixes", "eval_pack_lora", "share_prefixes", "fused_cross_entropy",
+    "eval_generate", "eval_merge_lora", "eval_share_prefixes", "eval_pack_lora", "eval_loss_in_prefill", "share_prefixes",
+    "fused_cross_entropy",
     "max_new_tokens", "pad_to_multiple_of"}
 
 
@@ -1110,6 +1113,9 @@ class Generation:
     batch_size: int
     switches: Switches = field(default_factory=Switches)
     decode_rows: int | None = None  # rows decoded at once, prompts run batch_size at a time (None: batch_size)
+    # the validation loss computed in the prompts' forward: each prompt's example (input_ids, labels) and the head's
+    # loss on hidden states (eval/generate.LossPass); None: generation computes the prompts alone
+    loss_pass: tuple[list[dict[str, list[int]]], Callable[[Any, Any, Any], Any]] | None = None
 
 
 @dataclass
@@ -1119,6 +1125,8 @@ class Decoded:
 
     lengths: list[int] = field(default_factory=list)
     raw: list[str] = field(default_factory=list)
+    loss_sum: float = 0.0  # with Generation.loss_pass: the validation loss summed over its supervised tokens
+    loss_tokens: int = 0
 
 
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, accelerator: Any, gen: Generation,
@@ -1139,6 +1147,13 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
     bar = Progress("generating", total=len(prompts), unit="answer", enabled=progress and is_main_process())
     inner = accelerator.unwrap_model(model)
     stats: dict[str, int] = {}
+    passes: list[LossPass] = []
+
+    def loss_pass() -> LossPass | None:
+        # a fresh sum for each try: out of memory starts the generation again with a smaller batch
+        passes[:] = [] if gen.loss_pass is None else [LossPass(*gen.loss_pass)]
+        return passes[0] if passes else None
+
     with bar:
         generated = shrink_on_oom(
             lambda bs: greedy_generate(
@@ -1148,7 +1163,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
                        max_new_tokens=gen.max_new_tokens, prefill_batch=bs, merge_lora=gen.switches.eval_merge_lora,
                        # out of memory halves the prompts' batch and the decode batch alike
                        batch_size=max(bs, (gen.decode_rows or gen.batch_size) * bs // gen.batch_size),
-                       share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None),
+                       share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None,
+                       loss_pass=loss_pass()),
                 device=accelerator.device,
                 autocast=accelerator.autocast,
                 progress=lambda done, total: bar.set(done),
@@ -1165,6 +1181,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
     if stats.get("lora_out_of_memory"):
         say("out of memory while packing the LoRA layers' weights for generation: generated with the adapter applied "
             "as in training instead (slower; --eval_pack_lora false skips the attempt)")
+    if out is not None and passes:
+        out.loss_sum, out.loss_tokens = passes[0].loss_sum, passes[0].tokens
     if out is not None:
         out.lengths += [len(g) for g in generated]
         out.raw += [tokenizer.decode(g, skip_special_tokens=False) for g in generated]
@@ -1183,6 +1201,54 @@ class Scoring:
     answer: Callable[[str], str] | None = None  # a reasoning template: the answer part of a raw generation
 
 
+# Models whose cache or logits ruled out the loss in the prompts' forward (said once, then two passes every time).
+_no_loss_in_prefill: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _loss_in_prefill(model: Any, examples: list[Example], scoring: Scoring, accelerator: Any, say: Say) -> tuple[
+        list[dict[str, list[int]]], Callable[[Any, Any, Any], Any]] | None:
+    """``Generation.loss_pass`` for this evaluation where ``--eval_loss_in_prefill`` holds and nothing rules it out
+    (loss only, no answer tokens, merged or packed adapters, shared prompt prefixes, a model whose logits or cache
+    it cannot handle); else None: the loss pass and the prompts' forward run apart."""
+    gen = scoring.generation
+    sw = gen.switches
+    inner = accelerator.unwrap_model(model)
+    if not (sw.eval_generate and sw.eval_loss_in_prefill) or gen.max_new_tokens <= 0 or sw.eval_pack_lora \
+            or inner in _no_loss_in_prefill:
+        return None
+    if fused_head.softcap_of(inner) is not None:  # found at the first batch too; known before, so no bar breaks off
+        _two_passes(inner, "the model soft-caps its logits after the LM head", say)
+        return None
+    features = [e.features() for e in examples]
+    share = sw.eval_share_prefixes and why_not_shared(inner) is None
+    if why_no_loss_pass(inner, [e.prompt_ids for e in examples], features, merge_lora=sw.eval_merge_lora,
+                        share_prefixes=share) is not None:
+        return None
+    fused = sw.fused_cross_entropy and fused_head.why_not_fused(inner) is None
+    return features, functools.partial(head_loss, fused=fused)
+
+
+def _two_passes(model: Any, why: str, say: Say) -> None:
+    """Remember that this model's evaluations compute the loss and the prompts apart, and say so once."""
+    _no_loss_in_prefill[model] = why
+    say(f"evaluation: the validation loss and the prompts are computed in two passes for this model ({why}), not "
+        "in one (--eval_loss_in_prefill)")
+
+
+def head_loss(model: Any, hidden: Any, targets: Any, *, fused: bool) -> Any:
+    """The LM head and the cross-entropy summed over ``hidden`` (``[n, H]``, the head's input at supervised positions):
+    the fused head's chunks where the loss pass uses them, else the head in chunks of logits."""
+    import torch.nn.functional as F
+
+    head = inner_model(model).get_output_embeddings()
+    if fused:
+        return fused_head.fused_linear_cross_entropy(hidden, head.weight, head.bias, targets,
+                                                     chunk_values=fused_head.FUSED_CHUNK_VALUES)
+    step = max(1, 2**24 // head.out_features)  # at most 16 M logits at a time
+    return sum(F.cross_entropy(head(hidden[i : i + step]).float(), targets[i : i + step], reduction="sum")
+               for i in range(0, hidden.shape[0], step))
+
+
 def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accelerator: Any, scoring: Scoring,
                       say: Say = print) -> tuple[dict[str, float], list[str], list[list[str]]]:
     """Validation loss (per supervised token) and, with ``eval_generate``, SQuAD F1 / exact match (normalised) and
@@ -1198,25 +1264,36 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accel
     """
     gen = scoring.generation
     switches, batch_size = gen.switches, gen.batch_size
-    collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
-    share = switches.share_prefixes and why_not_shared(model) is None
-    with Progress("evaluation loss", enabled=is_main_process()):
-        loss = evaluate_loss(
-            model,
-            [e.features() for e in examples],
-            [len(e.input_ids) for e in examples],
-            loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
-                                      fused=fused_head if switches.fused_cross_entropy else None),
-            collate=collate,
-            batch_size=batch_size,
-            accelerator=accelerator,
-            say=say,
-        )
-    if not switches.eval_generate:
-        return {"eval_loss": loss}, [], []
-    out = Decoded()
-    preds = generate_texts(model, [e.prompt_ids for e in examples], tokenizer, accelerator, gen, say, progress=True,
-                           out=out)
+    prompts = [e.prompt_ids for e in examples]
+    fused = _loss_in_prefill(model, examples, scoring, accelerator, say)
+    if fused is not None:
+        out = Decoded()
+        try:
+            preds = generate_texts(model, prompts, tokenizer, accelerator, replace(gen, loss_pass=fused), say,
+                                   progress=True, out=out)
+            loss = out.loss_sum / max(out.loss_tokens, 1)
+        except LossPassUnfit as e:
+            _two_passes(accelerator.unwrap_model(model), str(e), say)
+            fused = None
+    if fused is None:
+        collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
+        share = switches.share_prefixes and why_not_shared(model) is None
+        with Progress("evaluation loss", enabled=is_main_process()):
+            loss = evaluate_loss(
+                model,
+                [e.features() for e in examples],
+                [len(e.input_ids) for e in examples],
+                loss_fn=functools.partial(causal_lm_loss_sum, share=PrefixSharing() if share else None,
+                                          fused=fused_head if switches.fused_cross_entropy else None),
+                collate=collate,
+                batch_size=batch_size,
+                accelerator=accelerator,
+                say=say,
+            )
+        if not switches.eval_generate:
+            return {"eval_loss": loss}, [], []
+        out = Decoded()
+        preds = generate_texts(model, prompts, tokenizer, accelerator, gen, say, progress=True, out=out)
     if scoring.answer is not None:  # a reasoning template: the metrics score the answer, not the reasoning before it
         preds = [scoring.answer(r) for r in out.raw]
     golds = [_golds(e.row, scoring.target_field) for e in examples]

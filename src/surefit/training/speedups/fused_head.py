@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from surefit.data.collate import IGNORE_INDEX
+from surefit.eval.generate import HeadInput
 from surefit.models import inner_model
 from surefit.training.loss import HEAD_PATHS
 
@@ -28,7 +29,7 @@ MIN_CHUNK_TOKENS = 8
 _not_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _softcap_of(model: Any) -> float | None:
+def softcap_of(model: Any) -> float | None:
     cfg = getattr(inner_model(model), "config", None)
     cap = getattr(cfg, "final_logit_softcapping", None) if cfg is not None else None
     return float(cap) if cap else None
@@ -62,18 +63,6 @@ def why_not_fused(model: Any) -> str | None:
     if not any(m is head for _, m in inner.named_children()):
         return "its output layer is not a direct child of the model"
     return None
-
-
-class _Capture(torch.nn.Module):
-    """Stands in for the LM head during the forward: keeps its input (the hidden states) and returns it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: torch.Tensor | None = None
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.seen = hidden
-        return hidden
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -189,7 +178,7 @@ def fused_loss(model: Any, kwargs: dict[str, Any], keep: torch.Tensor, targets: 
     inner = inner_model(model)
     head = inner.get_output_embeddings()
     name = next(n for n, m in inner.named_children() if m is head)
-    capture = _Capture()
+    capture = HeadInput()
     setattr(inner, name, capture)
     try:
         out = model(**kwargs, logits_to_keep=keep).logits
@@ -197,7 +186,7 @@ def fused_loss(model: Any, kwargs: dict[str, Any], keep: torch.Tensor, targets: 
         setattr(inner, name, head)
     hidden = capture.seen
     assert hidden is not None  # the head ran inside model(...)
-    softcap = _softcap_of(model)
+    softcap = softcap_of(model)
     if out is not hidden:
         expected = hidden if softcap is None else torch.tanh(hidden / softcap) * softcap
         if out.shape != expected.shape or not torch.allclose(out.float(), expected.float(), rtol=1e-5, atol=1e-6):
