@@ -205,7 +205,7 @@ def test_planner_measurements_are_reused_from_the_memo_and_the_choice_made_afres
 
 def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny_lm_dir, counted):
     """A cold CPU run runs one forward before step 1 for the doctor and the planner together; the saved activations
-    the plan reports are those of the doctor's batch (its first rows and the longest, padded as training pads),
+    the plan reports are those of the doctor's batch (its first row and the longest, padded as training pads),
     counted exactly as a separate measurement of that batch in training mode counts them, and the RNG is left as
     it was."""
     from surefit.cli import parse_train_config
@@ -227,7 +227,9 @@ def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny
     assert not p.check().has_errors
     assert torch.equal(torch.get_rng_state(), rng)
     got = p.work.plan.measured["saved_activations"]
-    batch, _ = Setup(p.model, None, p.work.features, None, p.work.collate, {"batch_size": 4}).batch()
+    batch, _ = Setup(p.model, None, p.work.features, None, p.work.collate, {"batch_size": 4},
+                     sample=sft.DRY_RUN_ROWS).batch()
+    assert len(batch["input_ids"]) == sft.DRY_RUN_ROWS == 2  # the first row and the longest
     multiple = cfg.pad_to_multiple_of or 1  # training pads each batch's length up to it (off by default)
     assert got[1] == batch["input_ids"].numel() == len(batch["input_ids"]) * (-(-max(p.work.lengths) // multiple) * multiple)
     store = p.work.activation_store if plan_module.packs_saved(

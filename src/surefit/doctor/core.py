@@ -189,9 +189,12 @@ class Setup:
             not a Trainer's ``model(**batch)``: surefit's own tasks hand in theirs (sft passes no labels to the model
             and computes the loss itself), so the dry run is the forward training runs. ``None``: ``model(**keys the
             forward accepts)``. Probes that replace keys always call the model directly.
+        sample: items in the dry run, the first ``sample - 1`` and the longest (None: :attr:`SAMPLE`). surefit's own
+            runs take 2 (the first row and the longest): its encoder has checked every row already, and the dry run's
+            forward, one step's worth of work before step 1, costs in proportion to its rows.
     """
 
-    SAMPLE: ClassVar[int] = 4  # items in the dry run: the first few plus the longest
+    SAMPLE: ClassVar[int] = 4  # items in the dry run by default: the first few plus the longest
 
     model: Any
     tokenizer: Any = None
@@ -203,6 +206,7 @@ class Setup:
     task: str | None = None
     signature_columns: Sequence[str] | None = None
     call: Callable[[Any, Mapping[str, Any]], Any] | None = None
+    sample: int | None = None
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -299,11 +303,13 @@ class Setup:
 
     def sample_indices(self, ds: Any) -> list[int]:
         """The first few items and the longest one (by ``input_ids`` length), where the dataset can say."""
-        n = self.length(ds) or 0
-        idx = list(range(min(self.SAMPLE - 1, n)))
+        n, size = self.length(ds) or 0, self.sample or self.SAMPLE
+        idx = list(range(min(size - 1, n)))
         longest = self.longest_index(ds)
         if longest is not None and longest not in idx:
             idx.append(longest)
+        elif self.sample is not None and len(idx) < n:
+            idx.append(len(idx))  # the longest is among the first rows: one more, so the batch has `sample` rows
         return idx
 
     def longest_index(self, ds: Any) -> int | None:

@@ -554,7 +554,7 @@ class MeasuringDryRun:
     batch in training mode through the planner's loss, its saved activations counted as :func:`make_plan` counts
     them, so a cold start runs one forward before step 1 instead of two.
 
-    The batch is the first rows and the longest, padded to the longest as training pads a micro-batch, so bytes per
+    The batch is the first row(s) and the longest, padded to the longest as training pads a micro-batch, so bytes per
     token are those of a micro-batch at the longest length (the planner scales them the same way). The logits the
     doctor's checks read come from the decoder's output through the output layer, without gradients; then the
     run's cross-entropy on the supervised positions, as ``training/loss.py: causal_lm_dry_run`` does. Every RNG is
@@ -609,7 +609,7 @@ class MeasuringDryRun:
                 handle.remove()
         rows, length = (int(n) for n in batch["input_ids"].shape)
         self.into.update(saved_activations=[int(saved), rows * length], saved_activations_of=(
-            f"the doctor's dry-run batch ({rows} x {length} tokens: its first rows and the longest, padded as "
+            f"the doctor's dry-run batch ({rows} x {length} tokens: its first row(s) and the longest, padded as "
             "training pads them"))
         if not hidden or head is None:
             return types.SimpleNamespace(loss=None)  # no logits here: the doctor finds them its own way

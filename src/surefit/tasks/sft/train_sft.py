@@ -1050,9 +1050,14 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
         # the dry run calls the model as step 1 will; on a CPU it is the planner's measurement too (plan.py)
         check=lambda: _where_it_is(model, accelerator, lambda: run_checks(Setup(
             model, tokenizer, data.doctor_sample(), val_features or None, collate, args=doctor_args, task="sft",
-            call=dry_run))),
+            call=dry_run, sample=DRY_RUN_ROWS))),
         cache_key=cache_key, baseline=baseline, found=Found(data_report, jsonl={EXCLUDED: data.excluded, SHORTENED: data.shortened}),
         saved=f"{'LoRA adapter (load with peft)' if cfg.lora_r else 'full model (load with transformers)'} and tokenizer")
+
+
+# The doctor's dry run on the first row and the longest: the planner scales its measurement per token, and the
+# encoder has read every row, so more rows would only make the forward before step 1 longer.
+DRY_RUN_ROWS = 2
 
 
 def _where_it_is(model: Any, accelerator: Any, fn: Callable[[], Any]) -> Any:
