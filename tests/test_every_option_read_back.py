@@ -24,6 +24,9 @@ SFT_OPTIONS = {
     # evaluation's generation switches, saved with the run and used again by eval and predict
     "eval_generation": ["--epochs", "2", "--keep_best", "eval_f1", "--eval_pack_lora", "true",
                         "--eval_share_prefixes", "true"],
+    # the evaluation's loss in a pass of its own (the default computes it in the prompts' forward), with early stopping
+    # on the loss it writes
+    "eval_two_passes": ["--epochs", "3", "--early_stopping", "eval_loss:1", "--eval_loss_in_prefill", "false"],
 }
 CLS_OPTIONS = {
     "early_stopping_steps": ["--epochs", "2", "--early_stopping", "eval_macro_f1:2", "--eval_every", "3",
