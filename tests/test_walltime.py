@@ -42,11 +42,12 @@ def test_profile_prints_and_writes_where_the_run_went_and_the_parts_add_up(tmp_p
     record = json.loads((out / "profile.json").read_text(encoding="utf-8"))
     profile = Profile.from_json(record)
     parts = profile.parts
-    # Every part of a run with evaluations, in the run's order, and nothing else.
-    assert list(parts) == list(ORDER)
+    # Every part of a run with evaluations, in the run's order, and nothing else: the evaluations compute their loss
+    # in the prompts' forward (the default), so loss and generation are one part.
+    assert list(parts) == [p for p in ORDER if p not in ("evaluation loss", "generation")]
     assert all(v >= 0 for v in parts.values())
-    # Two evaluations after step 1 (epochs 1 and 2): their loss and generation, and two epoch checkpoints, took time.
-    assert parts["evaluation loss"] > 0 and parts["generation"] > 0 and parts["checkpoints"] > 0
+    # Two evaluations after step 1 (epochs 1 and 2), and two epoch checkpoints, took time.
+    assert parts["evaluation loss and generation"] > 0 and parts["checkpoints"] > 0
     assert parts["training steps"] > 0 and parts["final save"] > 0
     # The parts add up to the run's seconds (each is rounded to 1 ms; "other" is the rest).
     assert sum(parts.values()) == pytest.approx(profile.seconds, abs=0.01 + 0.001 * profile.seconds)
@@ -63,6 +64,15 @@ def test_profile_prints_and_writes_where_the_run_went_and_the_parts_add_up(tmp_p
         assert f"  {name} " in printed
     page = (out / "report.html").read_text(encoding="utf-8")
     assert "Where the time went" in page and "from profile.json (--profile)" in page and "generation" in page
+
+
+def test_profile_times_the_loss_and_the_answers_apart_when_they_run_apart(tmp_path, tiny_lm_dir):
+    out = tmp_path / "run"
+    assert main(_argv(tiny_lm_dir, _data(tmp_path / "train.jsonl"), out, "--profile",
+                      "--eval_loss_in_prefill", "false")) == 0
+    parts = Profile.from_json(json.loads((out / "profile.json").read_text(encoding="utf-8"))).parts
+    assert list(parts) == [p for p in ORDER if p != "evaluation loss and generation"]
+    assert parts["evaluation loss"] > 0 and parts["generation"] > 0
 
 
 def test_without_profile_no_profile_file_and_the_page_shows_the_start_up(tmp_path, tiny_lm_dir, capsys):

@@ -15,10 +15,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # Progress phases (eval/progress.py) that are parts of the profile, under the profile's own names.
-PROGRESS_PARTS = {"generating": "generation", "evaluation loss": "evaluation loss"}
+# "evaluating": the loss computed in the prompts' forward, then the answers (--eval_loss_in_prefill, the default).
+PROGRESS_PARTS = {"generating": "generation", "evaluation loss": "evaluation loss",
+                  "evaluating": "evaluation loss and generation"}
 # The parts in the order a run goes through them (the record lists them so).
-ORDER = ("start-up", "training steps", "evaluation loss", "generation", "evaluation (other)", "checkpoints",
-         "final save", "report", "other")
+ORDER = ("start-up", "training steps", "evaluation loss", "generation", "evaluation loss and generation",
+         "evaluation (other)", "checkpoints", "final save", "report", "other")
 
 
 class WallTimes:

@@ -1149,7 +1149,9 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
 
     # Any number of batches, one included: a single batch of long answers can take minutes. A bar with the time left
     # on a terminal, one line in a log file (eval/progress.py).
-    bar = Progress("generating", total=len(prompts), unit="answer", enabled=progress and is_main_process())
+    # With the loss computed in the prompts' forward the bar (and --profile's part) covers both.
+    bar = Progress("generating" if gen.loss_pass is None else "evaluating", total=len(prompts), unit="answer",
+                   enabled=progress and is_main_process())
     inner = accelerator.unwrap_model(model)
     stats: dict[str, int] = {}
     passes: list[LossPass] = []
