@@ -321,9 +321,8 @@ def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, li
         # the model transforms the head's output (soft-capping, scaling): the loss would have to apply it too
         raise LossPassUnfit("the model transforms its logits after the LM head")
     cache = getattr(out, cache_arg)
-    layers = getattr(cache, "layers", None)
-    if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
-                         for layer in layers):
+    layers = _plain_layers(cache)
+    if layers is None:
         raise LossPassUnfit("the model's cache has layers other than plain full-attention ones")
     seen = capture.seen
     assert seen is not None  # the head ran inside model(...)
@@ -339,6 +338,16 @@ def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, li
         layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
     step = SimpleNamespace(logits=logits[:, None, :], **{cache_arg: cache})
     return step, mask[:, :width], positions[:, width - 1], int(mask.sum())
+
+
+def _plain_layers(cache: Any) -> list[Any] | None:
+    """The cache's layers where every one is a plain full-attention ``DynamicLayer`` holding 4-D keys (what can be
+    cut, stacked and reserved); None otherwise (sliding windows, linear attention, quantised caches)."""
+    layers = getattr(cache, "layers", None)
+    if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
+                         for layer in layers):
+        return None
+    return list(layers)
 
 
 class HeadInput(torch.nn.Module):
@@ -377,9 +386,7 @@ def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], fe
                                                    None if feats is None else feats[s : s + size], how, extra,
                                                    cache_arg)
         cache = getattr(step, cache_arg)
-        layers = getattr(cache, "layers", None)
-        if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
-                             for layer in layers):
+        if _plain_layers(cache) is None:
             return None
         parts.append((step.logits[:, -1], cache, mask, last, computed))
         del step
