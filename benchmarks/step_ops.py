@@ -35,6 +35,7 @@ import collections
 import hashlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -132,7 +133,7 @@ def worker(args: argparse.Namespace) -> None:
             return func(*a, **(k or {}))
 
     wd = Path(args.workdir)
-    state: dict[str, Any] = {"calls": 0, "ops": None, "times": [], "where": []}
+    state: dict[str, Any] = {"calls": 0, "ops": None, "times": [], "where": [], "faults": [], "sys": []}
     real_step = loop._Fit.optimizer_step
 
     def optimizer_step(self: Any, step_indices: list[int], stop: Any) -> Any:
@@ -144,10 +145,13 @@ def worker(args: argparse.Namespace) -> None:
             state["ops"] = dict(mode.ops)
             state["where"] = [[f"{op} @ {at}", n] for (op, at), n in mode.where.most_common(args.where)]
             return out
-        t0 = time.process_time()
+        t0, r0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         out = real_step(self, step_indices, stop)
         if state["calls"] > 2:
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
             state["times"].append(time.process_time() - t0)
+            state["faults"].append(r1.ru_minflt - r0.ru_minflt)
+            state["sys"].append(round(r1.ru_stime - r0.ru_stime, 3))
         return out
 
     loop._Fit.optimizer_step = optimizer_step
@@ -160,6 +164,7 @@ def worker(args: argparse.Namespace) -> None:
                   eval_generate=False, precision="bf16", val_fraction=0.0, output_dir=str(out / "run"))
     sha = hashlib.sha256((out / "run" / "final" / "adapter_model.safetensors").read_bytes()).hexdigest()
     print("STEP_OPS " + json.dumps({"ops": state["ops"], "step_seconds": state["times"], "sha256": sha,
+                                    "minor_faults": state["faults"], "sys_seconds": state["sys"],
                                     "where": state["where"],
                                     "torch": torch.__version__, "surefit": surefit.__file__}))
 
@@ -178,7 +183,8 @@ def prepare(args: argparse.Namespace, wd: Path) -> None:
     sys.path.insert(0, str(HERE))
     import cpu_sft
 
-    spec = cpu_sft.prepare(argparse.Namespace(shared=args.shared, rows=args.rows, val_rows=4, workload="squad"), wd)
+    spec = cpu_sft.prepare(argparse.Namespace(shared=args.shared, rows=args.rows, val_rows=4, workload=args.workload),
+                          wd)
     if args.model == "tiny-qwen3":
         import gpu_small_card
         import torch
@@ -330,6 +336,7 @@ def main() -> None:
     ap.add_argument("--masks", action="store_true", help="time the keyed masks of one micro-batch only (no training)")
     ap.add_argument("--mask-steps", type=int, default=10)
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
+    ap.add_argument("--workload", default="squad", choices=["squad", "chat"], help="cpu_sft.py's rows to train on")
     ap.add_argument("--out", default=str(HERE / "results"))
     args = ap.parse_args()
     if args.worker:
@@ -357,7 +364,9 @@ def main() -> None:
             res = run_side(src, args, wd)
             runs[name].append(res)
             print(f"repeat {r + 1} {name}: {sum(res['step_seconds']):.2f} CPU s over {len(res['step_seconds'])} steps, "
-                  f"{sum(res['ops'].values())} ops, sha {res['sha256'][:12]}", flush=True)
+                  f"{sum(res['ops'].values())} ops, sha {res['sha256'][:12]}; per step "
+                  f"{[round(t, 2) for t in res['step_seconds']]} s, system {res['sys_seconds']} s, "
+                  f"minor faults {res['minor_faults']}", flush=True)
     result: dict[str, Any] = {"model": args.model, "rows": args.rows, "dropout": args.dropout,
                               "gpu_paths": args.gpu_paths, "layers": args.layers if args.model == "tiny-qwen3" else None, "repeats": args.repeats, "sides": {}}
     for name, rs in runs.items():

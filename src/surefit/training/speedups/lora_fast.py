@@ -7,6 +7,7 @@
   dropped input in the backward pass (same distribution; seeds, resume and checkpoint replays draw the same masks).
 - :class:`SavedActivationsIn` stores fp32 saved activations in bf16, and ``_SwiGLUDown`` keeps only ``gate`` and
   ``up`` of a gated MLP for the backward pass.
+- On a CPU the gated MLP's backward and the RMSNorm run their elementwise chains on cache-sized row chunks.
 
 Anything else (merged or disabled adapters, several active adapters, DoRA, ``lora_bias``, hooks, a non-``nn.Linear``
 base) falls back to peft's own forward at call time. Why and what was measured: docs/performance.md.
@@ -274,8 +275,8 @@ class _SwiGLUDown(torch.autograd.Function):
     Why: the product ``h`` is only ever used rounded to 16 bits (both of ``down_proj``'s matmuls run in 16 bits), yet
     unfused, autograd kept ``silu(gate)``, ``up`` and ``gate`` for the product and the activation, and ``down_proj``
     kept its 16-bit copy of ``h``: four tensors of the MLP's width per token. Here only ``gate`` and ``up`` are saved
-    (in bf16 under :class:`SavedActivationsIn`) and ``h`` is recomputed in the backward pass: on SmolLM2-135M,
-    12.3 -> 6.1 KB per token and layer, a fifth of everything saved. Dropout draws its mask as ``_LoraMixed`` does,
+    (in bf16 under :class:`SavedActivationsIn`, read so by the backward) and ``h`` is recomputed in the backward pass:
+    on SmolLM2-135M, 12.3 -> 6.1 KB per token and layer, a fifth of everything saved. Dropout draws its mask as ``_LoraMixed`` does,
     at the same point of the random stream.
     """
 
@@ -298,7 +299,7 @@ class _SwiGLUDown(torch.autograd.Function):
             if bias is not None:
                 out.add_(bias)
         ctx.scaling, ctx.dtypes = scaling, (gate.dtype, up.dtype)
-        ctx.save_for_backward(gate, up, _saved_mask(ctx, keep), u, w, ah, bh)
+        ctx.save_for_backward(_read_low(gate), _read_low(up), _saved_mask(ctx, keep), u, w, ah, bh)
         return out
 
     @staticmethod
@@ -308,30 +309,80 @@ class _SwiGLUDown(torch.autograd.Function):
         needs = ctx.needs_input_grad
         with torch.autocast(grad.device.type, enabled=False):
             g = grad.to(w.dtype)
-            gate, up = gate.float(), up.float()
-            sig = torch.sigmoid(gate)
-            silu = gate * sig
             grad_b = _reduce(grad if ADAPTER_GRADS_FP32 else g, u) if needs[5] else None
             grad_u = (g @ bh).mul_(ctx.scaling)
             kf = None if keep is None else _as(keep, w.dtype)
-            grad_a = None
-            if needs[4]:
-                grad_a = _reduce(grad_u, _masked((silu * up).to(w.dtype), kf))
-            grad_gate = grad_up = None
+            paths = None
             if needs[0] or needs[1]:
-                gx = grad_u @ ah
-                if kf is not None:
-                    gx.mul_(kf)
-                grad_h = (g @ w).float().add_(gx)  # the two paths summed in fp32, as in _LoraMixed
-                if needs[1]:
-                    grad_up = (grad_h * silu).to(ctx.dtypes[1])
-                if needs[0]:
-                    # d silu(x)/dx = sig(x) * (1 + x * (1 - sig(x)))
-                    dsilu = sig.neg().add_(1).mul_(gate).add_(1).mul_(sig)  # gate and up are left unchanged
-                    grad_gate = grad_h.mul_(up).mul_(dsilu)
-                    grad_gate = grad_gate.to(ctx.dtypes[0])
-        return (grad_gate, grad_up, None, None, None if grad_a is None else grad_a.float(),
-                None if grad_b is None else grad_b.float(), None)
+                paths = (g @ w, grad_u @ ah)  # dL/dh through the frozen weight and through the adapter
+            hd, grad_gate, grad_up = _swiglu_backward(gate, up, kf, paths, w.dtype, (needs[4], *ctx.dtypes))
+            grad_a = _reduce(grad_u, hd) if hd is not None else None
+        return (grad_gate if needs[0] else None, grad_up if needs[1] else None, None, None,
+                None if grad_a is None else grad_a.float(), None if grad_b is None else grad_b.float(), None)
+
+
+def _read_low(t: torch.Tensor) -> torch.Tensor:
+    """``t`` to save, marked as read in 16 bits by its backward: :class:`SavedActivationsIn` then gives it back in
+    bf16 as it stored it, and the backward turns it into fp32 chunk by chunk rather than whole. Elsewhere (no store,
+    or gradient checkpointing's own hooks, which recompute it) it is saved and comes back as it is."""
+    if t.dtype != torch.float32:
+        return t
+    t = t.detach()  # a new tensor object: the mark is this save's, not the tensor's other readers'
+    t._surefit_read_low = True  # type: ignore[attr-defined]  # a new attribute, read by SavedActivationsIn.pack
+    return t
+
+
+# Elements of the gated MLP's backward and the RMSNorm handled at a time on a CPU: their chains of elementwise passes
+# over [tokens, width] then run in the core's cache instead of streaming fp32 tensors through memory each
+# (docs/performance.md, benchmarks/row_chunks.py). Elsewhere the whole tensor is one chunk (one launch per operation).
+CPU_CHUNK_ELEMENTS = 1 << 17
+
+
+def _swiglu_backward(gate: torch.Tensor, up: torch.Tensor, kf: torch.Tensor | None,
+                     paths: tuple[torch.Tensor, torch.Tensor] | None, low: torch.dtype,
+                     want: tuple[bool, torch.dtype, torch.dtype]) -> tuple[torch.Tensor | None, ...]:
+    """``(h dropped, dL/dgate, dL/dup)`` of ``h = silu(gate) * up``, each None unless asked for.
+
+    ``paths``: dL/dh's two 16-bit parts (through the frozen weight, through the adapter), summed here in fp32 after the
+    adapter's part is masked; ``want``: whether the adapter's A needs ``h`` rounded to ``low`` and dropped (returned in
+    fp32 under :data:`ADAPTER_GRADS_FP32`, as :func:`_masked` gives it), and the dtypes of the gate and up gradients.
+    All arithmetic in fp32, on row chunks of :data:`CPU_CHUNK_ELEMENTS` on a CPU.
+    """
+    want_h, gate_dtype, up_dtype = want
+    width = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, width), up.reshape(-1, width)
+    k2 = None if kf is None else kf.reshape(-1, width)
+    rows, dev = g2.shape[0], gate.device
+
+    def empty(dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty((rows, width), dtype=dtype, device=dev)
+
+    hd = empty(torch.float32 if ADAPTER_GRADS_FP32 else low) if want_h else None
+    grads = None
+    if paths is not None:
+        gw, gx = (p.reshape(-1, width) for p in paths)
+        grads = empty(gate_dtype), empty(up_dtype)
+    step = max(1, CPU_CHUNK_ELEMENTS // width) if dev.type == "cpu" else rows
+    for i in range(0, rows, step):
+        rs = slice(i, i + step)
+        gf, uc = g2[rs].float(), u2[rs]
+        silu = F.silu(gf)
+        kc = None if k2 is None else k2[rs]
+        if hd is not None:
+            h = (silu * uc).to(low)
+            if kc is None:
+                hd[rs].copy_(h)
+            else:
+                torch.mul(h, kc, out=hd[rs])
+        if grads is not None:
+            gxc = gx[rs] if kc is None else gx[rs] * kc
+            grad_h = gw[rs].float().add_(gxc)  # the two paths summed in fp32, as in _LoraMixed
+            torch.mul(grad_h, silu, out=grads[1][rs])
+            torch.ops.aten.silu_backward.grad_input(grad_h.mul_(uc), gf, grad_input=grads[0][rs])
+    shape = gate.shape
+    if grads is None:
+        return None if hd is None else hd.view(shape), None, None
+    return None if hd is None else hd.view(shape), grads[0].view(shape), grads[1].view(shape)
 
 
 _SWIGLU_FORWARDS = {  # the MLP forwards whose computation _fused_mlp_forward reproduces (125 transformers models)
@@ -413,10 +464,58 @@ def _forward_body(cls: type) -> tuple[str, tuple[str, ...]]:
 
 def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     # torch's rms_norm: on a GPU one fused kernel each way where the forward above launches seven and its backward
-    # about ten (113 norms in a Qwen3-0.6B step); on a CPU the same operations as above (bitwise equal, tested).
+    # about ten (113 norms in a Qwen3-0.6B step). On a CPU the same operations as above (bitwise equal, tested), in
+    # training by _RmsNormCpu, whose backward is written out.
     dtype = hidden_states.dtype
-    normed = F.rms_norm(hidden_states.to(torch.float32), (hidden_states.shape[-1],), eps=self.variance_epsilon)
+    x = hidden_states.to(torch.float32)
+    if x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        return _RmsNormCpu.apply(x, self.weight, self.variance_epsilon, dtype)
+    normed = F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
     return self.weight * normed.to(dtype)
+
+
+class _RmsNormCpu(torch.autograd.Function):
+    """:data:`_RMS_NORM_FORWARD` on a CPU with its backward written out, both on row chunks of
+    :data:`CPU_CHUNK_ELEMENTS`: autograd's backward of the norm is about ten passes over [tokens, width] in fp32, each
+    streamed through memory, and it saved the input, the normed input and more; this saves the input and the row
+    scale ``r`` and computes ``dx = r * (dn - x * r^2 * mean(dn * x))`` (``dn``: the gradient of the normed input)
+    chunk by chunk. The forward's operations are the forward's above, in its order (bitwise equal, tested)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        width = x.shape[-1]
+        x2 = x.reshape(-1, width)
+        rows = x2.shape[0]
+        r = torch.empty((rows, 1), dtype=torch.float32)
+        y = torch.empty((rows, width), dtype=torch.promote_types(weight.dtype, dtype))
+        step = max(1, CPU_CHUNK_ELEMENTS // width)
+        for i in range(0, rows, step):
+            xc, rc = x2[i:i + step], r[i:i + step]
+            torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps, out=rc)
+            torch.mul(weight, (xc * rc).to(dtype), out=y[i:i + step])
+        ctx.dtype = dtype
+        ctx.save_for_backward(x, r, weight)
+        return y.view(*x.shape[:-1], width)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, r, weight = ctx.saved_tensors
+        width = x.shape[-1]
+        x2, g2 = x.reshape(-1, width), grad.reshape(-1, width)
+        rows = x2.shape[0]
+        need_x, need_w = ctx.needs_input_grad[:2]
+        dx = torch.empty((rows, width), dtype=torch.float32) if need_x else None
+        dw = torch.zeros(width, dtype=torch.float32) if need_w else None
+        step = max(1, CPU_CHUNK_ELEMENTS // width)
+        for i in range(0, rows, step):
+            xc, rc, gc = x2[i:i + step].float(), r[i:i + step], g2[i:i + step]
+            if dw is not None:
+                dw.add_((gc * (xc * rc).to(ctx.dtype)).sum(0))
+            if dx is not None:
+                dn = gc * weight  # the normed input's rounding to dtype passes the gradient straight through
+                s = (dn * xc).sum(-1, keepdim=True).mul_(rc.pow(3)).div_(width)
+                torch.mul(dn, rc, out=dx[i:i + step]).sub_(xc * s)
+        return (None if dx is None else dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None, None)
 
 
 def _hooked(m: nn.Module) -> bool:
@@ -605,6 +704,11 @@ class SavedActivationsIn:
             release_free_memory()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor | Packed | _Kept:
+        if getattr(t, "_surefit_read_low", False) and t.dtype == torch.float32 and t.numel() >= self.MIN_NUMEL:
+            low = Packed(t.to(self.dtype), self.dtype)  # given back in bf16 (see _read_low); a detached copy: a leaf
+            if t.is_cpu:
+                self._count(low.tensor.nbytes)
+            return low
         if t.dtype != torch.float32 or t.is_leaf or t.numel() < self.MIN_NUMEL \
                 or (t._base is not None and t._base.is_leaf):
             return keep_saved(t)
