@@ -276,8 +276,8 @@ class _SwiGLUDown(torch.autograd.Function):
     unfused, autograd kept ``silu(gate)``, ``up`` and ``gate`` for the product and the activation, and ``down_proj``
     kept its 16-bit copy of ``h``: four tensors of the MLP's width per token. Here only ``gate`` and ``up`` are saved
     (in bf16 under :class:`SavedActivationsIn`, read so by the backward) and ``h`` is recomputed in the backward pass:
-    on SmolLM2-135M, 12.3 -> 6.1 KB per token and layer, a fifth of everything saved. Dropout draws its mask as ``_LoraMixed`` does,
-    at the same point of the random stream.
+    on SmolLM2-135M, 12.3 -> 6.1 KB per token and layer, a fifth of everything saved. Dropout draws its mask as
+    ``_LoraMixed`` does, at the same point of the random stream.
     """
 
     @staticmethod
