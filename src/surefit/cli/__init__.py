@@ -189,6 +189,11 @@ def main(argv: list[str] | None = None) -> int:
                 from surefit.training.processes import process_index
 
                 if world_size() > 1 and peer_gone(e):  # a collective found another process of the run gone
+                    import signal
+
+                    # The launcher stops the survivors with SIGTERM once it sees the lost process, and the loop's
+                    # handler is gone by now: without this the report (a checkpoint verified first) can be cut off.
+                    signal.signal(signal.SIGTERM, signal.SIG_IGN)
                     raise lost_here(e, process_index(), world_size(), cfg.output_dir) from e
                 raise
             finish()
@@ -251,7 +256,9 @@ def run() -> None:
     The interpreter's teardown frees a trained model's objects one by one, which took 5-7 s after a 50 s run on a
     loaded 2-core machine and writes nothing. So the process ends right after the exit handlers (``atexit``: logging,
     temporary files, trackers) have run and the output is flushed, without it. A thread that is still working (not a
-    daemon), or a run of several processes, gets Python's ordinary exit instead.
+    daemon) gets Python's ordinary exit instead. A process of a several-process run ends the same way: under load the
+    teardown once aborted a process of a 2-process run that had succeeded (SIGABRT, "terminate called without an
+    active exception": a C++ thread of torch's destroyed while still running).
     """
     code = main()
     exit_now(code)
@@ -263,10 +270,8 @@ def exit_now(code: int) -> None:
     import os
     import threading
 
-    from surefit.training.processes import world_size
-
     working = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive() and not t.daemon]
-    if working or world_size() > 1:
+    if working:
         sys.exit(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
