@@ -620,6 +620,26 @@ def test_a_gpus_mask_paths_give_the_cpus_loss_and_gradients_to_the_bit(monkeypat
         assert torch.equal(g[k], g_ref[k]), k
 
 
+@pytest.mark.parametrize("shape", [(4, 37, 576), (3, 17, 1), (2, 5, 7), (5, 33, 129), (6, 10)])
+def test_the_cpus_int32_keyed_masks_are_the_int64_masks_bit_for_bit(monkeypatch, shape):
+    # The CPU hashes in int32 words (a product that wraps modulo 2^32); other devices keep int64 products and read
+    # their low words. Masks must not depend on the device: keys above 2^31 included, odd widths (a last half pair).
+    from surefit.training import dropout
+
+    masks = {}
+    for words in ({"cpu"}, set()):
+        monkeypatch.setattr(dropout, "CONTIGUOUS_WORDS_ON", words)
+        for seed in range(4):
+            with dropout.training_rows(seed, 7 + seed, [3 * seed + r for r in range(shape[0])]):
+                for p in (0.05, 0.5, 0.9):
+                    masks.setdefault(seed * 10 + int(p * 10), []).append(
+                        dropout.keep_mask(shape, p, dropout.module_salt(f"m{seed}"), "cpu"))
+    assert len(masks) == 12
+    for cpu, other in masks.values():
+        assert cpu.shape == shape and torch.equal(cpu, other)
+    assert any(0 < m[0].float().mean() < 1 for m in masks.values())
+
+
 @pytest.mark.parametrize("frozen16", [False, True])
 def test_rms_norms_take_torchs_rms_norm_with_the_same_loss_and_gradients_and_others_keep_theirs(frozen16):
     # On a GPU torch's rms_norm is one fused kernel each way; on a CPU it is the same operations as transformers'

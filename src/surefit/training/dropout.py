@@ -22,7 +22,8 @@ supervised token is keyed by the tokens up to it (rows of a step with the same f
 they share the hidden states) rather than by the example.
 
 The hash is integer mixing in int64 (values below 2^32, products below 2^59: no overflow), vectorised in torch: the
-same masks on every device. The keys salted by a module are computed for all modules at once, once per micro-batch
+same masks on every device (a CPU runs the mask's last round in int32 words, whose wrapping product has the same low
+32 bits: tested bit for bit). The keys salted by a module are computed for all modules at once, once per micro-batch
 (:meth:`_Rows.salted_keys`): per module call a mask is then four operations (kernel launches on a GPU).
 """
 
@@ -206,13 +207,14 @@ def effective_p(p: float) -> float:
 _SPAN = 1 << 16
 _LOWEST = -(1 << 15)
 CONTIGUOUS_WORDS_ON = {"cpu"}  # devices where keep_mask casts its hashes to int32 before comparing (see there)
-_features: dict[tuple[int, str], torch.Tensor] = {}
+_features: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 
 
-def _feature_hashes(pairs: int, device: Any) -> torch.Tensor:
-    key = (pairs, str(device))
+def _feature_hashes(pairs: int, device: Any, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    key = (pairs, str(device), dtype)
     if key not in _features:
-        _features[key] = _mix(torch.arange(pairs, dtype=torch.int64, device=device).add_(_FEATURE))
+        # int32: the same low 32 bits (the values are below 2^32; those above 2^31 wrap to negative numbers)
+        _features[key] = _mix(torch.arange(pairs, dtype=torch.int64, device=device).add_(_FEATURE)).to(dtype)
     return _features[key]
 
 
@@ -240,16 +242,19 @@ def keep_mask(shape: Sequence[int], p: float, salt: int, device: Any) -> torch.T
     if salted is None:
         return None
     pairs = (width + 1) // 2
-    h = salted.reshape(per)[..., None] ^ _feature_hashes(pairs, device)
     # One multiply-xorshift round on the low 32 bits, y = h * _MUL mod 2^32, as halves: (y ^ y >> 16) & 0xFFFF and
-    # y >> 16. The product is below 2^59, exact in int64, and its 16-bit words 0 and 1 are y's: no mask is needed.
-    h.mul_(_MUL)
-    if h.device.type in CONTIGUOUS_WORDS_ON:
-        # y itself (int32, the same two words): the comparison below then reads contiguous 16-bit words, which a CPU
-        # vectorises; over the strided view it took 1.6x as long as this cast and comparison together.
-        halves = h.to(torch.int32).view(torch.int16).view(*per, pairs, 2)
+    # y >> 16.
+    if salted.device.type in CONTIGUOUS_WORDS_ON:
+        # In int32: the xor's and the product's low 32 bits are those of int64 (the product wraps modulo 2^32), at half
+        # the bytes per pass, and the comparison below reads y's two 16-bit words contiguously, which a CPU vectorises
+        # (over int64's strided words it took 1.6x as long).
+        h = salted.reshape(per).to(torch.int32)[..., None] ^ _feature_hashes(pairs, device, torch.int32)
+        h.mul_(_MUL)
+        halves = h.view(torch.int16).view(*per, pairs, 2)
     else:  # each extra operation is a kernel launch on a GPU, and strided reads cost it nothing
-        halves = h.view(torch.int16).view(*per, pairs, 4)[..., :2]  # little-endian: words 0 and 1 are y's halves
+        h = salted.reshape(per)[..., None] ^ _feature_hashes(pairs, device)
+        h.mul_(_MUL)  # below 2^59, exact in int64: its 16-bit words 0 and 1 (little-endian) are y's
+        halves = h.view(torch.int16).view(*per, pairs, 4)[..., :2]
     halves[..., 0].bitwise_xor_(halves[..., 1])
     keep = (halves >= _LOWEST + round(p * _SPAN)).reshape(*per, 2 * pairs)
     if 2 * pairs != width:
