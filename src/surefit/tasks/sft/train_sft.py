@@ -1285,7 +1285,8 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accel
     if fused is None:
         collate = PadCollator(pad_token_id=tokenizer.pad_token_id)
         share = switches.share_prefixes and why_not_shared(model) is None
-        with Progress("evaluation loss", enabled=is_main_process()):
+        # The adapted layers' lean forward: the same numbers, fewer operations, a new adapter's zero term skipped
+        with Progress("evaluation loss", enabled=is_main_process()), lean_lora(accelerator.unwrap_model(model)):
             loss = evaluate_loss(
                 model,
                 [e.features() for e in examples],

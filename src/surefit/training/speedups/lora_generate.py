@@ -37,6 +37,18 @@ def _lean_mixed(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, 
     return out
 
 
+def _lean_base(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+               cast: LastCast) -> torch.Tensor:
+    # _lean_mixed for an adapter whose B is all zeros (as peft initialises it: the evaluation before training). Its
+    # term u @ B^T is exactly zero and adding it changes no value, so it is skipped: the same numbers for any finite
+    # input, without the adapter's two matmuls and the addition over the layer's output.
+    with torch.autocast(x.device.type, enabled=False):
+        out = F.linear(cast(x, w.dtype), w).to(out_dtype)
+        if bias is not None:
+            out.add_(bias)
+    return out
+
+
 def _lean_full(x: torch.Tensor, *, base: Any, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     # fused_forward's fp32 branch (base output + _LoraBranch with p = 0), without the autograd Function.
     y = base(x).to(a.dtype)
@@ -66,8 +78,11 @@ def lean_lora(model: Any) -> Iterator[int]:
             if w.dtype in (torch.float16, torch.bfloat16) and not w.requires_grad \
                     and (base.bias is None or not base.bias.requires_grad):
                 bias = None if base.bias is None else base.bias.detach().to(a.dtype)
-                lean = functools.partial(_lean_mixed, w=w.detach(), bias=bias, ah=a.to(w.dtype), bh=b.to(w.dtype),
-                                         scaling=scaling, out_dtype=a.dtype, cast=cast)
+                if not bool(b.any()):  # a new adapter: it adds nothing yet
+                    lean = functools.partial(_lean_base, w=w.detach(), bias=bias, out_dtype=a.dtype, cast=cast)
+                else:
+                    lean = functools.partial(_lean_mixed, w=w.detach(), bias=bias, ah=a.to(w.dtype),
+                                             bh=b.to(w.dtype), scaling=scaling, out_dtype=a.dtype, cast=cast)
             else:
                 lean = functools.partial(_lean_full, base=base, a=a, b=b, scaling=scaling)
             changed.append((layer, forward))
