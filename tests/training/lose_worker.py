@@ -4,7 +4,8 @@
 
 Once the first checkpoint is written and every process has passed the barrier after it, the process of rank RANK sends itself
 SIGKILL: a real lost worker (out of memory, a node going away), at a point the test chooses. The others go on into
-the next step's collectives and find their peer gone.
+the next step's collectives and find their peer gone. With ``SLOW_REPORT_S`` set, the launcher's SIGTERM reaches the
+survivors while they write their report (as it did under load).
 """
 
 import os
@@ -26,4 +27,18 @@ def save(self, *a, **k):
 
 
 loop._Fit._save = save
+
+delay = float(os.environ.get("SLOW_REPORT_S", "0"))
+if delay:  # the survivors take this long to verify the checkpoint they name: the launcher's SIGTERM comes first
+    import time
+
+    import surefit.training.lost_worker as lost_worker
+
+    original_recovery = lost_worker._recovery
+
+    def slow_recovery(*a, **k):
+        time.sleep(delay)
+        return original_recovery(*a, **k)
+
+    lost_worker._recovery = slow_recovery
 sys.exit(main(["train", *argv]))

@@ -50,3 +50,21 @@ def test_a_worker_killed_mid_run_is_named_with_the_checkpoint_and_the_resume_com
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resumed from {checkpoint}: epoch 1, step 4" in again.stdout
     assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_a_survivor_still_reports_when_the_launchers_sigterm_comes_while_it_writes(tiny_lm_dir, tmp_path):
+    """torchrun stops the survivors with SIGTERM once it sees the lost process; a survivor still writing its report
+    (here: 4 s to verify the checkpoint) finishes it instead of dying with the signal's default action."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(40)), encoding="utf-8")
+    out = tmp_path / "run"
+    args = ["--model", str(tiny_lm_dir), "--data", str(data), "--val_fraction", "0.1", "--precision", "fp32",
+            "--lora_r", "0", "--batch_size", "4", "--max_steps", "12", "--save_every", "4", "--max_new_tokens", "2",
+            "--output_dir", str(out)]
+    done = subprocess.run([sys.executable, "-m", "surefit.cli.launch", "--standalone", "--nproc_per_node", "2",
+                           str(HERE / "lose_worker.py"), "1", *args],
+                          capture_output=True, text=True, env={**ENV, "SLOW_REPORT_S": "4"}, timeout=600)
+    text = done.stdout + done.stderr
+    assert "Sending process" in text and "closing signal SIGTERM" in text  # torchrun did stop the survivor
+    assert "process 0 of 2 lost contact with process 1 of this run, which has ended" in text, text[-3000:]
+    assert done.returncode == 1, text[-3000:]  # the survivor's own code, not 128 + SIGTERM
