@@ -206,7 +206,7 @@ def effective_p(p: float) -> float:
 
 _SPAN = 1 << 16
 _LOWEST = -(1 << 15)
-CONTIGUOUS_WORDS_ON = {"cpu"}  # devices where keep_mask casts its hashes to int32 before comparing (see there)
+CONTIGUOUS_WORDS_ON = {"cpu"}  # devices where keep_mask hashes in int32 words, compared contiguously (see there)
 _features: dict[tuple[int, str, torch.dtype], torch.Tensor] = {}
 
 
