@@ -1,7 +1,7 @@
 """One training's step time with another training running beside it, before and after surefit's thread settings.
 
 "Before" is what a process got until now: no OpenMP settings, so torch uses every core and GNU OpenMP's default
-wait policy (idle threads spin before they sleep). "After" is :func:`surefit.training.threads.configure_threads`:
+wait policy (idle threads spin before they sleep). "After" is :func:`surefit.threads.configure_threads`:
 ``OMP_WAIT_POLICY=PASSIVE``, ``KMP_BLOCKTIME=0``, ``OMP_NUM_THREADS`` = the available cores. For each, the measured
 process runs alone, then with a neighbour (the same workload, the same settings) training beside it. The workload is
 a LoRA-free full training step of a small Llama (4 layers, hidden 256, batch 4 x 128 tokens): a stand-in for one
@@ -51,7 +51,7 @@ def worker(steps: int, out: str | None) -> None:
 
 def env_for(setting: str) -> dict[str, str]:
     sys.path.insert(0, str(HERE.parent / "src"))
-    from surefit.training.threads import configure_threads
+    from surefit.threads import configure_threads
 
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME",
                                                             "GOMP_SPINCOUNT")}

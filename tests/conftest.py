@@ -24,7 +24,7 @@ import pytest
 # Under pytest-xdist two workers share two cores: one OpenMP thread each, set before torch is imported, so that no
 # spinning thread steals the other worker's core (concurrent trainings 5-30x slower otherwise). Subprocesses a test
 # starts inherit it, so an in-process run and a subprocess run still use the same thread count. A value the user
-# set is kept. OMP_NUM_THREADS alone: MKL and OpenBLAS follow it, and tests/training/test_threads.py checks what
+# set is kept. OMP_NUM_THREADS alone: MKL and OpenBLAS follow it, and tests/test_threads.py checks what
 # surefit chooses when a user set none of these (it clears the OMP_* variables for its subprocess, not MKL's).
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")

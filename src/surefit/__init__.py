@@ -25,9 +25,9 @@ def __getattr__(name: str) -> type:
 
 def train(config=None, /, **settings):  # noqa: ANN001 - re-exported, documented in surefit.api.train
     """Train a model; see :func:`surefit.api.train`. Imported lazily so `import surefit` stays fast."""
-    from surefit.training.threads import configure_threads
+    from surefit.threads import configure_threads
 
-    configure_threads()  # before torch loads OpenMP, when this is the first import of torch (training/threads.py)
+    configure_threads()  # before torch loads OpenMP, when this is the first import of torch (threads.py)
     from surefit.api import train as _train
 
     return _train(config, **settings)

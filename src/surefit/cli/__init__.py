@@ -158,9 +158,9 @@ def parse_train_config(argv: list[str]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from surefit.training.threads import configure_threads
+    from surefit.threads import configure_threads
 
-    configure_threads()  # before torch is imported: OpenMP reads its wait policy once (training/threads.py)
+    configure_threads()  # before torch is imported: OpenMP reads its wait policy once (threads.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if not argv or argv[0] in {"-h", "--help"}:

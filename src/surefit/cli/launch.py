@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from surefit.config.launch_flags import LAUNCH_FLAGS, LaunchFlags, split_launch_flags
+from surefit.threads import available_cores, chosen_here
 
 # Help for `surefit train --help`; the flags themselves are read by split_launch, before the run's settings.
 _HELP = {
@@ -74,11 +75,21 @@ def command(flags: LaunchFlags, argv: Sequence[str]) -> list[str]:
             "--nproc_per_node", str(flags.num_processes), "-m", "surefit", *argv]
 
 
+def process_env(flags: LaunchFlags) -> dict[str, str]:
+    """The environment of this machine's training processes.
+
+    torchrun sets 1 thread per process when ``OMP_NUM_THREADS`` is unset (and says so): the cores are shared out
+    instead. The value ``surefit`` itself chose at start (every core, for one process) is replaced too; only the
+    user's is kept. Each process then has a fixed count (sleeping waits, no governor: threads.py)."""
+    env = dict(os.environ)
+    if not env.get("OMP_NUM_THREADS") or chosen_here("OMP_NUM_THREADS"):
+        env["OMP_NUM_THREADS"] = str(max(1, available_cores() // flags.num_processes))
+    return env
+
+
 def launch(flags: LaunchFlags, argv: Sequence[str]) -> int:
     """Run ``surefit <argv>`` as this machine's processes of ``flags`` and return their exit code (0: all succeeded)."""
-    env = dict(os.environ)
-    # torchrun sets 1 thread per process when this is unset (and says so); share the cores out instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // flags.num_processes)))
+    env = process_env(flags)
     if flags.slurm:
         env["SUREFIT_SLURM"] = "1"  # the processes then word the resume command as `srun surefit train ...`
     # A session of its own: Ctrl-C in a terminal reaches this process only, which passes it on exactly once (the

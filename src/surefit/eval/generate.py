@@ -48,6 +48,7 @@ from transformers.cache_utils import DynamicLayer
 from surefit.data.collate import IGNORE_INDEX, PadCollator
 from surefit.eval.generate_speedups import Merged, merged_lora, reserve
 from surefit.models import inner_model
+from surefit.threads import check_threads
 
 # A prefix shorter than this is computed with each row: sharing it saves less than the extra forward costs.
 MIN_SHARED_PREFIX = 16
@@ -433,6 +434,7 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step,
         reserve(cache, max_new_tokens)
     alive = torch.arange(rows, device=attention_mask.device)
     for n in range(max_new_tokens):
+        check_threads()
         tokens = logits.argmax(-1)
         ended = []
         for k, (row, token) in enumerate(zip(alive.tolist(), tokens.tolist(), strict=True)):

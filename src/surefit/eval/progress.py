@@ -20,6 +20,7 @@ import time
 from typing import IO, Any
 
 import surefit.startup.walltime as walltime
+from surefit.threads import check_threads
 
 SHOW_AFTER_S = 1.0  # a terminal draws a phase only once it has run this long (short phases stay silent)
 LINE_AFTER_S = 2.0  # a log file gets a phase's line only when it took at least this long
@@ -112,6 +113,7 @@ class Progress:
     def update(self, n: int = 1, note: str | None = None) -> None:
         """``n`` more units done; ``note`` (e.g. ``loss=0.93``) is shown after the counts."""
         self.done += n
+        check_threads()  # between two pieces of work: the thread count follows the machine's load
         if note is not None:
             self.note = note
 

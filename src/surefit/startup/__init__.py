@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
+from surefit.threads import check_threads
+
 # A start that takes longer than this many seconds prints where its time went (the record is always written).
 REPORT_AFTER_S = 10.0
 
@@ -55,6 +57,7 @@ class Clock:
 
     def begin(self, name: str) -> list[Any]:
         """Open phase ``name`` until :meth:`stop` (or until the entry returned is closed)."""
+        check_threads()  # a start-up beside other work drops to fewer threads before its heavy phases
         entry = [name, time.perf_counter(), 0.0]  # name, start, seconds of the phases nested in it
         self._open.append(entry)
         return entry

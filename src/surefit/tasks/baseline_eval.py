@@ -20,6 +20,7 @@ from typing import Any
 
 import surefit.startup.cache as startup_cache
 from surefit.config import TrainConfig
+from surefit.threads import thread_changes
 from surefit.training.work import Evaluation
 
 Say = Callable[[str], None]
@@ -165,9 +166,12 @@ class BaselineReuse:
                          "(same model, initial weights, validation data and evaluation settings; no forward run; "
                          "--no_cache recomputes)")
                 return found
+        changes = thread_changes()
         result = compute()
         stored = {"metrics": plain(result.metrics), "records": plain(result.records)}
-        if _stored(stored) is None:  # metrics of another shape (a user's own): computed every time
+        if _stored(stored) is None or thread_changes() != changes:
+            # metrics of another shape (a user's own): computed every time; or computed partly on another thread
+            # count than the key names (the machine's load changed it), whose last bits a rerun would not give
             key = None
         self.statuses[KIND] = cache.status(key, False)
         cache.put(KIND, key, stored)  # NaN and infinities are JSON to Python's reader too

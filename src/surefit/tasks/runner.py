@@ -30,6 +30,7 @@ from surefit.run_folder import Found, RunFolder
 from surefit.run_folder.guard import train_problems
 from surefit.run_folder.open_run import Run
 from surefit.tasks.baseline_eval import BaselineReuse
+from surefit.threads import describe_threads, governor
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
@@ -174,6 +175,8 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, tim
     from accelerate.utils import set_seed
 
     say = folder.say
+    if governor() is not None:  # it says when it changes the thread count, in the run's words
+        governor().say = say  # type: ignore[union-attr]
     quiet_libraries()
     say_alias_notes(folder.cfg, say)
     cfg = folder.cfg = gpu_preset_without_gpu(folder.cfg, say)
@@ -252,6 +255,10 @@ def _run_prepared(folder: RunFolder, p: Prepared, clock: startup.Clock, times: w
     with times.part("final save"):
         final = folder.save_final(final_model(folder, history, exported.final(p.model, lambda d: export(p.model, d), say)))
     say(f"saved {p.saved} to {final}")
+    threads = describe_threads()
+    if threads.get("changes"):
+        say(f"threads: fewer than {threads['threads']} for {threads['seconds_below_full']:.0f} s of the run while other "
+            f"processes used the cores ({len(threads['changes'])} changes, each said when made)")
     with times.part("report"):
         folder.write_report(acc)
     if cfg.profile and is_main_process():
@@ -445,7 +452,7 @@ def end_startup(clock: startup.Clock, folder: RunFolder) -> None:
     """Stop the start-up clock, write ``OUTPUT/startup.json``, and say where the time went when it was long."""
     if clock.stop() > startup.REPORT_AFTER_S:
         folder.say(clock.line())
-    folder.write_startup(clock.record())  # main process only
+    folder.write_startup({**clock.record(), "threads": describe_threads()})  # main process only
 
 
 def doctor(cfg: C, prepare: PrepareFn[C], say: Say = print) -> Report:

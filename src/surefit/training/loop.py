@@ -36,6 +36,7 @@ import surefit.startup.walltime as walltime
 from surefit.config import TrainConfig
 from surefit.data.sampling import SAMPLER_VERSION, SAMPLERS, as_int_array, deal, epoch_steps, micro_batches
 from surefit.errors import Problem, SurefitError
+from surefit.threads import check_threads
 from surefit.training.distributed import (
     clip_grad_norm,
     describe_processes,
@@ -755,6 +756,7 @@ def accumulate_step(model: Any, work: TrainingWork, step_indices: list[int], acc
         for j, part in enumerate(parts):
             try:
                 guard.tick()
+                check_threads()  # fewer OpenMP threads while other processes use the cores (threads.py)
                 batch = _to_device(collate([features[i] for i in part]), accelerator.device)
                 # Gradients are only all-reduced on the last micro-batch of a step.
                 last = j == len(parts) - 1

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from surefit.models import plain_lora_adapter
+from surefit.threads import check_threads
 from surefit.training.dropout import SeededDropout
 from surefit.training.heap import release_free_memory
 
@@ -167,6 +168,13 @@ def _as(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return keep.view(torch.uint8).to(dtype)
 
 
+def _check_threads() -> None:
+    """Per layer, so that a neighbour arriving mid-step is seen within the step (threads.py); not traced by
+    torch.compile, which would otherwise fold the governor's clock readings into the graph."""
+    if not torch.compiler.is_compiling():
+        check_threads()
+
+
 class _LoraBranch(torch.autograd.Function):
     """``scaling * B(A(dropout(x)))`` in the adapter's dtype. Saves ``x`` (no copy), a bit mask and the rank-r
     projection; the dropped input is recomputed in the backward pass."""
@@ -174,6 +182,7 @@ class _LoraBranch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, p: float, scaling: float,
                 drop: nn.Module | None = None) -> torch.Tensor:
+        _check_threads()
         dtype = a.dtype
         with torch.autocast(x.device.type, enabled=False):
             xa = x.to(dtype)
@@ -191,6 +200,7 @@ class _LoraBranch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _check_threads()
         x, keep, u, a, b = ctx.saved_tensors
         keep = _restored_mask(ctx, keep)
         dtype = a.dtype
@@ -227,6 +237,7 @@ class _LoraMixed(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, xh: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                 a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
+        _check_threads()
         p, scaling, drop = adapter  # dropout p, LoRA scaling, the dropout module: one argument, one None back
         dt = w.dtype
         with torch.autocast(x.device.type, enabled=False):
@@ -247,6 +258,7 @@ class _LoraMixed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _check_threads()
         xh, keep, u, w, ah, bh = ctx.saved_tensors
         keep = _restored_mask(ctx, keep)
         needs = ctx.needs_input_grad
@@ -283,6 +295,7 @@ class _SwiGLUDown(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                 a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
+        _check_threads()
         p, scaling, drop = adapter  # as _LoraMixed's
         dt = w.dtype
         with torch.autocast(gate.device.type, enabled=False):
@@ -304,6 +317,7 @@ class _SwiGLUDown(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _check_threads()
         gate, up, keep, u, w, ah, bh = ctx.saved_tensors
         keep = _restored_mask(ctx, keep)
         needs = ctx.needs_input_grad
@@ -483,6 +497,7 @@ class _RmsNormCpu(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+        _check_threads()
         width = x.shape[-1]
         x2 = x.reshape(-1, width)
         rows = x2.shape[0]
@@ -499,6 +514,7 @@ class _RmsNormCpu(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _check_threads()
         x, r, weight = ctx.saved_tensors
         width = x.shape[-1]
         x2, g2 = x.reshape(-1, width), grad.reshape(-1, width)
