@@ -19,17 +19,27 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 OMP = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "KMP_BLOCKTIME", "GOMP_SPINCOUNT")
 
 
-def test_every_core_and_openmps_own_waits_unless_the_user_fixed_the_count():
+def test_every_core_and_openmps_own_waits_unless_the_user_fixed_the_count(monkeypatch):
+    import surefit.threads as threads
+
     env: dict[str, str] = {}
-    assert configure_threads(env) == {"OMP_NUM_THREADS": str(available_cores())} == env
+    sleeping = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+    expected = {"OMP_NUM_THREADS": str(available_cores()), **({} if threads.can_govern() else sleeping)}
+    assert configure_threads(env) == expected == env
+    # No governor possible (no /proc/stat to read): the threads sleep when idle rather than spin unwatched.
+    monkeypatch.setattr(threads, "_read_sample", lambda cpus, tick: None)
+    assert not threads.can_govern() and configure_threads(unreadable := {}) == {**sleeping, "OMP_NUM_THREADS":
+                                                                                  str(available_cores())}
+    assert unreadable["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.undo()
     # A count the user fixed cannot step aside for other processes: its threads sleep when idle instead.
     mine = {"OMP_NUM_THREADS": "1"}
     assert configure_threads(mine) == {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
     assert mine["OMP_NUM_THREADS"] == "1"
     theirs = {"OMP_NUM_THREADS": "3", "OMP_WAIT_POLICY": "ACTIVE"}
     assert configure_threads(theirs) == {"KMP_BLOCKTIME": "0"} and theirs["OMP_WAIT_POLICY"] == "ACTIVE"
-    policy_only = {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert configure_threads(policy_only) == {"OMP_NUM_THREADS": str(available_cores())}
+    policy_only = {"OMP_WAIT_POLICY": "PASSIVE"}  # the user's sleeping waits: no governor, every core
+    assert configure_threads(policy_only) == {"KMP_BLOCKTIME": "0", "OMP_NUM_THREADS": str(available_cores())}
 
 
 def test_the_command_line_sets_them_before_torch_is_imported_and_governs_only_its_own_choice(tmp_path):
@@ -38,7 +48,11 @@ def test_the_command_line_sets_them_before_torch_is_imported_and_governs_only_it
             "json.dump({'policy': os.environ.get('OMP_WAIT_POLICY'), 'threads': torch.get_num_threads(), "
             "'omp': os.environ.get('OMP_NUM_THREADS'), 'governed': governor() is not None}, open(sys.argv[1], 'w'))")
     cores = available_cores()
-    for given, expected in ((None, {"policy": None, "threads": cores, "omp": str(cores), "governed": cores > 1}),
+    from surefit.threads import can_govern
+
+    governed = can_govern()
+    for given, expected in ((None, {"policy": None if governed else "PASSIVE", "threads": cores, "omp": str(cores),
+                                    "governed": governed}),
                             ("1", {"policy": "PASSIVE", "threads": 1, "omp": "1", "governed": False})):
         env = {k: v for k, v in os.environ.items() if k not in OMP}
         env["PYTHONPATH"] = str(SRC)

@@ -41,7 +41,8 @@ def configure_threads(environ: MutableMapping[str, str] | None = None) -> dict[s
     """Choose the OpenMP wait policy and thread count where the user has not: returns what was set.
 
     Nothing set by the user: ``OMP_NUM_THREADS`` = the available cores, OpenMP's own spinning waits, and (for this
-    process, ``environ`` None) a :class:`ThreadGovernor` that lowers the count while other processes use the cores.
+    process, ``environ`` None) a :class:`ThreadGovernor` that lowers the count while other processes use the cores;
+    where no governor can run (:func:`can_govern`: one core, or no ``/proc/stat`` to read) sleeping waits instead.
     ``OMP_NUM_THREADS`` set: that count, fixed, with ``OMP_WAIT_POLICY=PASSIVE`` and ``KMP_BLOCKTIME=0`` (threads
     sleep when idle) unless the user chose a policy. When torch is already imported, its thread count is set too
     (the wait policy then stays what the runtime read).
@@ -52,7 +53,16 @@ def configure_threads(environ: MutableMapping[str, str] | None = None) -> dict[s
     env = os.environ if environ is None else environ
     chosen: dict[str, str] = {}
     fixed = bool(env.get("OMP_NUM_THREADS"))
-    defaults = (("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0")) if fixed else ()
+    governed = False
+    if not fixed and env.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        if environ is None:
+            if _GOVERNOR is None:
+                _GOVERNOR = ThreadGovernor.for_this_process(available_cores())
+            governed = _GOVERNOR is not None
+        else:
+            governed = can_govern()
+    # Spinning waits only with a governor to step aside: a fixed count, one core or no /proc/stat to read sleep.
+    defaults = () if governed else (("OMP_WAIT_POLICY", "PASSIVE"), ("KMP_BLOCKTIME", "0"))
     for name, value in (*defaults, ("OMP_NUM_THREADS", str(available_cores()))):
         if not env.get(name):
             env[name] = value
@@ -63,9 +73,16 @@ def configure_threads(environ: MutableMapping[str, str] | None = None) -> dict[s
     torch = sys.modules.get("torch")
     if torch is not None and "OMP_NUM_THREADS" in chosen:
         torch.set_num_threads(int(chosen["OMP_NUM_THREADS"]))
-    if not fixed and env.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE" and _GOVERNOR is None:
-        _GOVERNOR = ThreadGovernor.for_this_process(int(env["OMP_NUM_THREADS"]))
     return chosen
+
+
+def can_govern() -> bool:
+    """Whether a governor can run here: more than one core, and their CPU time readable in ``/proc/stat``."""
+    try:
+        cpus = frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return False
+    return len(cpus) > 1 and _read_sample(cpus, 1.0 / os.sysconf("SC_CLK_TCK")) is not None
 
 
 def chosen_here(name: str) -> bool:
@@ -169,8 +186,7 @@ class ThreadGovernor:
             cpus = frozenset(os.sched_getaffinity(0))
         except (AttributeError, OSError):
             return None
-        made = cls(full, cpus)
-        return made if made._last is not None and full > 1 else None
+        return cls(full, cpus) if full > 1 and can_govern() else None
 
     def check(self) -> int:
         """Adjust the thread count if the cores' use since the last reading calls for it; returns the count."""
