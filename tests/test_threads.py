@@ -183,3 +183,82 @@ def test_several_processes_share_out_the_count_surefit_chose_and_keep_the_users(
     assert process_env(flags)["OMP_NUM_THREADS"] == share
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert process_env(flags)["OMP_NUM_THREADS"] == share
+
+
+def _cgroup_tree(tmp_path: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> tuple[Path, Path]:
+    """A /proc/self and a file system root holding the given cgroup files, as a container or a host shows them."""
+    proc, root = tmp_path / "proc", tmp_path / "root"
+    proc.mkdir()
+    (proc / "cgroup").write_text(cgroup)
+    (proc / "mountinfo").write_text(mountinfo)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return proc, root
+
+
+V2_MOUNT = "30 25 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
+V1_MOUNT = ("35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+            "36 25 0:31 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
+
+
+@pytest.mark.parametrize("cgroup, mountinfo, files, expected", [
+    # cgroup v2: the lowest limit on the way up from the process's cgroup (a pod's limit above its container's)
+    ("0::/kubepods/pod1/c1\n", V2_MOUNT, {"sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000\n",
+                                         "sys/fs/cgroup/kubepods/pod1/cpu.max": "150000 100000\n",
+                                         "sys/fs/cgroup/kubepods/cpu.max": "800000 100000\n"}, 1.5),
+    ("0::/\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "max 100000\n"}, None),  # no limit
+    # a container whose cgroup namespace hides the host's path: its mount is its own cgroup (docker --cpus 2)
+    ("0::/../../docker/abc\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "200000 100000\n"}, 2.0),
+    # cgroup v1, cpu and cpuacct mounted together; -1 is no limit
+    ("4:memory:/x\n3:cpu,cpuacct:/x\n", V1_MOUNT, {"sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n",
+                                                   "sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("3:cpu,cpuacct:/x\n", V1_MOUNT, {"sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n",
+                                      "sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", "", {}, None),  # no cgroup file system mounted
+])
+def test_the_cgroup_cpu_limit_is_read_from_v2_and_v1_hierarchies(tmp_path, cgroup, mountinfo, files, expected):
+    from surefit.threads import cpu_limit
+
+    proc, root = _cgroup_tree(tmp_path, cgroup, mountinfo, files)
+    assert cpu_limit(proc, root) == expected
+    assert cpu_limit(tmp_path / "no-proc", root) is None
+
+
+def test_a_cgroup_cpu_limit_below_the_cores_sets_the_threads_and_says_so(tmp_path, tiny_lm_dir):
+    """A real cgroup (v1's cpu controller, where this machine lets the test make one) limited to 1 CPU: the command
+    runs 1 thread, with sleeping waits (the cores' busy time says nothing of the quota's share), and says why."""
+    from conftest import qa_rows
+
+    if available_cores() < 2:
+        pytest.skip("one core: a 1-CPU limit changes nothing")
+    base = Path("/sys/fs/cgroup/cpu")
+    group = base / f"surefit-test-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "cpu.cfs_quota_us").write_text(str(int((base / "cpu.cfs_period_us").read_text())))
+    except OSError as e:
+        if group.is_dir():
+            group.rmdir()
+        pytest.skip(f"no cgroup v1 cpu controller this test may create a group in: {e}")
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(8)), encoding="utf-8")
+    out = tmp_path / "run"
+    argv = ["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
+            "--lora_r", "4", "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0",
+            "--output_dir", str(out)]
+    script = (f"import os, sys\nopen({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+              f"sys.argv = ['surefit', *{argv!r}]\nfrom surefit.cli import run\nrun()\n")
+    env = {k: v for k, v in os.environ.items() if k not in OMP}
+    env.update(PYTHONPATH=str(SRC))
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    finally:
+        group.rmdir()
+    assert done.returncode == 0, done.stderr[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    assert (f"threads: 1 (this process's cgroup allows 1 CPU of the {cores} cores it may run on, e.g. docker --cpus "
+            "or a Kubernetes CPU limit") in done.stdout
+    threads = json.loads((out / "startup.json").read_text(encoding="utf-8"))["threads"]
+    assert threads == {"threads": 1, "waits": "passive", "governed": False, "cpu_limit": 1.0}
+    assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -26,15 +26,86 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
 def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a container's or ``taskset``'s limit), at least 1."""
+    """The cores this process may use, at least 1: its CPU affinity (``taskset``, a container's cpuset), or fewer
+    where a cgroup CPU limit allows less (``docker --cpus``, a Kubernetes CPU limit): the whole CPUs of that limit."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        cores = max(1, os.cpu_count() or 1)
+    limit = cpu_limit()
+    # Floor, not round: spinning threads past the limit use up each period's quota early, and then every thread of
+    # the process is stopped until the next period.
+    return min(cores, max(1, math.floor(limit))) if limit is not None else cores
+
+
+def cpu_limit(proc: Path = Path("/proc/self"), root: Path = Path("/")) -> float | None:
+    """The CPU limit of this process's cgroup in CPUs (quota / period, the lowest of its cgroup and the cgroups above
+    it), or None where none is set or none can be read. cgroup v2 (``cpu.max``) and v1 (``cpu.cfs_quota_us``);
+    ``proc`` and ``root`` are for tests (``/proc/self`` and the file system's root)."""
+    try:
+        groups = (proc / "cgroup").read_text(encoding="utf-8").splitlines()
+        mounts = (proc / "mountinfo").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in groups:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        v2 = controllers == ""
+        if not v2 and "cpu" not in controllers.split(","):
+            continue
+        for mount_root, mount_point in _cgroup_mounts(mounts, v2):
+            # The process's cgroup path is given from the hierarchy's root; the mount shows it from mount_root.
+            rel = path[len(mount_root):] if path.startswith(mount_root) else ""
+            folder = root / mount_point.lstrip("/") / rel.strip("/")
+            if not folder.is_dir():
+                folder = root / mount_point.lstrip("/")  # a container whose mount is its own cgroup
+            top = root / mount_point.lstrip("/")
+            while True:
+                got = _cgroup_cpus(folder, v2)
+                if got is not None:
+                    limits.append(got)
+                if folder == top or top not in folder.parents:
+                    break
+                folder = folder.parent
+    return min(limits) if limits else None
+
+
+def _cgroup_mounts(mountinfo: list[str], v2: bool) -> list[tuple[str, str]]:
+    """``(root of the hierarchy shown, mount point)`` of each cgroup v2 mount, or each v1 mount with the cpu
+    controller, from ``/proc/self/mountinfo``."""
+    found = []
+    for line in mountinfo:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 3:
+            continue
+        if (v2 and tail[0] == "cgroup2") or (not v2 and tail[0] == "cgroup" and "cpu" in tail[2].split(",")):
+            found.append((fields[3], fields[4]))
+    return found
+
+
+def _cgroup_cpus(folder: Path, v2: bool) -> float | None:
+    """The limit one cgroup folder sets, in CPUs (None: no limit there, or nothing readable)."""
+    try:
+        if v2:
+            quota, _, period = (folder / "cpu.max").read_text(encoding="utf-8").strip().partition(" ")
+            if quota == "max":
+                return None
+        else:
+            quota = (folder / "cpu.cfs_quota_us").read_text(encoding="utf-8").strip()
+            period = (folder / "cpu.cfs_period_us").read_text(encoding="utf-8").strip()
+        q, t = int(quota), int(period)
+    except (OSError, ValueError):
+        return None
+    return q / t if q > 0 and t > 0 else None
 
 
 def configure_threads(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
@@ -77,12 +148,34 @@ def configure_threads(environ: MutableMapping[str, str] | None = None) -> dict[s
 
 
 def can_govern() -> bool:
-    """Whether a governor can run here: more than one core, and their CPU time readable in ``/proc/stat``."""
+    """Whether a governor can run here: more than one core, their CPU time readable in ``/proc/stat``, and no cgroup
+    CPU limit below them (the cores' busy time then says nothing of the share the limit leaves this process)."""
     try:
         cpus = frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return False
-    return len(cpus) > 1 and _read_sample(cpus, 1.0 / os.sysconf("SC_CLK_TCK")) is not None
+    limit = cpu_limit()
+    if len(cpus) <= 1 or (limit is not None and limit < len(cpus)):
+        return False
+    return _read_sample(cpus, 1.0 / os.sysconf("SC_CLK_TCK")) is not None
+
+
+def limited_by_cgroup() -> str | None:
+    """A line for the run's output where surefit chose fewer threads than the process's cores because of a cgroup CPU
+    limit, else None."""
+    if not chosen_here("OMP_NUM_THREADS"):
+        return None
+    limit = cpu_limit()
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    if limit is None or limit >= cores:
+        return None
+    n = available_cores()
+    return (f"threads: {n} (this process's cgroup allows {limit:g} CPU{'s' * (limit != 1)} of the {cores} cores it may run on, e.g. "
+            f"docker --cpus or a Kubernetes CPU limit; more threads would use up each period's quota early and all "
+            f"wait for the next; OMP_NUM_THREADS fixes the count)")
 
 
 def chosen_here(name: str) -> bool:
@@ -113,8 +206,9 @@ def describe_threads() -> dict[str, Any]:
     import torch
 
     if _GOVERNOR is None:
+        limit = cpu_limit()
         return {"threads": torch.get_num_threads(), "waits": os.environ.get("OMP_WAIT_POLICY", "").lower() or "spin",
-                "governed": False}
+                "governed": False, **({"cpu_limit": round(limit, 3)} if limit is not None else {})}
     g = _GOVERNOR
     return {"threads": g.full, "now": g.threads, "waits": "spin", "governed": True, "changes": list(g.changes),
             "seconds_below_full": round(g.seconds_below_full(), 1)}

@@ -30,7 +30,7 @@ from surefit.run_folder import Found, RunFolder
 from surefit.run_folder.guard import train_problems
 from surefit.run_folder.open_run import Run
 from surefit.tasks.baseline_eval import BaselineReuse
-from surefit.threads import describe_threads, governor
+from surefit.threads import describe_threads, governor, limited_by_cgroup
 from surefit.training.distributed import plain_architectures
 from surefit.training.loop import LoopHooks, LoopSettings, fit
 from surefit.training.plan import plan_run
@@ -177,6 +177,8 @@ def _train(folder: RunFolder, prepare: PrepareFn[Any], clock: startup.Clock, tim
     say = folder.say
     if governor() is not None:  # it says when it changes the thread count, in the run's words
         governor().say = say  # type: ignore[union-attr]
+    if (limited := limited_by_cgroup()) is not None:
+        say(limited)
     quiet_libraries()
     say_alias_notes(folder.cfg, say)
     cfg = folder.cfg = gpu_preset_without_gpu(folder.cfg, say)
