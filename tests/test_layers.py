@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("surefit.data", "surefit.eval", "surefit.models", "surefit.models.gguf", "surefit.models.lowbit"),
     ("surefit.config", "surefit.config.checks", "surefit.config.yaml_files", "surefit.config.task_configs", "surefit.config.dpo_config",
      "surefit.errors",
-     "surefit.units", "surefit.startup", "surefit.startup.cache", "surefit.threads"),
+     "surefit.units", "surefit.startup", "surefit.startup.cache", "surefit.threads", "surefit.cgroups"),
 ]
 
 

@@ -218,7 +218,7 @@ V1_MOUNT = ("35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,c
     ("0::/\n", "", {}, None),  # no cgroup file system mounted
 ])
 def test_the_cgroup_cpu_limit_is_read_from_v2_and_v1_hierarchies(tmp_path, cgroup, mountinfo, files, expected):
-    from surefit.threads import cpu_limit
+    from surefit.cgroups import cpu_limit
 
     proc, root = _cgroup_tree(tmp_path, cgroup, mountinfo, files)
     assert cpu_limit(proc, root) == expected

@@ -26,8 +26,9 @@ import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
+
+from surefit.cgroups import cpu_limit
 
 
 def available_cores() -> int:
@@ -41,71 +42,6 @@ def available_cores() -> int:
     # Floor, not round: spinning threads past the limit use up each period's quota early, and then every thread of
     # the process is stopped until the next period.
     return min(cores, max(1, math.floor(limit))) if limit is not None else cores
-
-
-def cpu_limit(proc: Path = Path("/proc/self"), root: Path = Path("/")) -> float | None:
-    """The CPU limit of this process's cgroup in CPUs (quota / period, the lowest of its cgroup and the cgroups above
-    it), or None where none is set or none can be read. cgroup v2 (``cpu.max``) and v1 (``cpu.cfs_quota_us``);
-    ``proc`` and ``root`` are for tests (``/proc/self`` and the file system's root)."""
-    try:
-        groups = (proc / "cgroup").read_text(encoding="utf-8").splitlines()
-        mounts = (proc / "mountinfo").read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return None
-    limits: list[float] = []
-    for line in groups:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        _, controllers, path = parts
-        v2 = controllers == ""
-        if not v2 and "cpu" not in controllers.split(","):
-            continue
-        for mount_root, mount_point in _cgroup_mounts(mounts, v2):
-            # The process's cgroup path is given from the hierarchy's root; the mount shows it from mount_root.
-            rel = path[len(mount_root):] if path.startswith(mount_root) else ""
-            folder = root / mount_point.lstrip("/") / rel.strip("/")
-            if not folder.is_dir():
-                folder = root / mount_point.lstrip("/")  # a container whose mount is its own cgroup
-            top = root / mount_point.lstrip("/")
-            while True:
-                got = _cgroup_cpus(folder, v2)
-                if got is not None:
-                    limits.append(got)
-                if folder == top or top not in folder.parents:
-                    break
-                folder = folder.parent
-    return min(limits) if limits else None
-
-
-def _cgroup_mounts(mountinfo: list[str], v2: bool) -> list[tuple[str, str]]:
-    """``(root of the hierarchy shown, mount point)`` of each cgroup v2 mount, or each v1 mount with the cpu
-    controller, from ``/proc/self/mountinfo``."""
-    found = []
-    for line in mountinfo:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 3:
-            continue
-        if (v2 and tail[0] == "cgroup2") or (not v2 and tail[0] == "cgroup" and "cpu" in tail[2].split(",")):
-            found.append((fields[3], fields[4]))
-    return found
-
-
-def _cgroup_cpus(folder: Path, v2: bool) -> float | None:
-    """The limit one cgroup folder sets, in CPUs (None: no limit there, or nothing readable)."""
-    try:
-        if v2:
-            quota, _, period = (folder / "cpu.max").read_text(encoding="utf-8").strip().partition(" ")
-            if quota == "max":
-                return None
-        else:
-            quota = (folder / "cpu.cfs_quota_us").read_text(encoding="utf-8").strip()
-            period = (folder / "cpu.cfs_period_us").read_text(encoding="utf-8").strip()
-        q, t = int(quota), int(period)
-    except (OSError, ValueError):
-        return None
-    return q / t if q > 0 and t > 0 else None
 
 
 def configure_threads(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

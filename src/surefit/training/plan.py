@@ -785,18 +785,29 @@ class GenerationBatch:
     why: str
 
 
-def _available_bytes() -> int | None:
+def _available_bytes() -> tuple[int | None, str]:
+    """Memory this process can still take, and what set it: the system's available memory, or less where the
+    process's cgroup limit (a container's) leaves less."""
+    from surefit.cgroups import memory_left
+
+    system: int | None = None
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    system = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    if system is None:
+        try:
+            system = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            pass
+    left = memory_left()
+    if left is not None and (system is None or left < system):
+        return left, "left under this process's cgroup memory limit"
+    return system, "available"
 
 
 def generation_batch(model: Any, generate_lengths: Sequence[int], eval_batch_size: int,
@@ -819,9 +830,9 @@ def generation_batch(model: Any, generate_lengths: Sequence[int], eval_batch_siz
         room = budget_gb * GB * FILL - fp.weights - fp.trainable_bytes - fp.trainable * 8
         where = f"the {budget_gb:g} GB budget beside the weights and the training state"
     else:
-        available = _available_bytes()
+        available, which = _available_bytes()
         room = available * GENERATE_MEMORY_SHARE if available is not None else per_row * cap
-        where = (f"{GENERATE_MEMORY_SHARE:.0%} of the {human_bytes(available)} available" if available is not None
+        where = (f"{GENERATE_MEMORY_SHARE:.0%} of the {human_bytes(available)} {which}" if available is not None
                  else "no memory figure readable")
     rows = max(prefill, min(cap, int(room // max(per_row, 1))))
     why = (f"at most {GENERATE_ROWS} rows or the {len(generate_lengths)} prompts; {human_bytes(per_row)} of KV cache "

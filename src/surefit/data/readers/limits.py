@@ -43,8 +43,12 @@ def capped_lines(fh: BinaryIO, cap: int, limit: int) -> Iterator[tuple[bytes, in
 
 def available_memory() -> int | None:
     """Bytes this process can still allocate: the kernel's MemAvailable, lowered by an address-space limit
-    (``ulimit -v``); None where neither is known."""
+    (``ulimit -v``) and by the memory limit of its cgroup (a container's); None where none is known."""
+    from surefit.cgroups import memory_left
+
     found: list[int] = []
+    if (left := memory_left()) is not None:
+        found.append(left)
     try:
         with open("/proc/meminfo", encoding="ascii") as fh:
             for line in fh:
