@@ -1,5 +1,7 @@
-"""A container's memory limit (cgroup v2 ``memory.max``, v1 ``memory.limit_in_bytes``), which ``/proc/meminfo`` does
-not show: what the file readers and the generation planner count as free memory."""
+"""A container's CPU and memory limits, which the CPU affinity and ``/proc/meminfo`` do not show: the CPU limit
+(cgroup v2 ``cpu.max``, v1 CFS quota) read from both hierarchies (what it does to the threads: tests/test_threads.py),
+and the memory limit (v2 ``memory.max``, v1 ``memory.limit_in_bytes``) that the file readers and the generation
+planner count as free memory."""
 
 from __future__ import annotations
 
@@ -11,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from surefit.cgroups import memory_left
+from surefit.cgroups import cpu_limit, memory_left
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 GIB = 2**30
 V2_MOUNT = "30 25 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
 V1_MOUNT = ("35 25 0:30 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n"
             "36 25 0:31 / /sys/fs/cgroup/cpu rw - cgroup cgroup rw,cpu\n")
+V1_CPU_MOUNT = ("35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
+                "36 25 0:31 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
 
 
 def _tree(tmp_path: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> tuple[Path, Path]:
@@ -54,6 +58,27 @@ def test_the_memory_a_cgroup_leaves_is_read_from_v2_and_v1_hierarchies(tmp_path,
                                                                        expected):
     proc, root = _tree(tmp_path, cgroup, mountinfo, files)
     assert memory_left(proc, root) == expected
+
+
+@pytest.mark.parametrize("cgroup, mountinfo, files, expected", [
+    # cgroup v2: the lowest limit on the way up from the process's cgroup (a pod's limit above its container's)
+    ("0::/kubepods/pod1/c1\n", V2_MOUNT, {"sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000\n",
+                                         "sys/fs/cgroup/kubepods/pod1/cpu.max": "150000 100000\n",
+                                         "sys/fs/cgroup/kubepods/cpu.max": "800000 100000\n"}, 1.5),
+    ("0::/\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "max 100000\n"}, None),  # no limit
+    # a container whose cgroup namespace hides the host's path: its mount is its own cgroup (docker --cpus 2)
+    ("0::/../../docker/abc\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "200000 100000\n"}, 2.0),
+    # cgroup v1, cpu and cpuacct mounted together; -1 is no limit
+    ("4:memory:/x\n3:cpu,cpuacct:/x\n", V1_CPU_MOUNT, {"sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n",
+                                                       "sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ("3:cpu,cpuacct:/x\n", V1_CPU_MOUNT, {"sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n",
+                                          "sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, None),
+    ("0::/\n", "", {}, None),  # no cgroup file system mounted
+])
+def test_the_cgroup_cpu_limit_is_read_from_v2_and_v1_hierarchies(tmp_path, cgroup, mountinfo, files, expected):
+    proc, root = _tree(tmp_path, cgroup, mountinfo, files)
+    assert cpu_limit(proc, root) == expected
+    assert cpu_limit(tmp_path / "no-proc", root) is None
 
 
 def test_in_a_memory_limited_cgroup_the_readers_and_the_planner_count_the_limit_not_the_hosts_memory():

@@ -141,6 +141,12 @@ def test_a_real_process_busy_on_the_cores_makes_the_governor_step_aside():
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to run a two-thread training on")
+def _tiny_run(model: Path, data: Path, out: Path, *, val_fraction: str) -> list[str]:
+    """``surefit`` arguments of a one-epoch LoRA run of the tiny model, small enough for a test's subprocess."""
+    return ["train", "--task", "sft", "--model", str(model), "--data", str(data), "--epochs", "1", "--lora_r", "4",
+            "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", val_fraction, "--output_dir", str(out)]
+
+
 def test_a_training_beside_processes_busy_on_its_cores_runs_fewer_threads_and_says_so(tmp_path, tiny_lm_dir):
     from conftest import qa_rows
 
@@ -148,9 +154,7 @@ def test_a_training_beside_processes_busy_on_its_cores_runs_fewer_threads_and_sa
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(16)), encoding="utf-8")
     out = tmp_path / "run"
-    argv = ["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
-            "--lora_r", "4", "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25",
-            "--output_dir", str(out)]
+    argv = _tiny_run(tiny_lm_dir, data, out, val_fraction="0.25")
     script = (f"import os, sys\nos.sched_setaffinity(0, {set(cpus)!r})\nsys.argv = ['surefit', *{argv!r}]\n"
               "from surefit.cli import run\nrun()\n")
     env = {k: v for k, v in os.environ.items() if k not in OMP}
@@ -185,46 +189,6 @@ def test_several_processes_share_out_the_count_surefit_chose_and_keep_the_users(
     assert process_env(flags)["OMP_NUM_THREADS"] == share
 
 
-def _cgroup_tree(tmp_path: Path, cgroup: str, mountinfo: str, files: dict[str, str]) -> tuple[Path, Path]:
-    """A /proc/self and a file system root holding the given cgroup files, as a container or a host shows them."""
-    proc, root = tmp_path / "proc", tmp_path / "root"
-    proc.mkdir()
-    (proc / "cgroup").write_text(cgroup)
-    (proc / "mountinfo").write_text(mountinfo)
-    for rel, text in files.items():
-        (root / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / rel).write_text(text)
-    return proc, root
-
-
-V2_MOUNT = "30 25 0:26 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"
-V1_MOUNT = ("35 25 0:30 / /sys/fs/cgroup/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n"
-            "36 25 0:31 / /sys/fs/cgroup/memory rw - cgroup cgroup rw,memory\n")
-
-
-@pytest.mark.parametrize("cgroup, mountinfo, files, expected", [
-    # cgroup v2: the lowest limit on the way up from the process's cgroup (a pod's limit above its container's)
-    ("0::/kubepods/pod1/c1\n", V2_MOUNT, {"sys/fs/cgroup/kubepods/pod1/c1/cpu.max": "max 100000\n",
-                                         "sys/fs/cgroup/kubepods/pod1/cpu.max": "150000 100000\n",
-                                         "sys/fs/cgroup/kubepods/cpu.max": "800000 100000\n"}, 1.5),
-    ("0::/\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "max 100000\n"}, None),  # no limit
-    # a container whose cgroup namespace hides the host's path: its mount is its own cgroup (docker --cpus 2)
-    ("0::/../../docker/abc\n", V2_MOUNT, {"sys/fs/cgroup/cpu.max": "200000 100000\n"}, 2.0),
-    # cgroup v1, cpu and cpuacct mounted together; -1 is no limit
-    ("4:memory:/x\n3:cpu,cpuacct:/x\n", V1_MOUNT, {"sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "300000\n",
-                                                   "sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, 3.0),
-    ("3:cpu,cpuacct:/x\n", V1_MOUNT, {"sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_quota_us": "-1\n",
-                                      "sys/fs/cgroup/cpu,cpuacct/x/cpu.cfs_period_us": "100000\n"}, None),
-    ("0::/\n", "", {}, None),  # no cgroup file system mounted
-])
-def test_the_cgroup_cpu_limit_is_read_from_v2_and_v1_hierarchies(tmp_path, cgroup, mountinfo, files, expected):
-    from surefit.cgroups import cpu_limit
-
-    proc, root = _cgroup_tree(tmp_path, cgroup, mountinfo, files)
-    assert cpu_limit(proc, root) == expected
-    assert cpu_limit(tmp_path / "no-proc", root) is None
-
-
 def test_a_cgroup_cpu_limit_below_the_cores_sets_the_threads_and_says_so(tmp_path, tiny_lm_dir):
     """A real cgroup (v1's cpu controller, where this machine lets the test make one) limited to 1 CPU: the command
     runs 1 thread, with sleeping waits (the cores' busy time says nothing of the quota's share), and says why."""
@@ -244,9 +208,7 @@ def test_a_cgroup_cpu_limit_below_the_cores_sets_the_threads_and_says_so(tmp_pat
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(8)), encoding="utf-8")
     out = tmp_path / "run"
-    argv = ["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
-            "--lora_r", "4", "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0",
-            "--output_dir", str(out)]
+    argv = _tiny_run(tiny_lm_dir, data, out, val_fraction="0")
     script = (f"import os, sys\nopen({str(group / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
               f"sys.argv = ['surefit', *{argv!r}]\nfrom surefit.cli import run\nrun()\n")
     env = {k: v for k, v in os.environ.items() if k not in OMP}
