@@ -8,6 +8,10 @@ output must appear in the real output in order (other lines may come between: a 
 after each run of digits is replaced by ``N``, so that timings and losses may move while every message, table and
 column stays checked. A line ``...`` only marks that lines were left out.
 
+A page that shows what another page's run left behind (outputs.md evaluates the runs that sft.md and classify.md
+train) says so in a comment, ``<!-- tested after: sft.md classify.md -->``: its commands run after theirs in the same
+folder, in one test, so that the same training does not run twice in the suite.
+
     python tests/test_docs.py docs/custom.md     # run a page's commands and write their real output under them
 """
 
@@ -115,6 +119,26 @@ def scratch(tmp: Path) -> Path:
 
 
 PAGES_WITH_COMMANDS = [p for p in PAGES if commands(p)]
+_AFTER = re.compile(r"<!-- tested after: ([\w.\- ]+?) -->")
+
+
+def tested_after(page: Path) -> list[Path]:
+    """The pages whose commands run before this page's, in its folder (the comment in the module docstring)."""
+    found = _AFTER.search(page.read_text())
+    return [page.parent / name for name in found.group(1).split()] if found else []
+
+
+def chains() -> list[list[Path]]:
+    """Each test's pages in order: a page that another page is tested after runs only in that page's chain."""
+    first = {p for page in PAGES_WITH_COMMANDS for p in tested_after(page)}
+    return [[*tested_after(page), page] for page in PAGES_WITH_COMMANDS if page not in first]
+
+
+def test_every_page_with_commands_is_tested_once():
+    """A misspelt name in a ``tested after`` comment would leave a page untested or test it twice."""
+    runs = [page for chain in chains() for page in chain]
+    assert sorted(runs) == sorted(PAGES_WITH_COMMANDS), [p.name for p in runs]
+    assert any(len(chain) > 1 for chain in chains())  # outputs.md's, so that the branch above is exercised
 
 
 def test_the_pages_hold_commands():
@@ -123,18 +147,23 @@ def test_the_pages_hold_commands():
     assert {"classify.md", "custom.md", "sft.md", "outputs.md"} <= names, names
 
 
-# A group each (tests/README.md): the pages are independent, some minutes long, so the test workers share them.
+def _chain_id(chain: list[Path]) -> str:
+    return "+".join(p.name for p in chain)
+
+
+# A group each (tests/README.md): the chains are independent, some minutes long, so the test workers share them.
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [pytest.param(p, id=p.name, marks=pytest.mark.xdist_group(f"docs-{p.name}"))
-                                  for p in PAGES_WITH_COMMANDS])
-def test_documented_commands_print_what_the_page_shows(page, tmp_path):
+@pytest.mark.parametrize("chain", [pytest.param(c, id=_chain_id(c), marks=pytest.mark.xdist_group(f"docs-{_chain_id(c)}"))
+                                   for c in chains()])
+def test_documented_commands_print_what_the_page_shows(chain, tmp_path):
     cwd = scratch(tmp_path)
-    for cmd in commands(page):
-        code, output = run_command(cmd, cwd)
-        where = f"{page.relative_to(REPO)}:{cmd.line}: $ {cmd.text}"
-        assert code == 0 or any("error" in line for line in cmd.expected), f"{where}\nexit {code}\n{output}"
-        missing = missing_lines(cmd.expected, output)
-        assert not missing, f"{where}\nnot in the output: {missing}\n--- real output ---\n{output}"
+    for page in chain:
+        for cmd in commands(page):
+            code, output = run_command(cmd, cwd)
+            where = f"{page.relative_to(REPO)}:{cmd.line}: $ {cmd.text}"
+            assert code == 0 or any("error" in line for line in cmd.expected), f"{where}\nexit {code}\n{output}"
+            missing = missing_lines(cmd.expected, output)
+            assert not missing, f"{where}\nnot in the output: {missing}\n--- real output ---\n{output}"
 
 
 def test_the_comparison_checks_words_and_order_but_not_numbers():
@@ -255,6 +284,9 @@ def write_outputs(page: Path) -> None:
     text = page.read_text()
     with tempfile.TemporaryDirectory() as tmp:
         cwd = scratch(Path(tmp))
+        for before in tested_after(page):  # their runs are what this page's commands use
+            for cmd in commands(before):
+                run_command(cmd, cwd)
         pieces, last = [], 0
         for block in _FENCE.finditer(text):
             lines = []
