@@ -122,7 +122,7 @@ PAGES_WITH_COMMANDS = [p for p in PAGES if commands(p)]
 _AFTER = re.compile(r"<!-- tested after: ([\w.\- ]+?) -->")
 
 
-def tested_after(page: Path) -> list[Path]:
+def pages_first(page: Path) -> list[Path]:
     """The pages whose commands run before this page's, in its folder (the comment in the module docstring)."""
     found = _AFTER.search(page.read_text())
     return [page.parent / name for name in found.group(1).split()] if found else []
@@ -130,8 +130,8 @@ def tested_after(page: Path) -> list[Path]:
 
 def chains() -> list[list[Path]]:
     """Each test's pages in order: a page that another page is tested after runs only in that page's chain."""
-    first = {p for page in PAGES_WITH_COMMANDS for p in tested_after(page)}
-    return [[*tested_after(page), page] for page in PAGES_WITH_COMMANDS if page not in first]
+    first = {p for page in PAGES_WITH_COMMANDS for p in pages_first(page)}
+    return [[*pages_first(page), page] for page in PAGES_WITH_COMMANDS if page not in first]
 
 
 def test_every_page_with_commands_is_tested_once():
@@ -284,7 +284,7 @@ def write_outputs(page: Path) -> None:
     text = page.read_text()
     with tempfile.TemporaryDirectory() as tmp:
         cwd = scratch(Path(tmp))
-        for before in tested_after(page):  # their runs are what this page's commands use
+        for before in pages_first(page):  # their runs are what this page's commands use
             for cmd in commands(before):
                 run_command(cmd, cwd)
         pieces, last = [], 0

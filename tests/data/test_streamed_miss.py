@@ -84,10 +84,12 @@ CASES = {
     "alpaca, --val_data, skip": (_alpaca, {"val": True, "on_bad_rows": "skip"}),
     "messages, val_fraction 0, a system prompt": (_messages, {"val_fraction": 0.0, "system_prompt": "you help",
                                                               "max_steps": 2}),
-    # augmented per chunk (37 rows) with one generator carried across: the draws of one call over all rows
-    "flat, augmentation x3": (lambda n: qa_rows(n), {"augmentation_factor": 3}),
-    "messages, augmentation x2, --val_data": (_messages, {"augmentation_factor": 2, "val": True}),
-    "alpaca, augmentation x4, skip": (_alpaca, {"augmentation_factor": 4, "on_bad_rows": "skip", "bad": True}),
+    # augmented per chunk (37 rows) with one generator carried across: the draws of one call over all rows (120
+    # rows, 4 chunks: each variant is encoded too, so 300 rows would cost 2-4 times as long and cross no new border)
+    "flat, augmentation x3": (lambda n: qa_rows(n), {"augmentation_factor": 3, "rows": 120}),
+    "messages, augmentation x2, --val_data": (_messages, {"augmentation_factor": 2, "val": True, "rows": 120}),
+    "alpaca, augmentation x4, skip": (_alpaca, {"augmentation_factor": 4, "on_bad_rows": "skip", "bad": True,
+                                                "rows": 120}),
     # notes counted over the file, added up over the chunks
     "flat, --template lacking a field, numeric targets": (_some_extra, {"template": "{extra}\n\n{input}"}),
     "flat, numeric targets, augmentation x2": (_some_extra, {"augmentation_factor": 2}),
@@ -98,14 +100,15 @@ CASES = {
 def test_a_streamed_miss_writes_the_in_memory_miss_store_byte_for_byte(tmp_path, tiny_lm_dir, monkeypatch, case):
     make, extra = CASES[case]
     extra = dict(extra)
-    lines = [json.dumps(r) + "\n" for r in make(300)]
+    rows = extra.pop("rows", 300)
+    lines = [json.dumps(r) + "\n" for r in make(rows)]
     if extra.pop("bad", False):
         lines[17] = "{not json\n"
         lines[40] = json.dumps({"instruction": "", "output": "x"}) + "\n"  # rejected by the format's check
     data = _lines(tmp_path / "train.jsonl", lines)
     if extra.pop("val", False):  # rows 3 and 7 of the training file again (and a bad line, skipped)
         bad = [json.dumps({"x": 1}) + "\n"] if extra.get("on_bad_rows") == "skip" else []
-        val_lines = [lines[3], *bad, lines[7]] + [json.dumps(r) + "\n" for r in make(320)[300:]]
+        val_lines = [lines[3], *bad, lines[7]] + [json.dumps(r) + "\n" for r in make(rows + 20)[rows:]]
         extra["val_data"] = str(_lines(tmp_path / "val.jsonl", val_lines))
     model = tiny_lm_dir if case == "flat" else _chat_model(tmp_path)
     cfg = SFTConfig(**{"model": str(model), "data": str(data), "max_seq_length": 160, "val_fraction": 0.1,
