@@ -161,7 +161,7 @@ def worker(args: argparse.Namespace) -> None:
     surefit.train(task="sft", model=model, data=str(wd / "train.jsonl"), epochs=1, batch_size=cpu_sft.BATCH,
                   max_seq_length=cpu_sft.MAX_LEN, lora_r=cpu_sft.LORA_R, lora_alpha=cpu_sft.LORA_ALPHA,
                   lora_dropout=args.dropout, lr=cpu_sft.LR, warmup_ratio=cpu_sft.WARMUP_RATIO, seed=cpu_sft.SEED,
-                  eval_generate=False, precision="bf16", val_fraction=0.0, output_dir=str(out / "run"))
+                  eval_generate=False, precision=args.precision, val_fraction=0.0, output_dir=str(out / "run"))
     sha = hashlib.sha256((out / "run" / "final" / "adapter_model.safetensors").read_bytes()).hexdigest()
     print("STEP_OPS " + json.dumps({"ops": state["ops"], "step_seconds": state["times"], "sha256": sha,
                                     "minor_faults": state["faults"], "sys_seconds": state["sys"],
@@ -207,7 +207,7 @@ def prepare(args: argparse.Namespace, wd: Path) -> None:
 def run_side(src: str, args: argparse.Namespace, wd: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(Path(src).resolve()), OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--workdir", str(wd), "--dropout",
-           str(args.dropout), "--where", str(args.where)] + (["--where-metadata"] if args.where_metadata else []) + (["--gpu-paths"] if args.gpu_paths else [])
+           str(args.dropout), "--precision", args.precision, "--where", str(args.where)] + (["--where-metadata"] if args.where_metadata else []) + (["--gpu-paths"] if args.gpu_paths else [])
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("STEP_OPS ")]
     if p.returncode or not line:
@@ -250,7 +250,7 @@ def report(results: list[dict[str, Any]], machine: dict[str, Any], started: str)
 
     md = ["# step_ops: aten operations per surefit optimizer step, and its CPU time", "",
           f"Run on {started}. One optimizer step of `surefit.train` (forward, backward, clipping, optimizer; precision "
-          "bf16, LoRA r=16 / alpha 32 on q, k, v, o, gate, up, down, batch 4, SQuAD rows of `cpu_sft.py`, seed 0), "
+          f"{results[0].get('precision', 'bf16')}, LoRA r=16 / alpha 32 on q, k, v, o, gate, up, down, batch 4, SQuAD rows of `cpu_sft.py`, seed 0), "
           "counted by a `TorchDispatchMode` at step 2; `compute` = operations that launch a kernel on a GPU, "
           "`metadata` = views, detaches and allocations. CPU seconds: `time.process_time` of steps 3 onward, one "
           "thread, the two sides alternating in fresh processes; the ratio is per repeat (after / before).", ""]
@@ -327,6 +327,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=24, help="training rows (batch 4: rows/4 steps; step 2 is counted)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dropout", type=float, default=0.05)
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32", "auto"],
+                    help="the run's --precision (fp32: the fused LoRA's fp32 path; bf16 is emulated without AVX-512 BF16)")
     ap.add_argument("--gpu-paths", action="store_true",
                     help="take the fused LoRA's GPU paths on the CPU: masks packed by torch operations, bool mask products")
     ap.add_argument("--layers", type=int, default=2, help="tiny-qwen3's decoder layers (28: Qwen3-0.6B's structure)")
@@ -367,7 +369,7 @@ def main() -> None:
                   f"{sum(res['ops'].values())} ops, sha {res['sha256'][:12]}; per step "
                   f"{[round(t, 2) for t in res['step_seconds']]} s, system {res['sys_seconds']} s, "
                   f"minor faults {res['minor_faults']}", flush=True)
-    result: dict[str, Any] = {"model": args.model, "rows": args.rows, "dropout": args.dropout,
+    result: dict[str, Any] = {"model": args.model, "rows": args.rows, "dropout": args.dropout, "precision": args.precision,
                               "gpu_paths": args.gpu_paths, "layers": args.layers if args.model == "tiny-qwen3" else None, "repeats": args.repeats, "sides": {}}
     for name, rs in runs.items():
         result["sides"][name] = {"src": sides[name], **summary(rs[0]["ops"]), "ops": rs[0]["ops"],

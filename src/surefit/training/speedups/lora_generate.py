@@ -53,8 +53,8 @@ def _lean_full(x: torch.Tensor, *, base: Any, a: torch.Tensor, b: torch.Tensor, 
     # fused_forward's fp32 branch (base output + _LoraBranch with p = 0), without the autograd Function.
     y = base(x).to(a.dtype)
     with torch.autocast(x.device.type, enabled=False):
-        out = (x.to(a.dtype) @ a.t()).mul_(scaling) @ b.t()
-    return y + out
+        u = (x.to(a.dtype) @ a.t()).mul_(scaling)
+        return torch.addmm(y.reshape(-1, y.shape[-1]), u.reshape(-1, u.shape[-1]), b.t()).view(y.shape)
 
 
 @contextlib.contextmanager
