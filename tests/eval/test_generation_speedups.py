@@ -113,26 +113,29 @@ def test_lean_lora_forward_is_bit_identical_and_restored():
     assert all(m.forward.__func__ is fused_forward for m in layers)
 
 
-def test_lean_lora_skips_a_new_adapters_zero_term_with_the_same_logits():
+@pytest.mark.parametrize("bf16", [True, False], ids=["16-bit frozen weights", "fp32"])
+def test_lean_lora_skips_a_new_adapters_zero_term_with_the_same_logits(bf16):
     # peft starts B at zero: before training the adapter adds exactly nothing, and the evaluation before training
     # runs the frozen layers alone. Layers whose B is not zero keep the adapter.
     from surefit.training.speedups import lora_generate
     from surefit.training.speedups.lora_fast import fused_forward
 
-    model = _lora_model(bf16=True)
+    model = _lora_model(bf16=bf16)
     layers = [m for m in model.modules() if hasattr(m, "lora_A")]
     with torch.no_grad():
         for m in layers[1:]:
             m.lora_B["default"].weight.zero_()
     x = torch.randint(2, 64, (3, 11))
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         for m in layers:  # the training path's forward, adapter term included, as the reference
             assert m.forward.__func__ is fused_forward
         want = model(input_ids=x).logits
         with lora_generate.lean_lora(model) as n:
             kinds = [m.forward.func for m in layers]
             got = model(input_ids=x).logits
-    assert n == 14 and kinds == [lora_generate._lean_mixed] + [lora_generate._lean_base] * 13
+    full, skipped = ((lora_generate._lean_mixed, lora_generate._lean_base) if bf16 else
+                     (lora_generate._lean_full, lora_generate._lean_full_base))
+    assert n == 14 and kinds == [full] + [skipped] * 13
     assert torch.equal(got, want)
     assert all(m.forward.__func__ is fused_forward for m in layers)
 

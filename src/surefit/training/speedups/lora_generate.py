@@ -49,6 +49,12 @@ def _lean_base(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, o
     return out
 
 
+def _lean_full_base(x: torch.Tensor, *, base: Any, out_dtype: torch.dtype) -> torch.Tensor:
+    # _lean_full for an adapter whose B is all zeros: its term adds exactly zero, so the base layer alone (as
+    # _lean_base does for 16-bit frozen weights).
+    return base(x).to(out_dtype)
+
+
 def _lean_full(x: torch.Tensor, *, base: Any, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     # fused_forward's fp32 branch (base output + _LoraBranch with p = 0), without the autograd Function.
     y = base(x).to(a.dtype)
@@ -83,6 +89,8 @@ def lean_lora(model: Any) -> Iterator[int]:
                 else:
                     lean = functools.partial(_lean_mixed, w=w.detach(), bias=bias, ah=a.to(w.dtype),
                                              bh=b.to(w.dtype), scaling=scaling, out_dtype=a.dtype, cast=cast)
+            elif not bool(b.any()):
+                lean = functools.partial(_lean_full_base, base=base, out_dtype=a.dtype)
             else:
                 lean = functools.partial(_lean_full, base=base, a=a, b=b, scaling=scaling)
             changed.append((layer, forward))
