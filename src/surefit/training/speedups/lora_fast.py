@@ -180,6 +180,11 @@ def _check_threads() -> None:
         check_threads()
 
 
+def plus_product(y: torch.Tensor, u: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``y + u @ b.T`` as one ``addmm`` (the product accumulates onto ``y``), for any leading dimensions."""
+    return torch.addmm(y.reshape(-1, y.shape[-1]), u.reshape(-1, u.shape[-1]), b.t()).view(y.shape)
+
+
 class _LoraBranch(torch.autograd.Function):
     """``y + scaling * B(A(dropout(x)))`` in the adapter's dtype, ``y`` the base layer's output. Saves ``x`` (no
     copy), a bit mask and the rank-r projection; the dropped input is recomputed in the backward pass.
@@ -201,7 +206,7 @@ class _LoraBranch(torch.autograd.Function):
                 xa = xa * _as(keep, dtype)  # a new tensor: x itself is never modified
                 xa.mul_(scale)
             u = (xa @ a.t()).mul_(scaling)  # [..., r]: scaled here, on r values per token rather than out_features
-            out = torch.addmm(y.reshape(-1, y.shape[-1]), u.reshape(-1, u.shape[-1]), b.t()).view(y.shape)
+            out = plus_product(y, u, b)
         ctx.scale, ctx.scaling = scale, scaling
         ctx.save_for_backward(x, _saved_mask(ctx, keep), u, a, b)
         return out

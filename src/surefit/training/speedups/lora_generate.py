@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from surefit.eval.generate_speedups import LastCast
-from surefit.training.speedups.lora_fast import fast_adapter, fused_forward, is_lora_linear
+from surefit.training.speedups.lora_fast import fast_adapter, fused_forward, is_lora_linear, plus_product
 
 
 def _lean_mixed(x: torch.Tensor, *, w: torch.Tensor, bias: torch.Tensor | None, ah: torch.Tensor, bh: torch.Tensor,
@@ -59,8 +59,7 @@ def _lean_full(x: torch.Tensor, *, base: Any, a: torch.Tensor, b: torch.Tensor, 
     # fused_forward's fp32 branch (base output + _LoraBranch with p = 0), without the autograd Function.
     y = base(x).to(a.dtype)
     with torch.autocast(x.device.type, enabled=False):
-        u = (x.to(a.dtype) @ a.t()).mul_(scaling)
-        return torch.addmm(y.reshape(-1, y.shape[-1]), u.reshape(-1, u.shape[-1]), b.t()).view(y.shape)
+        return plus_product(y, (x.to(a.dtype) @ a.t()).mul_(scaling), b)
 
 
 @contextlib.contextmanager
