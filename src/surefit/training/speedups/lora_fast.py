@@ -708,7 +708,9 @@ class SavedActivationsIn:
     3.56 -> 3.32 GB, live peak 2.90 -> 2.52 GB, speed unchanged (276 vs 280 tokens/s).
 
     Only activations are packed: fp32, not leaves (so no parameter and nothing outside the autograd graph), not a
-    view of a leaf, at least ``MIN_NUMEL`` elements. A tensor saved by several operations (a norm's input, an input
+    view of a trainable leaf (a parameter's ``weight.t()``), at least ``MIN_NUMEL`` elements. A view of a tensor that
+    an autograd Function made with grad off (its output buffer: the fused LoRA and norm forwards return such views)
+    is an activation and is packed. A tensor saved by several operations (a norm's input, an input
     read by q, k and v) is packed once. bf16 only, under fp16 runs too (GPUs without bf16 arithmetic still convert
     to and from it): fp16's range (65504) is too narrow for a residual stream.
     """
@@ -738,7 +740,7 @@ class SavedActivationsIn:
                 self._count(low.tensor.nbytes)
             return low
         if t.dtype != torch.float32 or t.is_leaf or t.numel() < self.MIN_NUMEL \
-                or (t._base is not None and t._base.is_leaf):
+                or (t._base is not None and t._base.is_leaf and t._base.requires_grad):
             return keep_saved(t)
         hit = self._memo.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
