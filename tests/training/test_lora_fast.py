@@ -437,6 +437,21 @@ def test_a_fused_model_compiles_and_trains_as_it_does_eagerly():
     assert max(_rel(g[k], g_eager[k]) for k in g) < 0.05
 
 
+def test_a_fused_lora_layer_traces_as_one_graph():
+    """Without dropout (evaluation, or lora_dropout 0) dynamo traces a fused layer whole: it cannot trace
+    ``is_inference()``, which the shared cast once asked first (a graph break at every adapter)."""
+    model = _peft(tiny_llama(), dropout=0.0)
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    layer = model.base_model.model.model.layers[0]
+    torch._dynamo.reset()
+    for f, x in ((layer.self_attn.q_proj.forward, torch.randn(2, 5, 32, requires_grad=True)),
+                 (layer.mlp.forward, torch.randn(2, 5, 32, requires_grad=True))):
+        explained = torch._dynamo.explain(f)(x)
+        assert explained.graph_break_count == 0, explained.break_reasons
+        assert explained.graph_count == 1
+
+
 def _unfuse_mlps(model):
     for m in model.modules():
         if "forward" in m.__dict__ and hasattr(m, "_surefit_act"):

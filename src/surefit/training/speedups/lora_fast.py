@@ -583,10 +583,11 @@ def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
     Weak references only: the copy lives as long as a backward pass (or a caller) holds it, and a new tensor at a
     freed address is never mistaken for the old one."""
-    if x.is_inference() or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.is_inference():
         # Inference tensors have no version counter (and nothing is saved for a backward pass anyway). Under
         # torch.compile the identity test below would be traced wrongly (a cast of another tensor came back, with
-        # the wrong shape), and the compiler merges equal casts itself.
+        # the wrong shape), and the compiler merges equal casts itself. is_compiling() first: dynamo cannot trace
+        # is_inference() and would break the graph at every adapter.
         return x.detach().to(dtype)
     last = _last_cast[0]
     if last is not None and last[0]() is x and last[1] == x._version and last[2] == dtype:
