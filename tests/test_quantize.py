@@ -282,6 +282,49 @@ def test_qlora_layers_take_the_fused_forward_same_numbers_less_saved(lm64, bits)
 
 
 @needs_bnb
+@pytest.mark.parametrize("bits", ["none", "4bit"])
+def test_every_fp32_activation_a_bf16_lora_run_saves_is_stored_in_bf16(lm64, bits):
+    """Under bf16 with LoRA the activation store keeps what autograd saves in bf16. QLoRA's layer outputs are views
+    of the fused adapter's own buffer (made with grad off: a leaf), and the store once skipped every view of a leaf:
+    on an H100 QLoRA then saved 573 MB where it had saved 426 MB (benchmarks/results/qlora_saved_views.md)."""
+    from peft import LoraConfig, get_peft_model
+
+    from surefit.data.collate import PadCollator
+    from surefit.training.loss import causal_lm_loss_sum
+    from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, fuse_lora
+
+    base = load_causal_lm(str(lm64), ModelSource("folder", str(lm64), "tiny"), dtype="bf16", quantize=bits,
+                          say=lambda *_: None)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules="all-linear"))
+    assert fuse_lora(model) == 14
+    if bits == "none":
+        store_frozen_in(model, torch.bfloat16)
+    model.train()
+    device = model.get_input_embeddings().weight.device
+    ids = torch.randint(3, 60, (2, 40))
+    batch = {k: v.to(device) for k, v in PadCollator(pad_token_id=0)(
+        [{"input_ids": r.tolist(), "labels": r.tolist()} for r in ids]).items()}
+    store = SavedActivationsIn()
+    escaped: list[tuple[tuple[int, ...], str]] = []
+    pack = store.pack
+
+    def watched(t):
+        out = pack(t)
+        trainable_view = t._base is not None and t._base.is_leaf and t._base.requires_grad
+        if type(out) is not Packed and t.dtype == torch.float32 and not t.is_leaf and not trainable_view \
+                and t.numel() >= store.MIN_NUMEL:
+            escaped.append((tuple(t.shape), type(t.grad_fn).__name__))
+        return out
+
+    store.pack = watched
+    with torch.autocast(device.type, dtype=torch.bfloat16), store:
+        loss, n = causal_lm_loss_sum(model, batch)
+    (loss / n).backward()
+    assert escaped == []
+    assert all(p.grad is not None for name, p in model.named_parameters() if "lora_" in name)
+
+
+@needs_bnb
 def test_4bit_adapter_loads_with_plain_peft_on_the_unquantised_base_within_the_quantisation_error(run4):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
