@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
 import json
 import os
@@ -78,6 +79,9 @@ def main() -> None:
                     help="NAME=VALUE, glibc mallopt at start (M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, "
                          "M_MMAP_MAX, M_ARENA_MAX); repeatable")
     ap.add_argument("--shared", default=str(HERE.parent.parent / "shared" / "data"))
+    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
+                    help="fp32: frozen weights in fp32, no autocast, nothing packed (a CPU without bf16: --precision "
+                         "auto there)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
     libc = _libc()
@@ -105,7 +109,7 @@ def main() -> None:
     from surefit.training.loss import causal_lm_loss_sum
     from surefit.training.precision import flush_denormals, store_frozen_in
     from surefit.training.speedups import fused_head, lora_fast
-    from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, fuse_lora
+    from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, fuse_lora, keep_saved
 
     lora_fast.PACK_MASKS = not args.byte_masks
     if args.trim_every_mb is not None:
@@ -126,7 +130,9 @@ def main() -> None:
         r=cpu_sft.LORA_R, lora_alpha=cpu_sft.LORA_ALPHA, lora_dropout=cpu_sft.LORA_DROPOUT, task_type="CAUSAL_LM",
         target_modules=cpu_sft.LORA_TARGETS))
     seed_dropout(model)
-    store_frozen_in(model, torch.bfloat16)  # what surefit's planner does under bf16 + LoRA
+    half = args.precision == "bf16"
+    if half:
+        store_frozen_in(model, torch.bfloat16)  # what surefit's planner does under bf16 + LoRA
     fuse_lora(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -140,7 +146,7 @@ def main() -> None:
                                         "padded": len(big) * max(lengths[i] for i in big)},
                               "epoch": args.epoch, "pad_multiple": args.pad_multiple, "mallopt": args.mallopt,
                               "mmap_threshold": args.mmap_threshold, "byte_masks": args.byte_masks,
-                              "trim": args.trim, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
+                              "trim": args.trim, "precision": args.precision, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
                               "rss_before_mb": round(_status_mb("VmRSS"))}
 
     # One forward with its saved tensors counted (distinct storages, parameters excluded), by kind.
@@ -150,7 +156,7 @@ def main() -> None:
 
     class Counting(SavedActivationsIn):
         def pack(self, t: torch.Tensor) -> Any:
-            out = super().pack(t)
+            out = super().pack(t) if half else keep_saved(t)  # fp32 runs store nothing in bf16
             kept = out.tensor if isinstance(out, Packed) else t
             ptr = kept.untyped_storage().data_ptr()
             if ptr not in seen and ptr not in param_ptrs:
@@ -161,7 +167,7 @@ def main() -> None:
 
     Path("/proc/self/clear_refs").write_text("5")
     with training_rows(0, 1, big), flush_denormals(torch.device("cpu")):
-        with torch.autocast("cpu", dtype=torch.bfloat16), Counting():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half), Counting():
             loss, n = causal_lm_loss_sum(model, batch, fused=fused_head)
         record["first_forward"] = {"rss_after_mb": round(_status_mb("VmRSS")), **_heap(libc),
                                    "saved_mb": round(sum(kinds.values()) / 2**20),
@@ -175,7 +181,8 @@ def main() -> None:
         def step(rows: list[int]) -> float:
             batch = collate([feats[i] for i in rows])
             with training_rows(0, 1, rows):
-                with torch.autocast("cpu", dtype=torch.bfloat16), SavedActivationsIn():
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half), \
+                        (SavedActivationsIn() if half else contextlib.nullcontext()):
                     loss, n = causal_lm_loss_sum(model, batch, fused=fused_head)
                 (loss / n).backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

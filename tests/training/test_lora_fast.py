@@ -490,6 +490,37 @@ def test_the_fused_mlp_computes_the_unfused_mixed_path_and_saves_only_gate_and_u
     assert saved_p - saved_f == 6 * tokens * 64 * 2  # intermediate 64, 2 blocks
 
 
+def test_an_mlp_whose_down_proj_is_not_16_bit_keeps_gate_and_up_only_with_the_same_bits():
+    """fp32 LoRA (a CPU's default) and QLoRA (a bitsandbytes down_proj) cannot take the fused MLP; their SwiGLU
+    product still saves gate and up only, not silu(gate) as well, with autograd's numbers to the bit."""
+    from surefit.training.plan import measure_saved_bytes
+
+    fused = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(fused)
+    plain = copy.deepcopy(fused)
+    _unfuse_mlps(plain)
+    batch = _batch()
+    fused.train(), plain.train()
+    torch.manual_seed(5)
+    loss_f, g_f = _loss_and_grads(fused, batch, bf16=False)
+    torch.manual_seed(5)
+    loss_p, g_p = _loss_and_grads(plain, batch, bf16=False)
+    assert loss_f == loss_p
+    assert g_f.keys() == g_p.keys() and len(g_f) == 28
+    assert all(torch.equal(g_f[k], g_p[k]) for k in g_f)
+
+    def forward(model):
+        return lambda: causal_lm_loss_sum(model, batch)[0]
+
+    tokens = batch["input_ids"].numel()
+    saved_f, saved_p = measure_saved_bytes(fused, forward(fused)), measure_saved_bytes(plain, forward(plain))
+    assert saved_p - saved_f == 4 * tokens * 64 * 2  # silu(gate) in fp32: intermediate 64, 2 blocks
+    fused.eval(), plain.eval()
+    with torch.no_grad():  # evaluation: the module's own forward
+        assert torch.equal(fused(**{k: v for k, v in batch.items() if k != "labels"}).logits,
+                           plain(**{k: v for k, v in batch.items() if k != "labels"}).logits)
+
+
 def test_only_swiglu_mlps_whose_forward_is_the_known_one_are_fused():
     from surefit.training.speedups.lora_fast import _is_swiglu_mlp
 

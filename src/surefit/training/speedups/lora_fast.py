@@ -434,6 +434,24 @@ def _is_swiglu_mlp(m: nn.Module) -> bool:
     return _swiglu_classes[cls]
 
 
+class _SwiGLU(torch.autograd.Function):
+    """``silu(gate) * up``, saving gate and up only: autograd's two operations also keep ``silu(gate)``, another
+    tensor of the MLP's width per layer, which the backward pass recomputes here (one elementwise pass). The same
+    forward and the same gradients, bit for bit: the backward runs autograd's own formulas in its order."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        gate, up = ctx.saved_tensors
+        grad_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        grad_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return grad_gate, grad_up
+
+
 def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     down = self.down_proj
     name = fast_adapter(down, (), {}) if not (args or kwargs) and is_lora_linear(down) else None
@@ -442,6 +460,13 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
             or (down.base_layer.bias is not None and down.base_layer.bias.requires_grad) \
             or type(self.act_fn) is not self._surefit_act or _hooked(down) or _hooked(self.act_fn):
         # (down_proj and act_fn are not called as modules here, so their hooks would not run: peft's path then)
+        if not (args or kwargs) and torch.is_grad_enabled() and type(self.act_fn) is self._surefit_act \
+                and not _hooked(self.act_fn) and not torch.compiler.is_compiling():
+            # fp32 LoRA, QLoRA's bitsandbytes down_proj: the same computation without silu(gate) kept
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if gate.is_floating_point() and up.is_floating_point() and gate.shape == up.shape:
+                return self.down_proj(_SwiGLU.apply(gate, up))
+            return self.down_proj(self.act_fn(gate) * up)
         return type(self).forward(self, x, *args, **kwargs)
     gate, up = self.gate_proj(x), self.up_proj(x)
     if not (gate.is_floating_point() and up.is_floating_point()):
@@ -652,7 +677,8 @@ def fuse_lora(model: nn.Module) -> int:
             m.forward = types.MethodType(fused_forward, m)
             n += 1
         elif _is_swiglu_mlp(m):
-            # Used only when down_proj is a LoRA layer on 16-bit frozen weights (checked at each call).
+            # Fused whole when down_proj is a LoRA layer on 16-bit frozen weights; otherwise, in training, only the
+            # SwiGLU product (_SwiGLU) and down_proj called as it is (checked at each call).
             m._surefit_act = type(m.act_fn)  # type: ignore[assignment]  # a new attribute on the module
             m.forward = types.MethodType(_fused_mlp_forward, m)
         elif FUSED_RMS_NORM and _is_rms_norm(m):
