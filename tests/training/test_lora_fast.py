@@ -458,22 +458,30 @@ def _unfuse_mlps(model):
             del m.forward  # the class's own forward again: act_fn(gate) * up, then down_proj through _LoraMixed
 
 
+def _fused_and_plain_mlps(bf16: bool):
+    """A fused tiny LoRA model (16-bit frozen weights under ``bf16``) and a copy with the MLPs' own forward, with the
+    loss and gradients of each on the same batch and the same dropout masks."""
+    fused = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(fused)
+    if bf16:
+        store_frozen_in(fused, torch.bfloat16)
+    plain = copy.deepcopy(fused)
+    _unfuse_mlps(plain)
+    batch = _batch()
+    results = []
+    for model in (fused, plain):
+        model.train()
+        torch.manual_seed(5)
+        results.append(_loss_and_grads(model, batch, bf16=bf16))
+    return fused, plain, batch, results[0], results[1]
+
+
 def test_the_fused_mlp_computes_the_unfused_mixed_path_and_saves_only_gate_and_up():
     from surefit.training.plan import measure_saved_bytes
 
-    fused = _peft(tiny_llama(), dropout=0.1)
-    fuse_lora(fused)
-    store_frozen_in(fused, torch.bfloat16)
-    plain = copy.deepcopy(fused)
-    _unfuse_mlps(plain)
+    fused, plain, batch, (loss_f, g_f), (loss_p, g_p) = _fused_and_plain_mlps(bf16=True)
     assert "forward" in fused.base_model.model.model.layers[0].mlp.__dict__
     assert "forward" not in plain.base_model.model.model.layers[0].mlp.__dict__
-    batch = _batch()
-    fused.train(), plain.train()
-    torch.manual_seed(5)
-    loss_f, g_f = _loss_and_grads(fused, batch, bf16=True)
-    torch.manual_seed(5)
-    loss_p, g_p = _loss_and_grads(plain, batch, bf16=True)
     assert loss_f == loss_p  # the same forward, the same dropout masks (drawn at the same point of the stream)
     assert g_f.keys() == g_p.keys() and len(g_f) == 28
     assert max(_rel(g_f[k], g_p[k]) for k in g_f) < 1e-5  # the same backward, in another order
@@ -495,16 +503,7 @@ def test_an_mlp_whose_down_proj_is_not_16_bit_keeps_gate_and_up_only_with_the_sa
     product still saves gate and up only, not silu(gate) as well, with autograd's numbers to the bit."""
     from surefit.training.plan import measure_saved_bytes
 
-    fused = _peft(tiny_llama(), dropout=0.1)
-    fuse_lora(fused)
-    plain = copy.deepcopy(fused)
-    _unfuse_mlps(plain)
-    batch = _batch()
-    fused.train(), plain.train()
-    torch.manual_seed(5)
-    loss_f, g_f = _loss_and_grads(fused, batch, bf16=False)
-    torch.manual_seed(5)
-    loss_p, g_p = _loss_and_grads(plain, batch, bf16=False)
+    fused, plain, batch, (loss_f, g_f), (loss_p, g_p) = _fused_and_plain_mlps(bf16=False)
     assert loss_f == loss_p
     assert g_f.keys() == g_p.keys() and len(g_f) == 28
     assert all(torch.equal(g_f[k], g_p[k]) for k in g_f)
