@@ -7,6 +7,7 @@ than 16-bit LoRA on an H100 (results/h100/README.md): compare ``--quantize 4bit`
 
     python benchmarks/saved_tensors.py --quantize 4bit             # CPU: bf16 is emulated, about 2 minutes
     python benchmarks/saved_tensors.py --quantize none --small     # seconds
+    python benchmarks/saved_tensors.py --quantize none --arch smollm2 --precision fp32   # the default model's widths
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 
 
-def build(folder: Path, small: bool, tokenizer: str | None) -> None:
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+def build(folder: Path, small: bool, tokenizer: str | None, arch: str = "qwen3") -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     from surefit.models import model_folder, resolve_model
 
@@ -32,7 +33,12 @@ def build(folder: Path, small: bool, tokenizer: str | None) -> None:
     dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16) \
         if small else dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16, num_key_value_heads=8,
                            head_dim=128)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=49152, num_hidden_layers=2, tie_word_embeddings=True, **dims))
+    if arch == "smollm2":  # SmolLM2-135M's widths (the embedded default model)
+        dims = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                    head_dim=64)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=49152, num_hidden_layers=2, tie_word_embeddings=True, **dims))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(vocab_size=49152, num_hidden_layers=2, tie_word_embeddings=True, **dims))
     tok = AutoTokenizer.from_pretrained(tokenizer or model_folder(resolve_model(None)))
     model.config.pad_token_id, model.config.eos_token_id = tok.pad_token_id, tok.eos_token_id
     model.save_pretrained(folder)
@@ -43,6 +49,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantize", choices=("none", "4bit", "8bit"), default="4bit")
     ap.add_argument("--small", action="store_true", help="tiny widths (seconds on a CPU)")
+    ap.add_argument("--arch", choices=("qwen3", "smollm2"), default="qwen3",
+                    help="Qwen3-0.6B's widths (default) or SmolLM2-135M's")
+    ap.add_argument("--precision", default=None, help="default: bf16 on a CPU, the run's own default on a GPU")
     ap.add_argument("--data", default=str(HERE.parent.parent / "shared" / "data" / "squad" / "dev-v1.1-part-a.json"))
     ap.add_argument("--tokenizer", help="a folder with SmolLM2's tokenizer files (default: the embedded model's)")
     args = ap.parse_args()
@@ -87,13 +96,13 @@ def main() -> None:
 
     plan.measure_saved_bytes = listing_measure  # looked up by name at each call inside plan.py
     tmp = Path(tempfile.mkdtemp())
-    build(tmp / "model", args.small, args.tokenizer)
+    build(tmp / "model", args.small, args.tokenizer, args.arch)
     cuda = torch.cuda.is_available()
     out = tmp / "run"
     surefit.train(task="sft", model=str(tmp / "model"), data=args.data, limit=24, max_steps=2, batch_size=4,
                   max_seq_length=512, lora_r=16, lora_alpha=32, lora_dropout=0.05, seed=0, val_fraction=0.2,
                   output_dir=str(out), overwrite=True, quantize=args.quantize,
-                  **({} if cuda else {"precision": "bf16"}))
+                  **({"precision": args.precision} if args.precision else {} if cuda else {"precision": "bf16"}))
     measured = json.loads((out / "memory_plan.json").read_text()).get("measured", {})
     print(f"\nquantize={args.quantize} small={args.small} device={'cuda' if cuda else 'cpu'}"
           + (f" peak {torch.cuda.max_memory_allocated() / 2**30:.3f} GiB" if cuda else ""))

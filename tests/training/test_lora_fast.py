@@ -499,8 +499,10 @@ def test_the_fused_mlp_computes_the_unfused_mixed_path_and_saves_only_gate_and_u
 
 
 def test_an_mlp_whose_down_proj_is_not_16_bit_keeps_gate_and_up_only_with_the_same_bits():
-    """fp32 LoRA (a CPU's default) and QLoRA (a bitsandbytes down_proj) cannot take the fused MLP; their SwiGLU
-    product still saves gate and up only, not silu(gate) as well, with autograd's numbers to the bit."""
+    """fp32 LoRA (a CPU's default) cannot take the 16-bit fused MLP; its own fused MLP saves gate and up only, not
+    silu(gate) or the product as well, with autograd's numbers to the bit (dropout 0.1: the same masks too)."""
+    import surefit.training.speedups.lora_fast as lf
+
     from surefit.training.plan import measure_saved_bytes
 
     fused, plain, batch, (loss_f, g_f), (loss_p, g_p) = _fused_and_plain_mlps(bf16=False)
@@ -513,7 +515,15 @@ def test_an_mlp_whose_down_proj_is_not_16_bit_keeps_gate_and_up_only_with_the_sa
 
     tokens = batch["input_ids"].numel()
     saved_f, saved_p = measure_saved_bytes(fused, forward(fused)), measure_saved_bytes(plain, forward(plain))
-    assert saved_p - saved_f == 4 * tokens * 64 * 2  # silu(gate) in fp32: intermediate 64, 2 blocks
+    assert saved_p - saved_f == 2 * 4 * tokens * 64 * 2  # silu(gate) and the product in fp32: intermediate 64, 2 blocks
+    calls = []
+    original = lf._SwiGLULora.apply
+    lf._SwiGLULora.apply = lambda *a: calls.append(1) or original(*a)
+    try:
+        _loss_and_grads(fused, batch)
+    finally:
+        lf._SwiGLULora.apply = original
+    assert len(calls) == 2  # one per block
     fused.eval(), plain.eval()
     with torch.no_grad():  # evaluation: the module's own forward
         assert torch.equal(fused(**{k: v for k, v in batch.items() if k != "labels"}).logits,

@@ -5,8 +5,8 @@
   gradient) is formed in fp32 (``_LoraMixed``).
 - Dropout draws 16-bit random numbers, keeps its mask as one bit per element (:func:`pack_mask`) and recomputes the
   dropped input in the backward pass (same distribution; seeds, resume and checkpoint replays draw the same masks).
-- :class:`SavedActivationsIn` stores fp32 saved activations in bf16, and ``_SwiGLUDown`` keeps only ``gate`` and
-  ``up`` of a gated MLP for the backward pass.
+- :class:`SavedActivationsIn` stores fp32 saved activations in bf16, and ``_SwiGLUDown`` (16-bit frozen weights) and
+  ``_SwiGLULora`` (fp32) keep only ``gate`` and ``up`` of a gated MLP for the backward pass.
 - On a CPU the gated MLP's backward and the RMSNorm run their elementwise chains on cache-sized row chunks.
 
 Anything else (merged or disabled adapters, several active adapters, DoRA, ``lora_bias``, hooks, a non-``nn.Linear``
@@ -452,6 +452,68 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate, grad_up
 
 
+class _SwiGLULora(torch.autograd.Function):
+    """``down_proj(silu(gate) * up)`` for a LoRA ``down_proj`` whose frozen base is a plain ``nn.Linear`` in the
+    adapter's dtype (fp32 LoRA, a CPU's default): what ``_SwiGLU``, the base layer and ``_LoraBranch`` compute, with
+    the same operations in the same order (the same bits, tested), saving ``gate`` and ``up`` only.
+
+    Why: unfused, the product ``h`` was kept for the adapter's A gradient beside the ``gate`` and ``up`` it is made
+    from: a third tensor of the MLP's width per token and layer (on SmolLM2-135M a fifth of everything saved). The
+    backward pass makes ``h`` again (one elementwise pass) and frees it with the layer's gradients. Dropout draws its
+    mask as ``_LoraBranch`` does, at the same point of the random stream."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
+        _check_threads()
+        p, scaling, drop = adapter
+        with torch.autocast(gate.device.type, enabled=False):
+            h = F.silu(gate) * up
+            y = F.linear(h, w, bias)  # the base nn.Linear's forward
+            keep, scale, xa = None, 1.0, h
+            if p > 0:
+                keep, p_used = _draw(h.shape, p, drop, h.device)
+                scale = 1.0 / (1.0 - p_used)
+                xa = h * _as(keep, h.dtype)
+                xa.mul_(scale)
+            u = (xa @ a.t()).mul_(scaling)
+            out = plus_product(y, u, b)
+        ctx.scale, ctx.scaling = scale, scaling
+        ctx.save_for_backward(gate, up, _saved_mask(ctx, keep), u, w, a, b)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        _check_threads()
+        gate, up, keep, u, w, a, b = ctx.saved_tensors
+        keep = _restored_mask(ctx, keep)
+        needs = ctx.needs_input_grad
+        with torch.autocast(grad.device.type, enabled=False):
+            r = u.shape[-1]
+            grad_b = grad.reshape(-1, grad.shape[-1]).t() @ u.reshape(-1, r) if needs[5] else None
+            grad_u = (grad @ b).mul_(ctx.scaling)
+            silu = F.silu(gate)
+            kf = None if keep is None else _as(keep, gate.dtype)
+            grad_a = None
+            if needs[4]:
+                xa = silu * up  # h, as the forward made it
+                if kf is not None:
+                    xa = (xa * kf).mul_(ctx.scale)
+                grad_a = grad_u.reshape(-1, r).t() @ xa.reshape(-1, xa.shape[-1])
+                del xa
+            grad_gate = grad_up = None
+            if needs[0] or needs[1]:
+                grad_h = grad_u @ a  # through the adapter, then through the frozen weight: autograd's two terms
+                if kf is not None:
+                    grad_h.mul_(kf).mul_(ctx.scale)
+                grad_h = (grad @ w) + grad_h
+                if needs[1]:
+                    grad_up = grad_h * silu
+                if needs[0]:
+                    grad_gate = torch.ops.aten.silu_backward(grad_h * up, gate)
+        return grad_gate, grad_up, None, None, grad_a, grad_b, None
+
+
 def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     down = self.down_proj
     name = fast_adapter(down, (), {}) if not (args or kwargs) and is_lora_linear(down) else None
@@ -465,6 +527,15 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
             # fp32 LoRA, QLoRA's bitsandbytes down_proj: the same computation without silu(gate) kept
             gate, up = self.gate_proj(x), self.up_proj(x)
             if gate.is_floating_point() and up.is_floating_point() and gate.shape == up.shape:
+                if name is not None and type(down.base_layer) is nn.Linear and not w.requires_grad \
+                        and gate.dtype == up.dtype == w.dtype == down.lora_A[name].weight.dtype \
+                        and (down.base_layer.bias is None or not down.base_layer.bias.requires_grad) \
+                        and not _hooked(down) and not _hooked(down.base_layer):
+                    # fp32 LoRA: the product not kept either, made again in the backward pass
+                    drop = down.lora_dropout[name]
+                    p = drop.p if down.training and isinstance(drop, nn.Dropout) else 0.0
+                    return _SwiGLULora.apply(gate, up, w, down.base_layer.bias, down.lora_A[name].weight,
+                                             down.lora_B[name].weight, (p, float(down.scaling[name]), drop))
                 return self.down_proj(_SwiGLU.apply(gate, up))
             return self.down_proj(self.act_fn(gate) * up)
         return type(self).forward(self, x, *args, **kwargs)
@@ -677,8 +748,9 @@ def fuse_lora(model: nn.Module) -> int:
             m.forward = types.MethodType(fused_forward, m)
             n += 1
         elif _is_swiglu_mlp(m):
-            # Fused whole when down_proj is a LoRA layer on 16-bit frozen weights; otherwise, in training, only the
-            # SwiGLU product (_SwiGLU) and down_proj called as it is (checked at each call).
+            # Fused whole when down_proj is a LoRA layer on 16-bit frozen weights; in training, also on fp32 ones
+            # (_SwiGLULora); otherwise only the SwiGLU product (_SwiGLU) and down_proj called as it is (checked at
+            # each call).
             m._surefit_act = type(m.act_fn)  # type: ignore[assignment]  # a new attribute on the module
             m.forward = types.MethodType(_fused_mlp_forward, m)
         elif FUSED_RMS_NORM and _is_rms_norm(m):
