@@ -31,6 +31,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     if "torch" in sys.modules:  # imported by a plugin before this file: the variable came too late for it
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
+
 WORDS = (
     "the cat sat on mat dog ran to park bird flew over tree red blue green big small Paris France Berlin Germany "
     "capital of is what where who when answer question context river city"
@@ -268,13 +269,23 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_configure(config) -> None:
-    """On the xdist controller only: convert the embedded GGUF model into its cache folder before the workers start.
+    """Without xdist workers, a fixed thread count. On the xdist controller only: convert the embedded GGUF model into
+    its cache folder before the workers start.
 
     On a fresh machine two workers converting it at once would both write the same cache folder (the second
     ``os.replace`` onto a full folder fails). Converted here once (15-20 s, as the first real-model test would spend),
     every worker finds it. Once any conversion is cached this costs a directory listing, not a transformers import.
     """
-    if hasattr(config, "workerinput") or config.getoption("dist", "no") == "no" or not config.getoption("tx", None):
+    workers = config.getoption("dist", "no") != "no" and bool(config.getoption("tx", None))
+    if not hasattr(config, "workerinput") and not workers and "OMP_NUM_THREADS" not in os.environ:
+        # No xdist workers (pytest run directly, or -n 0): the thread count is fixed too, to every usable core.
+        # surefit's thread governor would otherwise change it with the machine's load, and the tests that compare a
+        # resumed run with an uninterrupted one to the bit would depend on that load. (Not in a controller that
+        # starts workers: they would inherit it.)
+        os.environ["OMP_NUM_THREADS"] = str(len(os.sched_getaffinity(0)))
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if hasattr(config, "workerinput") or not workers:
         return
     import importlib.util
 

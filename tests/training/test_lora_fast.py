@@ -58,14 +58,73 @@ def test_fused_forward_gives_peft_loss_and_gradients_in_fp32(monkeypatch):
     batch = _batch()
     loss_ref, g_ref = _loss_and_grads(ref, batch)
     calls = []
-    original = lf._LoraBranch.apply
-    monkeypatch.setattr(lf._LoraBranch, "apply", lambda *a: calls.append(1) or original(*a))
+    for fn in (lf._LoraBranch, lf._SwiGLULora):
+        monkeypatch.setattr(fn, "apply", lambda *a, _o=fn.apply, _n=fn.__name__: calls.append(_n) or _o(*a))
     loss, g = _loss_and_grads(fused, batch)
-    assert len(calls) == 14  # the fused path ran, not peft's fallback
+    # the fused path ran, not peft's fallback: down_proj with the MLP's product (_SwiGLULora), the others alone
+    assert sorted(calls) == ["_LoraBranch"] * 12 + ["_SwiGLULora"] * 2
     assert loss == pytest.approx(loss_ref, abs=1e-6)
     assert g.keys() == g_ref.keys() and len(g) == 28
     for k in g:
         assert torch.allclose(g[k], g_ref[k], atol=1e-6, rtol=1e-5), k
+
+
+def test_fp32_adapters_reading_a_norms_output_keep_the_norms_inputs_instead_with_the_same_bits(monkeypatch):
+    """q/k/v and gate/up read an RMSNorm's output; in fp32 they keep the norm's input and row scale (saved by the
+    norm anyway) and make the output again in the backward pass: the same loss and gradients to the bit, with
+    dropout's masks, and one hidden-sized fp32 tensor per norm fewer saved."""
+    import surefit.training.speedups.lora_fast as lf
+    from surefit.training.plan import measure_saved_bytes
+
+    model = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(model)
+    model.train()
+    batch = _batch()
+    made_again = []
+    again = lf._norm_again
+    monkeypatch.setattr(lf, "_norm_again", lambda *a: made_again.append(1) or again(*a))
+    results, saved = [], []
+    for recipes in (True, False):
+        if not recipes:
+            monkeypatch.setattr(lf, "_norm_recipe", lambda x: None)
+        torch.manual_seed(5)
+        results.append(_loss_and_grads(model, batch))
+        torch.manual_seed(5)
+        saved.append(measure_saved_bytes(model, lambda: causal_lm_loss_sum(model, batch)[0]))
+    (loss, g), (loss_plain, g_plain) = results
+    assert loss == loss_plain
+    assert g.keys() == g_plain.keys() and len(g) == 28
+    assert all(torch.equal(g[k], g_plain[k]) for k in g)
+    # 3 norms: both of block 1 and block 0's second (block 0's first reads the embeddings, which need no gradient);
+    # each output made again by each adapter reading it: gate and up, then q, k, v, then gate and up
+    assert len(made_again) == 2 + 3 + 2
+    assert saved[1] - saved[0] == 3 * batch["input_ids"].numel() * 32 * 4
+
+
+def test_a_norms_output_changed_in_place_before_an_adapter_reads_it_is_saved_as_it_is():
+    """An in-place change voids the recipe (the adapter's gradient is the changed input's); the norm's output may be
+    changed in place at all (it was once a view made inside a Function, which autograd forbids changing)."""
+    import surefit.training.speedups.lora_fast as lf
+
+    torch.manual_seed(0)
+    norm = tiny_llama().model.norm
+    lora = _peft(nn.Sequential(nn.Linear(32, 16, bias=False)))
+    fuse_lora(norm), fuse_lora(lora)
+    x = torch.randn(3, 32, requires_grad=True)
+    grads = []
+    for scaled_in_place in (True, False):
+        lora.zero_grad()
+        y = norm(x)
+        if scaled_in_place:
+            y.mul_(3.0)
+        else:
+            y = y * 3.0
+        assert lf._norm_recipe(y) is None  # changed in place, or a new tensor (y * 3)
+        lora(y).square().sum().backward()
+        grads.append((lora.base_model.model[0].lora_A["default"].weight.grad.clone(), x.grad.clone()))
+        x.grad = None
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert lf._norm_recipe(norm(x)) is not None
 
 
 def test_adapter_contribution_survives_16_bit_base_weights_where_peft_rounds_it_away():

@@ -208,13 +208,20 @@ class _LoraBranch(torch.autograd.Function):
             u = (xa @ a.t()).mul_(scaling)  # [..., r]: scaled here, on r values per token rather than out_features
             out = plus_product(y, u, b)
         ctx.scale, ctx.scaling = scale, scaling
-        ctx.save_for_backward(x, _saved_mask(ctx, keep), u, a, b)
+        recipe = _norm_recipe(x)
+        ctx.norm_dtype = None if recipe is None else recipe[3]
+        if recipe is None:
+            ctx.save_for_backward(x, _saved_mask(ctx, keep), u, a, b, None, None, None)
+        else:  # x is a norm's output: keep what the norm keeps anyway and make x again in the backward pass
+            ctx.save_for_backward(None, _saved_mask(ctx, keep), u, a, b, *recipe[:3])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         _check_threads()
-        x, keep, u, a, b = ctx.saved_tensors
+        x, keep, u, a, b, nx, nr, nw = ctx.saved_tensors
+        if ctx.norm_dtype is not None:
+            x = _norm_again(nx, nr, nw, ctx.norm_dtype)
         keep = _restored_mask(ctx, keep)
         dtype = a.dtype
         with torch.autocast(grad.device.type, enabled=False):
@@ -592,7 +599,15 @@ def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
     dtype = hidden_states.dtype
     x = hidden_states.to(torch.float32)
     if x.device.type == "cpu" and torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
-        return _RmsNormCpu.apply(x, self.weight, self.variance_epsilon, dtype)
+        if torch.compiler.is_compiling():  # dynamo traces no list filled inside a Function: no recipe there
+            return _RmsNormCpu.apply(x, self.weight, self.variance_epsilon, dtype)
+        box: list[torch.Tensor] = []
+        y = _RmsNormCpu.apply(x, self.weight, self.variance_epsilon, dtype, box)
+        if box:
+            # How to make y again from what the norm saves anyway: an fp32 adapter reading y keeps these rather than
+            # y itself (_LoraBranch). y's version now: an in-place change before the adapter reads it voids the recipe.
+            y._surefit_norm = (x, box[0], self.weight, dtype, y._version)  # type: ignore[attr-defined]
+        return y
     normed = F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
     return self.weight * normed.to(dtype)
 
@@ -605,21 +620,26 @@ class _RmsNormCpu(torch.autograd.Function):
     chunk by chunk. The forward's operations are the forward's above, in its order (bitwise equal, tested)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+                box: list | None = None) -> torch.Tensor:
         _check_threads()
         width = x.shape[-1]
         x2 = x.reshape(-1, width)
         rows = x2.shape[0]
         r = torch.empty((rows, 1), dtype=torch.float32)
-        y = torch.empty((rows, width), dtype=torch.promote_types(weight.dtype, dtype))
+        # y itself is returned, not a view of a buffer: a model may then change it in place, as autograd allows
+        y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, dtype))
+        y2 = y.view(rows, width)
         step = max(1, CPU_CHUNK_ELEMENTS // width)
         for i in range(0, rows, step):
             xc, rc = x2[i:i + step], r[i:i + step]
             torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps, out=rc)
-            torch.mul(weight, (xc * rc).to(dtype), out=y[i:i + step])
+            torch.mul(weight, (xc * rc).to(dtype), out=y2[i:i + step])
         ctx.dtype = dtype
         ctx.save_for_backward(x, r, weight)
-        return y.view(*x.shape[:-1], width)
+        if box is not None:
+            box.append(r)  # the row scale, for _norm_again
+        return y
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -640,7 +660,29 @@ class _RmsNormCpu(torch.autograd.Function):
                 dn = gc * weight  # the normed input's rounding to dtype passes the gradient straight through
                 s = (dn * xc).sum(-1, keepdim=True).mul_(rc.pow(3)).div_(width)
                 torch.mul(dn, rc, out=dx[i:i + step]).sub_(xc * s)
-        return (None if dx is None else dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None, None)
+        return (None if dx is None else dx.view(x.shape), None if dw is None else dw.to(weight.dtype), None, None,
+                None)
+
+
+def _norm_again(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The output of :class:`_RmsNormCpu` for input ``x`` and row scale ``r``, by the forward's own operations on the
+    same row chunks (the same bits)."""
+    width = x.shape[-1]
+    x2 = x.reshape(-1, width)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(weight.dtype, dtype))
+    step = max(1, CPU_CHUNK_ELEMENTS // width)
+    for i in range(0, x2.shape[0], step):
+        torch.mul(weight, (x2[i:i + step] * r[i:i + step]).to(dtype), out=y[i:i + step])
+    return y.view(x.shape)
+
+
+def _norm_recipe(x: torch.Tensor) -> tuple | None:
+    """``(input, row scale, weight, dtype)`` when ``x`` is an RMSNorm's output that :func:`_norm_again` makes again
+    (tagged by :func:`_rms_norm_forward`, not changed in place since); None otherwise."""
+    tag = getattr(x, "_surefit_norm", None)
+    if tag is None or tag[4] != x._version or torch.compiler.is_compiling():
+        return None
+    return tag[:4]
 
 
 def _hooked(m: nn.Module) -> bool:
