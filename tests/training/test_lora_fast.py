@@ -480,15 +480,17 @@ def test_a_compiled_mask_packing_keeps_every_bit():
 
 
 def test_a_fused_model_compiles_and_trains_as_it_does_eagerly():
-    """torch.compile traces the fused forward; the shared cast must not hand one layer another layer's input."""
+    """torch.compile traces the fused forward; the shared cast must not hand one layer another layer's input. The
+    first block is compiled (every fused function is in it) and the second runs eagerly after it: compiling the
+    second as well traced the same code again for its own weights."""
     model = _peft(tiny_llama(), dropout=0.1)
     fuse_lora(model)
     store_frozen_in(model, torch.bfloat16)
     batch = _batch()
     torch.manual_seed(0)
     eager, g_eager = _loss_and_grads(model, batch, bf16=True)
-    for layer in model.base_model.model.model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+    layer = model.base_model.model.model.layers[0]
+    layer.forward = torch.compile(layer.forward, dynamic=True)
     torch.manual_seed(0)
     compiled, g = _loss_and_grads(model, batch, bf16=True)
     assert compiled == pytest.approx(eager, rel=1e-2)
