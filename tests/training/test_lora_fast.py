@@ -563,7 +563,6 @@ def test_an_mlp_whose_down_proj_is_not_16_bit_keeps_gate_and_up_only_with_the_sa
     """fp32 LoRA (a CPU's default) cannot take the 16-bit fused MLP; its own fused MLP saves gate and up only, not
     silu(gate) or the product as well, with autograd's numbers to the bit (dropout 0.1: the same masks too)."""
     import surefit.training.speedups.lora_fast as lf
-
     from surefit.training.plan import measure_saved_bytes
 
     fused, plain, batch, (loss_f, g_f), (loss_p, g_p) = _fused_and_plain_mlps(bf16=False)
