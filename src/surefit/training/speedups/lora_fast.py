@@ -606,7 +606,7 @@ def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         if box:
             # How to make y again from what the norm saves anyway: an fp32 adapter reading y keeps these rather than
             # y itself (_LoraBranch). y's version now: an in-place change before the adapter reads it voids the recipe.
-            y._surefit_norm = (x, box[0], self.weight, dtype, y._version)  # type: ignore[attr-defined]
+            y._surefit_norm = (x, box[0], self.weight, dtype, y._version)
         return y
     normed = F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
     return self.weight * normed.to(dtype)
