@@ -679,8 +679,10 @@ def _norm_again(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, dtype: t
 def _norm_recipe(x: torch.Tensor) -> tuple | None:
     """``(input, row scale, weight, dtype)`` when ``x`` is an RMSNorm's output that :func:`_norm_again` makes again
     (tagged by :func:`_rms_norm_forward`, not changed in place since); None otherwise."""
+    if torch.compiler.is_compiling():  # first: nothing to trace (the norm tags nothing under the compiler)
+        return None
     tag = getattr(x, "_surefit_norm", None)
-    if tag is None or tag[4] != x._version or torch.compiler.is_compiling():
+    if tag is None or tag[4] != x._version:
         return None
     return tag[:4]
 
