@@ -239,3 +239,42 @@ def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny
         alone = plan_module.run_with_restored_rng(lambda: plan_module.measure_saved_bytes(
             p.model, lambda: p.work.plan.loss_fn(p.model, batch)[0], store(torch.bfloat16) if store else None))
     assert got[0] == alone > 0
+
+
+def test_the_dry_runs_logits_have_the_heads_shape_and_a_label_the_head_cannot_score_still_fails_it(
+        tmp_path, tiny_lm_dir, monkeypatch):
+    """The measuring dry run hands the doctor logits of the head's shape and dtype without computing the head over
+    every position; the run's loss in its forward still scores every supervised label, so one out of the
+    vocabulary fails the dry run."""
+    from surefit.cli import parse_train_config
+
+    seen = {}
+    real = sft.run_checks
+
+    def keep(setup):
+        seen["setup"] = setup
+        return real(setup)
+
+    monkeypatch.setattr(sft, "run_checks", keep)
+    data = _data(tmp_path / "train.jsonl")
+    cfg = parse_train_config(["--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--lora_r", "4",
+                              "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25",
+                              "--output_dir", str(tmp_path / "c"), "--no_cache"])
+    p = sft.prepare(cfg, say=lambda s: None)
+    assert isinstance(p.work.plan.measured, dict)
+    assert not p.check().has_errors
+    setup = seen["setup"]
+    assert isinstance(setup.call, plan_module.MeasuringDryRun)
+    batch, _ = setup.batch()
+    got = setup.logits()
+    with torch.no_grad(), p.accelerator.autocast():
+        full = p.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert got.shape == full.shape and got.dtype == full.dtype
+    assert got.shape[1] == batch["input_ids"].shape[1] > 1
+
+    bad = dict(batch)
+    bad["labels"] = batch["labels"].clone()
+    row, col = (bad["labels"] != -100).nonzero()[-1].tolist()
+    bad["labels"][row, col] = full.shape[-1]  # one past the vocabulary
+    with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
+        setup.call(p.model, bad)

@@ -555,10 +555,10 @@ class MeasuringDryRun:
     them, so a cold start runs one forward before step 1 instead of two.
 
     The batch is the first row(s) and the longest, padded to the longest as training pads a micro-batch, so bytes per
-    token are those of a micro-batch at the longest length (the planner scales them the same way). The logits the
-    doctor's checks read come from the decoder's output through the output layer, without gradients; then the
-    run's cross-entropy on the supervised positions, as ``training/loss.py: causal_lm_dry_run`` does. Every RNG is
-    put back. Used where the model already sits on the device it trains on and one process plans (a CPU run):
+    token are those of a micro-batch at the longest length (the planner scales them the same way). The forward is the
+    run's loss, which scores every supervised label as ``training/loss.py: causal_lm_dry_run`` does. The logits the
+    doctor's checks read (their shape and dtype) are the output layer over each row's first position, without
+    gradients, broadcast to every position. Every RNG is put back. Used where the model already sits on the device it trains on and one process plans (a CPU run):
     elsewhere the planner measures on its device, as before.
 
     Attributes:
@@ -576,9 +576,6 @@ class MeasuringDryRun:
     def __call__(self, model: Any, batch: Any) -> Any:
         import types
 
-        import torch.nn.functional as F  # noqa: N812
-
-        from surefit.data.collate import IGNORE_INDEX
         from surefit.models import inner_model
 
         inner = inner_model(model)
@@ -614,11 +611,11 @@ class MeasuringDryRun:
         if not hidden or head is None:
             return types.SimpleNamespace(loss=None)  # no logits here: the doctor finds them its own way
         with torch.no_grad():
-            logits = head(hidden[0])
-        labels = batch["labels"]
-        supervised = labels[:, 1:] != IGNORE_INDEX
-        F.cross_entropy(logits[:, :-1][supervised].float(), labels[:, 1:][supervised], reduction="sum")
-        return types.SimpleNamespace(logits=logits)
+            first = head(hidden[0][:, :1])
+        # The checks read the logits' shape and dtype, never their values, and the run's loss above has already
+        # scored every supervised label (a label the head cannot score failed there): the head over one position
+        # per row, broadcast to every position, costs 1/T of the full [B, T, vocabulary] logits and their memory.
+        return types.SimpleNamespace(logits=first.expand(-1, hidden[0].shape[1], -1))
 
 
 def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) -> Callable[[int, bool], int]:
