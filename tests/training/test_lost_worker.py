@@ -68,3 +68,27 @@ def test_a_survivor_still_reports_when_the_launchers_sigterm_comes_while_it_writ
     assert "Sending process" in text and "closing signal SIGTERM" in text  # torchrun did stop the survivor
     assert "process 0 of 2 lost contact with process 1 of this run, which has ended" in text, text[-3000:]
     assert done.returncode == 1, text[-3000:]  # the survivor's own code, not 128 + SIGTERM
+
+
+def test_the_loop_left_on_an_error_with_other_processes_ignores_the_launchers_sigterm_at_once():
+    """The survivor's report was once lost under load: the launcher's SIGTERM came after the loop had put the default
+    action back and before the command ignored it, while the error unwound. Leaving on an error in a run of several
+    processes, the loop now ignores SIGTERM itself; a real SIGTERM then does not end the process. Alone (one process),
+    or leaving without an error, the handlers are put back as they were."""
+    script = (
+        "import os, signal\n"
+        "from surefit.training.loop import _StopSignal\n"
+        "for world, fail in (('1', True), ('2', False), ('2', True)):\n"
+        "    os.environ['WORLD_SIZE'] = world\n"
+        "    try:\n"
+        "        with _StopSignal(announce=False):\n"
+        "            if fail:\n"
+        "                raise RuntimeError('Connection closed by peer')\n"
+        "    except RuntimeError:\n"
+        "        pass\n"
+        "    print(world, fail, signal.getsignal(signal.SIGTERM) is signal.SIG_IGN, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "print('survived', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n") == ["1 True False", "2 False False", "2 True True", "survived", ""]

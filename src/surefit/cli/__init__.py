@@ -191,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 if world_size() > 1 and peer_gone(e):  # a collective found another process of the run gone
                     import signal
 
-                    # The launcher stops the survivors with SIGTERM once it sees the lost process, and the loop's
-                    # handler is gone by now: without this the report (a checkpoint verified first) can be cut off.
+                    # The launcher stops the survivors with SIGTERM once it sees the lost process. The loop, left on
+                    # an error, ignores it from then on (training/loop.py: _StopSignal); a collective outside the
+                    # loop gets here with the default action: without this the report (a checkpoint verified first)
+                    # can be cut off.
                     signal.signal(signal.SIGTERM, signal.SIG_IGN)
                     raise lost_here(e, process_index(), world_size(), cfg.output_dir) from e
                 raise

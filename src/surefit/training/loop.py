@@ -237,9 +237,13 @@ class _StopSignal:
             print(f"\n{self.requested}: finishing the current step, then saving a checkpoint (again to stop at once)",
                   file=sys.stderr)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
+        if exc is not None and self._old and world_size() > 1:
+            # Leaving on an error with other processes (one lost: the launcher's SIGTERM follows at once): the process
+            # is on its way out, and the signal's default action must not cut off the report it unwinds to (cli).
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def make_adamw(params: list[torch.nn.Parameter], *, lr: float, weight_decay: float) -> torch.optim.Optimizer:
