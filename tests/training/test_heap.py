@@ -70,3 +70,39 @@ def test_saved_activations_can_hand_the_heap_back_every_n_bytes_packed(monkeypat
     monkeypatch.setattr(SavedActivationsIn, "release_every", 3 * 64 * 256 * 2)
     forward_backward(SavedActivationsIn())
     assert len(calls) == 2  # 8 packed tensors of 32 KB: after the third and the sixth
+
+
+def test_the_loop_gives_the_heap_back_around_evaluations_once_a_step_has_run(tmp_path, tiny_lm_dir, monkeypatch):
+    """What the set-up and the evaluation before training free is what step 1 reuses: the loop gives nothing back
+    before the first step (doing so only made step 1 fault those pages in again), and gives back before and after
+    each evaluation from then on (the evaluation's peak must not carry the training's leftovers, nor the other way)."""
+    import json
+
+    import surefit.training.loop as loop
+    from conftest import qa_rows
+    from surefit.cli import main
+
+    events: list[str] = []
+    step, evaluate = loop._Fit.optimizer_step, loop._Fit.evaluate
+
+    def counted_step(self, *a, **k):
+        events.append("step")
+        return step(self, *a, **k)
+
+    def counted_eval(self, *a, **k):  # the loop's evaluate, which gives the heap back (or not) around the task's
+        events.append("evaluate(")
+        try:
+            return evaluate(self, *a, **k)
+        finally:
+            events.append(")")
+
+    monkeypatch.setattr(loop, "release_free_memory", lambda: events.append("release") or True)
+    monkeypatch.setattr(loop._Fit, "optimizer_step", counted_step)
+    monkeypatch.setattr(loop._Fit, "evaluate", counted_eval)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(16)), encoding="utf-8")
+    assert main(["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "2",
+                 "--lora_r", "4", "--batch_size", "6", "--max_seq_length", "96", "--val_fraction", "0.25",
+                 "--max_new_tokens", "2", "--output_dir", str(tmp_path / "run")]) == 0
+    assert events == ["evaluate(", ")", "step", "step", "evaluate(", "release", "release", ")", "step", "step",
+                      "evaluate(", "release", "release", ")"]

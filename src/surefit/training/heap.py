@@ -6,7 +6,8 @@ pages the next one does not reuse, so the later phase's peak carries the earlier
 benchmark the evaluation after training peaked at 3.4-3.5 GB, at 1.6 GB with the pages given back
 (benchmarks/results/step_memory.md). ``malloc_trim(0)`` returns every free whole page of every arena (glibc 2.8+,
 ``madvise(MADV_DONTNEED)``); pages used again afterwards are faulted in afresh, which is why the training loop does
-it between phases and not after every step.
+it between phases and not after every step, nor before the first step: the pages the set-up and the evaluation before
+training free are what that step reuses (given back, 250-450k page faults more in step 1, docs/performance.md).
 
 Elsewhere (musl, macOS, Windows, or another allocator preloaded: its own pages are not glibc's) nothing happens.
 """

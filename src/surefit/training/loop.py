@@ -115,7 +115,7 @@ class LoopSettings:
 
 
 # On a CPU, when to give the C heap's free pages back (see _Fit.__init__): "phases" before and after each evaluation
-# and after the set-up; "steps" after every optimizer step too (a chat run's peak -0.13 GB, but each step faults its
+# once a training step has run; "steps" after every optimizer step too (a chat run's peak -0.13 GB, but each step faults its
 # memory in again: about +9% CPU, benchmarks/results/step_memory.md); "never".
 RELEASE_HEAP: Literal["steps", "phases", "never"] = "phases"
 
@@ -366,10 +366,13 @@ class _Fit:
         self.selection = Selection(settings.keep_best, settings.early_stopping)
         self.stopped_early = False
         # On a CPU activations live in the C heap: its freed pages go back between training and evaluation, so
-        # neither phase's peak holds the other's leftovers (training/heap.py).
+        # neither phase's peak holds the other's leftovers (training/heap.py). Not before the first step: what the
+        # set-up and the evaluation before training free, that step reuses (its peak is the larger); given back, it
+        # was only faulted in again (docs/performance.md).
         on_cpu = accelerator.device.type == "cpu"
         self.release_heap = on_cpu and RELEASE_HEAP != "never"
         self.release_heap_steps = on_cpu and RELEASE_HEAP == "steps"
+        self.stepped = False  # a training step has run in this process
 
     # -- evaluation and resume
 
@@ -380,7 +383,8 @@ class _Fit:
         if self.evaluate_fn is None:
             return {}
         t0 = time.perf_counter()
-        if self.release_heap:  # what the training steps left
+        release = self.release_heap and self.stepped
+        if release:  # what the training steps left
             release_free_memory()
         if self.world == 1 and not self.sharded:
             metrics = self.evaluate_fn(self.model, epoch, **step)
@@ -388,7 +392,7 @@ class _Fit:
             unwrapped = self.model if self.sharded else self.accelerator.unwrap_model(self.model)
             with gathered(self.model):  # FSDP: the main process evaluates (and generates) on the full parameters
                 metrics = share_from_main(self.evaluate_fn(unwrapped, epoch, **step) if self.main else None)
-        if self.release_heap:
+        if release:
             release_free_memory()
         return {**metrics, "eval_seconds": round(time.perf_counter() - t0, 3)}
 
@@ -421,8 +425,6 @@ class _Fit:
 
         folder = self.checkpointing.resume_from
         self.say(self.selection.describe())
-        if self.release_heap:  # what the set-up left (the doctor's and the planner's forwards, encoding)
-            release_free_memory()
         if folder is None:
             if self.evaluate_fn is None:
                 return  # no validation data: no evaluation before training (said once by the task runner)
@@ -469,6 +471,7 @@ class _Fit:
         """Accumulate the step's micro-batches (splitting any that run out of memory), clip, step, and agree with the
         other processes on the step's loss and on whether to stop after it (one exchange per step)."""
         t0 = time.perf_counter()
+        self.stepped = True
         how = StepPlan(self.micro, guard=self.guard, saved_activations=self.settings.saved_activations,
                        dropout_key=(self.settings.seed, self.progress.global_step), lockstep=self.sharded, say=self.say)
         loss_sum = accumulate_step(self.model, self.work, step_indices, self.accelerator, how)
