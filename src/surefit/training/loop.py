@@ -115,8 +115,8 @@ class LoopSettings:
 
 
 # On a CPU, when to give the C heap's free pages back (see _Fit.__init__): "phases" before and after each evaluation
-# once a training step has run; "steps" after every optimizer step too (a chat run's peak -0.13 GB, but each step faults its
-# memory in again: about +9% CPU, benchmarks/results/step_memory.md); "never".
+# once a training step has run; "steps" after every optimizer step too (a chat run's peak -0.13 GB, but each step
+# faults its memory in again: about +9% CPU, benchmarks/results/step_memory.md); "never".
 RELEASE_HEAP: Literal["steps", "phases", "never"] = "phases"
 
 # The task configs' training-control settings, passed to the loop under the same names.

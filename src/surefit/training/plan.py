@@ -558,8 +558,8 @@ class MeasuringDryRun:
     token are those of a micro-batch at the longest length (the planner scales them the same way). The forward is the
     run's loss, which scores every supervised label as ``training/loss.py: causal_lm_dry_run`` does. The logits the
     doctor's checks read (their shape and dtype) are the output layer over each row's first position, without
-    gradients, broadcast to every position. Every RNG is put back. Used where the model already sits on the device it trains on and one process plans (a CPU run):
-    elsewhere the planner measures on its device, as before.
+    gradients, broadcast to every position. Every RNG is put back. Used where the model already sits on the device
+    it trains on and one process plans (a CPU run): elsewhere the planner measures on its device, as before.
 
     Attributes:
         loss_fn: the planner's loss (``PlanInputs.loss_fn``); lora, precision, device, store: as the run's.
