@@ -109,7 +109,9 @@ def runs(tmp_path_factory, tiny_lm_dir):
     finally:
         _kill_tree(launcher.pid)
     assert launcher.wait(timeout=60) == -signal.SIGKILL
-    return {"one": one, "two": two, "killed": killed, "tmp": tmp, "proc": proc}
+    # Each resume test takes up a folder of its own: neither depends on the other having run first.
+    shutil.copytree(killed, tmp / "killed-copy")
+    return {"one": one, "two": two, "killed": killed, "killed_copy": tmp / "killed-copy", "tmp": tmp, "proc": proc}
 
 
 def test_two_fsdp_processes_train_the_same_weights_as_one_process(runs):
@@ -158,7 +160,6 @@ def test_fsdp_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights
     saved = sorted(p.name for p in (killed / "checkpoints").iterdir())
     assert saved == ["step-0000005"], saved  # killed right after it: nothing later, no final/
     assert not (killed / "final").exists()
-    shutil.copytree(killed, runs["tmp"] / "killed-copy")
     proc = _surefit("train", "--resume", "--output_dir", str(killed), "--num_processes", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"resumed from {killed / 'checkpoints' / 'step-0000005'}: epoch 1, step 5" in proc.stdout
@@ -170,9 +171,8 @@ def test_fsdp_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_weights
 
 def test_fsdp_checkpoint_resumes_with_another_number_of_processes(runs):
     # The checkpoint holds whole tensors, so one process (a group of one, still sharded) takes the run up.
-    copy = runs["tmp"] / "killed-copy"
-    if not copy.exists():
-        pytest.skip("needs the killed run of test_fsdp_run_killed_after_a_checkpoint_resumes_to_the_uninterrupted_...")
+    copy = runs["killed_copy"]
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["step-0000005"]
     proc = _surefit("train", "--resume", "--output_dir", str(copy))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout and "step 5" in proc.stdout
