@@ -321,15 +321,15 @@ def pytest_xdist_make_scheduler(config, log):
             base = _without_group(nodeid)  # xdist's own test: an '@' inside a test's parameters is no group
             return nodeid[len(base) + 1:] if base != nodeid else nodeid.split("::", 1)[0]
 
-        def schedule(self) -> None:
-            if self.collection is None and self.registered_collections:
-                cost: dict[str, float] = {}
-                for nodeid in next(iter(self.registered_collections.values())):
-                    scope = self._split_scope(nodeid)
-                    cost[scope] = cost.get(scope, 0.0) + known.get(_without_group(nodeid), UNMEASURED_S)
-                for node, ids in self.registered_collections.items():  # stable: each unit keeps its own order
-                    self.registered_collections[node] = sorted(ids, key=lambda n: -cost[self._split_scope(n)])
-            super().schedule()
+        def _assign_work_unit(self, node) -> None:
+            # The costliest unit left goes next. The queue is reordered, never a worker's collection: xdist sends a
+            # worker indexes into its own collection, so a reordered copy here made workers run other tests than
+            # the ones scheduled (a file's tests then ran on both workers, its module fixtures built twice).
+            if self.workqueue:
+                unit = max(self.workqueue, key=lambda scope: sum(
+                    known.get(_without_group(n), UNMEASURED_S) for n in self.workqueue[scope]))
+                self.workqueue.move_to_end(unit, last=False)
+            super()._assign_work_unit(node)
 
     config.option.loadscopereorder = False  # ordered above, by time rather than by number of tests
     return FileOrGroup(config, log)
