@@ -205,9 +205,9 @@ def test_planner_measurements_are_reused_from_the_memo_and_the_choice_made_afres
 
 def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny_lm_dir, counted):
     """A cold CPU run runs one forward before step 1 for the doctor and the planner together; the saved activations
-    the plan reports are those of the doctor's batch (its first row and the longest, padded as training pads),
-    counted exactly as a separate measurement of that batch in training mode counts them, and the RNG is left as
-    it was."""
+    the plan reports are those of the doctor's longest row (right padding under causal attention reaches the model
+    without a mask, so the first row would compute what it computes alone), counted exactly as a separate
+    measurement of that row in training mode counts them, and the RNG is left as it was."""
     from surefit.cli import parse_train_config
     from surefit.doctor.core import Setup
     from surefit.training.work import PlanInputs
@@ -216,7 +216,7 @@ def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny
     first = _train(tiny_lm_dir, data, tmp_path / "a")
     assert counted == {"doctor": 1, "planner": 1} and first["cache"] == {"doctor": "computed", "planner": "computed", "evaluation": "computed"}
     how = json.loads((tmp_path / "a" / "memory_plan.json").read_text())["measured"]["how"]
-    assert "of the doctor's dry-run batch (" in how and "counted, not estimated" in how
+    assert "of the doctor's dry run (1 x " in how and "its longest row" in how and "counted, not estimated" in how
 
     cfg = parse_train_config(["--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--lora_r", "4",
                               "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.25",
@@ -231,14 +231,43 @@ def test_on_a_cpu_the_doctors_dry_run_is_the_planners_measurement(tmp_path, tiny
                      sample=sft.DRY_RUN_ROWS).batch()
     assert len(batch["input_ids"]) == sft.DRY_RUN_ROWS == 2  # the first row and the longest
     multiple = cfg.pad_to_multiple_of or 1  # training pads each batch's length up to it (off by default)
-    assert got[1] == batch["input_ids"].numel() == len(batch["input_ids"]) * (-(-max(p.work.lengths) // multiple) * multiple)
+    assert got[1] == batch["input_ids"].shape[1] == -(-max(p.work.lengths) // multiple) * multiple
     store = p.work.activation_store if plan_module.packs_saved(
         True, plan_module.precision_name(p.accelerator), p.work.activation_store, p.accelerator.device) else None
     p.model.train()
+    longest = {k: v[1:] for k, v in batch.items()}
     with p.accelerator.autocast():
         alone = plan_module.run_with_restored_rng(lambda: plan_module.measure_saved_bytes(
-            p.model, lambda: p.work.plan.loss_fn(p.model, batch)[0], store(torch.bfloat16) if store else None))
+            p.model, lambda: p.work.plan.loss_fn(p.model, longest)[0], store(torch.bfloat16) if store else None))
     assert got[0] == alone > 0
+
+
+def test_the_dry_run_runs_every_row_where_the_model_gets_a_padding_mask(tmp_path, tiny_lm_dir):
+    """Right padding under causal attention: the model gets no mask, so the dry run's forward is the longest row's
+    alone. Left padding needs the mask: every row runs, padded, and the measurement counts them all. The logits the
+    doctor reads have the whole batch's shape either way."""
+    from transformers import AutoModelForCausalLM
+
+    from surefit.training.loss import causal_lm_loss_sum
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_lm_dir)
+    shapes = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                    with_kwargs=True)
+    ids = torch.randint(3, 60, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    for name, pads in (("right", slice(8, 12)), ("left", slice(0, 4))):
+        m = mask.clone()
+        m[0, pads] = 0
+        labels = ids.masked_fill(m == 0, -100)
+        into = {}
+        dry = plan_module.MeasuringDryRun(causal_lm_loss_sum, True, "fp32", torch.device("cpu"), None, into)
+        shapes.clear()
+        out = dry(model, {"input_ids": ids, "attention_mask": m, "labels": labels})
+        assert out.logits.shape == (2, 12, model.config.vocab_size), name
+        ran = 1 if name == "right" else 2
+        assert shapes[0] == (ran, 12) and into["saved_activations"][1] == ran * 12, name
+        assert into["saved_activations"][0] > 0
 
 
 def test_the_dry_runs_logits_have_the_heads_shape_and_a_label_the_head_cannot_score_still_fails_it(

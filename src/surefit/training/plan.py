@@ -554,12 +554,17 @@ class MeasuringDryRun:
     batch in training mode through the planner's loss, its saved activations counted as :func:`make_plan` counts
     them, so a cold start runs one forward before step 1 instead of two.
 
-    The batch is the first row(s) and the longest, padded to the longest as training pads a micro-batch, so bytes per
-    token are those of a micro-batch at the longest length (the planner scales them the same way). The forward is the
-    run's loss, which scores every supervised label as ``training/loss.py: causal_lm_dry_run`` does. The logits the
-    doctor's checks read (their shape and dtype) are the output layer over each row's first position, without
-    gradients, broadcast to every position. Every RNG is put back. Used where the model already sits on the device
-    it trains on and one process plans (a CPU run): elsewhere the planner measures on its device, as before.
+    The doctor's batch is the first row(s) and the longest, padded to the longest as training pads a micro-batch.
+    Where the run gives the model no attention mask for it (right padding under causal attention:
+    ``training/loss.py: model_attention_mask``), each row computes exactly what it computes alone, so the forward
+    runs the longest row only: the planner's own measurement (one longest example, scaled per token) at half the
+    cost of two rows. Where a mask is needed (left padding, attention that is not causal) every row runs, padded, so
+    the masked path is the one checked and measured. The doctor reads the batch itself in its data checks (ids,
+    labels, padding: every row); the forward is the run's loss, which scores every supervised label of the rows it
+    runs as ``training/loss.py: causal_lm_dry_run`` does. The logits the doctor's checks read (their shape and dtype)
+    are the output layer over one position, without gradients, broadcast to the batch's every row and position.
+    Every RNG is put back. Used where the model already sits on the device it trains on and one process plans (a CPU
+    run): elsewhere the planner measures on its device, as before.
 
     Attributes:
         loss_fn: the planner's loss (``PlanInputs.loss_fn``); lora, precision, device, store: as the run's.
@@ -577,7 +582,15 @@ class MeasuringDryRun:
         import types
 
         from surefit.models import inner_model
+        from surefit.training.loss import model_attention_mask
 
+        rows, length = (int(n) for n in batch["input_ids"].shape)
+        run = batch
+        if rows > 1 and batch.get("attention_mask") is not None and \
+                model_attention_mask(model, batch["attention_mask"]) is None:
+            longest = rows - 1 - int(batch["attention_mask"].sum(1).flip(0).argmax())  # the doctor's is its last
+            run = {k: v[longest : longest + 1] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v
+                   for k, v in batch.items()}
         inner = inner_model(model)
         get_decoder, get_head = getattr(inner, "get_decoder", None), getattr(inner, "get_output_embeddings", None)
         decoder = get_decoder() if callable(get_decoder) else None
@@ -599,23 +612,23 @@ class MeasuringDryRun:
             with torch.enable_grad():
                 model.train()
                 saved = run_with_restored_rng(
-                    lambda: measure_saved_bytes(model, lambda: self.loss_fn(model, batch)[0], packer))
+                    lambda: measure_saved_bytes(model, lambda: self.loss_fn(model, run)[0], packer))
         finally:
             model.train(was)
             if handle is not None:
                 handle.remove()
-        rows, length = (int(n) for n in batch["input_ids"].shape)
-        self.into.update(saved_activations=[int(saved), rows * length], saved_activations_of=(
-            f"the doctor's dry-run batch ({rows} x {length} tokens: its first row(s) and the longest, padded as "
-            "training pads them"))
+        ran = int(run["input_ids"].shape[0])
+        self.into.update(saved_activations=[int(saved), ran * length], saved_activations_of=(
+            f"the doctor's dry run ({ran} x {length} tokens: " + (
+                "its longest row" if ran < rows else "its first row(s) and the longest, padded as training pads them")))
         if not hidden or head is None:
             return types.SimpleNamespace(loss=None)  # no logits here: the doctor finds them its own way
         with torch.no_grad():
-            first = head(hidden[0][:, :1])
+            first = head(hidden[0][:1, :1])
         # The checks read the logits' shape and dtype, never their values, and the run's loss above has already
-        # scored every supervised label (a label the head cannot score failed there): the head over one position
-        # per row, broadcast to every position, costs 1/T of the full [B, T, vocabulary] logits and their memory.
-        return types.SimpleNamespace(logits=first.expand(-1, hidden[0].shape[1], -1))
+        # scored every supervised label it ran (a label the head cannot score failed there): the head over one
+        # position, broadcast to every row and position, costs 1/(B*T) of the full [B, T, vocabulary] logits.
+        return types.SimpleNamespace(logits=first.expand(rows, length, -1))
 
 
 def _remembered(probe: Callable[[int, bool], int], seen: dict[str, int | None]) -> Callable[[int, bool], int]:
