@@ -180,6 +180,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-seq-length", type=int, default=384)
+    ap.add_argument("--rows-from", default=None,
+                    help="input/target JSONL to take the rows from instead of SQuAD (e.g. the train.jsonl that "
+                         "`cpu_sft.py --workload chat --keep` leaves: chat rows, most tokens supervised)")
     ap.add_argument("--quick", action="store_true", help="smoke mode: 8 rows, one repeat, no result files")
     ap.add_argument("--with-conversion", action="store_true",
                     help="also time a first-ever run: the GGUF conversion into an empty model cache")
@@ -205,7 +208,12 @@ def main() -> None:
     model = str(model_folder(resolve_model(None), log=print))  # converted once, before any clock runs
     work = Path(tempfile.mkdtemp(prefix="surefit-startup-"))
     data = work / "train.jsonl"
-    squad_jsonl(data, args.rows)
+    if args.rows_from:
+        rows = [json.loads(line) for line in Path(args.rows_from).read_text(encoding="utf-8").splitlines() if line.strip()]
+        data.write_text("".join(json.dumps({"input": r["input"], "target": r["target"]}) + "\n"
+                                for r in rows[:args.rows]), encoding="utf-8")
+    else:
+        squad_jsonl(data, args.rows)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "DISABLE_MLFLOW_INTEGRATION": "TRUE", "WANDB_DISABLED": "true"}
@@ -291,12 +299,13 @@ def main() -> None:
         verdicts[name] = None if rt is None or anchor is None else rt <= 1.0 + GOAL_S / anchor
     warm_phases = next((r["phases"] for r in runs["surefit warm"] if "phases" in r), {})
     cold_phases = next((r["phases"] for r in runs["surefit cold"] if "phases" in r), {})
-    result = {"rows": args.rows, "repeats": args.repeats, "max_seq_length": args.max_seq_length, "goal_s": GOAL_S,
+    source = f"rows of {args.rows_from}" if args.rows_from else "SQuAD rows"
+    result = {"rows": args.rows, "rows_from": args.rows_from, "repeats": args.repeats, "max_seq_length": args.max_seq_length, "goal_s": GOAL_S,
               "median_seconds": summary, "median_ratio_to_trainer": ratios, "verdicts": verdicts,
               "load_average_1_5_15_per_repeat": loads, "runs": runs, "machine": machine_info()}
 
     lines = ["# Start-up: command to step 1", "",
-             f"{args.rows} SQuAD rows, LoRA r16 all-linear, batch 4, max length {args.max_seq_length}, the embedded "
+             f"{args.rows} {source}, LoRA r16 all-linear, batch 4, max length {args.max_seq_length}, the embedded "
              f"SmolLM2-135M; median of {args.repeats} run(s) each, every run its own process, interleaved.", "",
              "| run | seconds to step 1 | vs Trainer | median ratio to the Trainer (per repeat) | goal (<= Trainer) |",
              "|---|---|---|---|---|"]

@@ -325,3 +325,32 @@ def test_under_ddp_the_fused_head_gives_the_unfused_gradients(tmp_path):
     assert grads[True].keys() == grads[False].keys() and "lm_head.weight" in grads[True]
     for k in grads[True]:
         assert _close(grads[True][k], grads[False][k], 1e-5), k
+
+
+def test_with_gradients_unused_the_forward_saves_the_same_tensors_and_skips_the_gradients_math():
+    """The doctor's measured dry run is never backpropagated: within ``gradients_unused`` the fused head still keeps
+    (and so counts) its gradient tensors, computes the same loss, and runs only the logits' matmul: half the
+    head's FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from surefit.training.plan import measure_saved_bytes
+
+    hidden, weight, bias, targets = _inputs(ignored=(1, 4))
+
+    def run():
+        return fused_linear_cross_entropy(hidden, weight, bias, targets, chunk_values=64)
+
+    counted = {}
+    for name, ctx in (("computed", torch.enable_grad), ("unused", head_mod.gradients_unused)):
+        with torch.enable_grad(), ctx(), FlopCounterMode(display=False) as flops:
+            loss = run()
+            counted[name] = (float(loss), flops.get_total_flops())
+        with ctx():
+            counted[name] += (measure_saved_bytes(torch.nn.Module(), run),)
+    (loss_c, flops_c, saved_c), (loss_u, flops_u, saved_u) = counted["computed"], counted["unused"]
+    assert loss_u == loss_c
+    assert saved_u == saved_c == (hidden.numel() + weight.numel()) * 4 + bias.numel() * 4
+    n, v, h = hidden.shape[0], weight.shape[0], weight.shape[1]
+    # the logits' matmul alone; computed, grad_hidden's too (and grad_weight's, which the counter misses: addmm_)
+    assert flops_u == 2 * n * v * h and flops_c >= 2 * flops_u
+    assert not getattr(head_mod._UNUSED_GRADIENTS, "on", False)  # put back

@@ -583,6 +583,7 @@ class MeasuringDryRun:
 
         from surefit.models import inner_model
         from surefit.training.loss import model_attention_mask
+        from surefit.training.speedups.fused_head import gradients_unused
 
         rows, length = (int(n) for n in batch["input_ids"].shape)
         run = batch
@@ -609,7 +610,8 @@ class MeasuringDryRun:
         handle = decoder.register_forward_hook(keep) if isinstance(decoder, torch.nn.Module) else None
         was = model.training
         try:
-            with torch.enable_grad():
+            # never backpropagated: the fused head keeps its gradient tensors (counted) without computing them
+            with torch.enable_grad(), gradients_unused():
                 model.train()
                 saved = run_with_restored_rng(
                     lambda: measure_saved_bytes(model, lambda: self.loss_fn(model, run)[0], packer))

@@ -6,9 +6,12 @@ gradients as the unfused head (tests/training/test_fused_head.py). See docs/perf
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,6 +30,21 @@ FUSED_CHUNK_VALUES = 2**23
 MIN_CHUNK_TOKENS = 8
 
 _not_fused: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_UNUSED_GRADIENTS = threading.local()
+
+
+@contextlib.contextmanager
+def gradients_unused() -> Iterator[None]:
+    """Within: the fused head's forward keeps its gradient tensors, allocated but not computed. For a forward that is
+    measured and never backpropagated (the doctor's dry run on a CPU, ``training/plan.py: MeasuringDryRun``): what
+    autograd saves is the same tensors, so the count is exact, without the softmax and the matmul of the gradient
+    (on chat rows about a sixth of that forward). A backward pass through such a forward would read garbage."""
+    was = getattr(_UNUSED_GRADIENTS, "on", False)
+    _UNUSED_GRADIENTS.on = True
+    try:
+        yield
+    finally:
+        _UNUSED_GRADIENTS.on = was
 
 
 def softcap_of(model: Any) -> float | None:
@@ -101,6 +119,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if bias is not None and need_b else None
+        unused = getattr(_UNUSED_GRADIENTS, "on", False)
         for i in range(0, n, chunk):
             h = hidden[i : i + chunk].to(compute_dtype)
             t = targets[i : i + chunk]
@@ -114,7 +133,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=1)
             picked = z.gather(1, safe[:, None]).squeeze(1)
             loss += torch.where(valid, lse - picked, torch.zeros_like(lse)).sum()
-            if not (need_h or need_w or need_b):
+            if not (need_h or need_w or need_b) or unused:
                 continue
             g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
             rows = torch.arange(g.shape[0], device=g.device)
