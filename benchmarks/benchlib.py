@@ -156,6 +156,17 @@ def loadavg() -> list[float]:
 # ------------------------------------------------------------------------------------------------- worker plumbing
 
 
+def kept_surefit_settings(work: Path, out: Path, **extra: Any) -> dict[str, Any]:
+    """``surefit.train`` settings of ``cpu_sft.py``'s surefit job on a work folder it kept (``--keep``: train.jsonl,
+    val.jsonl, spec.json), writing to ``out``, with no start-up cache (the doctor and the planner run as on a cold
+    start); ``extra`` adds or overrides settings."""
+    spec = json.loads((work / "spec.json").read_text(encoding="utf-8"))
+    return {"task": "sft", "data": str(work / "train.jsonl"), "val_data": str(work / "val.jsonl"), "epochs": 1,
+            "batch_size": 4, "max_seq_length": 384, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.05, "lr": 2e-4,
+            "warmup_ratio": 0.05, "seed": 0, "output_dir": str(out), "template": spec["template"], "no_cache": True,
+            **extra}
+
+
 def run_worker(script: Path, name: str, workdir: Path, timeout: float, extra: list[str] | None = None) -> dict[str, Any]:
     """Run ``script --worker name --workdir workdir`` in a fresh process; return its JSON result (or the failure)."""
     log = workdir / f"{name}.log"

@@ -35,6 +35,8 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="the run folder (default: WORKDIR/eval-MODE)")
     args = ap.parse_args()
 
+    from benchlib import kept_surefit_settings
+
     import surefit
     import surefit.training.loop as loop
 
@@ -52,10 +54,7 @@ def main() -> None:
     out = Path(args.out) if args.out else work / f"eval-{args.mode}"
     shutil.rmtree(out, ignore_errors=True)
     spec = json.loads((work / "spec.json").read_text(encoding="utf-8"))
-    # cpu_sft.py's settings for surefit; no start-up cache, so that the evaluation before training runs
-    surefit.train(task="sft", data=str(work / "train.jsonl"), val_data=str(work / "val.jsonl"), epochs=1, batch_size=4,
-                  max_seq_length=384, lora_r=16, lora_alpha=32, lora_dropout=0.05, lr=2e-4, warmup_ratio=0.05,
-                  seed=0, output_dir=str(out), template=spec["template"], no_cache=True, max_steps=args.max_steps)
+    surefit.train(**kept_surefit_settings(work, out, max_steps=args.max_steps))  # no cache: epoch 0 is computed
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     epochs = [r for r in records if r.get("type") == "epoch"]
     startup = json.loads((out / "startup.json").read_text(encoding="utf-8"))
