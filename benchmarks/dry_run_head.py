@@ -46,21 +46,19 @@ def main() -> None:
     p = sft.prepare(cfg, say=lambda s: None)
     batch, _ = Setup(p.model, None, p.work.features, None, p.work.collate, {"batch_size": 4},
                      sample=sft.DRY_RUN_ROWS).batch()
-    unused = fused_head.gradients_unused
     precision = precision_name(p.accelerator)
     for i in range(args.pairs):
         for way in (("computed", "unused") if i % 2 == 0 else ("unused", "computed")):
-            fused_head.gradients_unused = unused if way == "unused" else contextlib.nullcontext
             into: dict = {}
-            store = p.work.activation_store
-            dry = plan.MeasuringDryRun(p.work.plan.loss_fn, True, precision, torch.device("cpu"), store, into)
+            no_backward = fused_head.gradients_unused if way == "unused" else contextlib.nullcontext
+            dry = plan.MeasuringDryRun(p.work.plan.loss_fn, True, precision, torch.device("cpu"),
+                                       p.work.activation_store, into, no_backward=no_backward)
             with p.accelerator.autocast():
                 t = time.perf_counter()
                 dry(p.model, batch)
                 seconds = time.perf_counter() - t
             print(json.dumps({"pair": i, "way": way, "seconds": round(seconds, 3),
                               "saved_activations": into["saved_activations"]}), flush=True)
-    fused_head.gradients_unused = unused
 
 
 if __name__ == "__main__":

@@ -294,6 +294,9 @@ def test_the_dry_runs_logits_have_the_heads_shape_and_a_label_the_head_cannot_sc
     assert not p.check().has_errors
     setup = seen["setup"]
     assert isinstance(setup.call, plan_module.MeasuringDryRun)
+    from surefit.training.speedups import fused_head
+
+    assert setup.call.no_backward is fused_head.gradients_unused  # handed in by the task (tests/test_layers.py)
     batch, _ = setup.batch()
     got = setup.logits()
     with torch.no_grad(), p.accelerator.autocast():

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -569,6 +570,9 @@ class MeasuringDryRun:
     Attributes:
         loss_fn: the planner's loss (``PlanInputs.loss_fn``); lora, precision, device, store: as the run's.
         into: where the measurement goes (``PlanInputs.measured``).
+        no_backward: a context the forward runs in, handed in by the task: this forward is never backpropagated, so
+            the loss's parts may keep their gradient tensors without computing them (the fused head's
+            ``gradients_unused``: the same tensors counted, less work).
     """
 
     loss_fn: Callable[[Any, dict[str, torch.Tensor]], Any]
@@ -577,13 +581,13 @@ class MeasuringDryRun:
     device: torch.device
     store: Callable[[torch.dtype], ActivationStore] | None
     into: dict[str, Any]
+    no_backward: Callable[[], AbstractContextManager[Any]] = nullcontext
 
     def __call__(self, model: Any, batch: Any) -> Any:
         import types
 
         from surefit.models import inner_model
         from surefit.training.loss import model_attention_mask
-        from surefit.training.speedups.fused_head import gradients_unused
 
         rows, length = (int(n) for n in batch["input_ids"].shape)
         run = batch
@@ -610,8 +614,7 @@ class MeasuringDryRun:
         handle = decoder.register_forward_hook(keep) if isinstance(decoder, torch.nn.Module) else None
         was = model.training
         try:
-            # never backpropagated: the fused head keeps its gradient tensors (counted) without computing them
-            with torch.enable_grad(), gradients_unused():
+            with torch.enable_grad(), self.no_backward():
                 model.train()
                 saved = run_with_restored_rng(
                     lambda: measure_saved_bytes(model, lambda: self.loss_fn(model, run)[0], packer))
@@ -674,7 +677,6 @@ def _gpu_probe(work: Workload, order: list[int], pack_saved: bool = False) -> Ca
     train_step, store = work.train_step, work.activation_store
     if train_step is None:
         return None
-    from contextlib import nullcontext
 
     def probe(micro: int, ckpt: bool) -> int:
         torch.cuda.synchronize()

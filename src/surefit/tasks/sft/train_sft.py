@@ -1038,7 +1038,7 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
     if accelerator.device.type == "cpu" and accelerator.num_processes == 1:
         # the model trains where it sits now: the doctor's one forward counts what the planner would have
         dry_run = MeasuringDryRun(base_loss, cfg.lora_r > 0, precision_name(accelerator), accelerator.device,
-                                  SavedActivationsIn, plan_inputs.measured)
+                                  SavedActivationsIn, plan_inputs.measured, no_backward=fused_head.gradients_unused)
     work = TrainingWork(
         features=features, lengths=data.lengths, counts=data.counts,
         collate=collate, loss_fn=train_loss, evaluate=evaluate, on_epoch=on_epoch, counters=sharing,
