@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 GOAL = 3.0  # >= 3x model.generate on the same rows and weights (issue 34)
+LOOKUP_TOKENS = 5
 
 
 def _prompts(workload: str, rows: int, shared: Path, tok: Any) -> tuple[list[list[int]], int, list[dict[str, Any]]]:
@@ -78,6 +79,12 @@ def main() -> None:
     ap.add_argument("--workloads", default="squad,chat")
     ap.add_argument("--configs", default="", help="comma list of configurations besides generate (default: all)")
     ap.add_argument("--shared", default=str(Path(__file__).resolve().parents[1] / ".." / "shared" / "data"))
+    ap.add_argument("--adapter", default=None,
+                    help="a trained LoRA adapter (a surefit run's final/, r 16, alpha 32, every linear layer) instead "
+                         "of random B: answers as a later epoch's evaluation generates them")
+    ap.add_argument("--precision", default="auto", help="surefit's --precision (auto: bf16 where the CPU has it)")
+    ap.add_argument("--lookup-tokens", type=int, default=LOOKUP_TOKENS,
+                    help="draft tokens per step of the lookup configurations (--prompt_lookup_num_tokens)")
     ap.add_argument("--quick", action="store_true", help="smoke test: 6 rows, 6 new tokens, 1 repeat, no files")
     ap.add_argument("--out", default="benchmarks/results/generation")
     args = ap.parse_args()
@@ -109,11 +116,18 @@ def main() -> None:
     torch.manual_seed(0)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.02)  # a trained adapter's size: it changes answers, it does not wreck them
+        if args.adapter:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            got = set_peft_model_state_dict(model, load_file(str(Path(args.adapter) / "adapter_model.safetensors")))
+            assert not got.unexpected_keys, got.unexpected_keys
+        else:
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0.0, 0.02)  # a trained adapter's size: it changes answers, it does not wreck them
     fuse_lora(model)
-    acc = make_accelerator("auto", lora=True)
+    acc = make_accelerator(args.precision, lora=True)
     if acc.mixed_precision in ("bf16", "fp16"):
         store_frozen_in(model, torch.bfloat16 if acc.mixed_precision == "bf16" else torch.float16)
     model.to(acc.device).eval()
@@ -142,11 +156,11 @@ def main() -> None:
 
         def ours(m: Any = model, rows: int = args.batch, share: bool = False, stats: dict | None = None,
                  mixed_run: bool = True, merge: bool = False, new: int | None = None,
-                 pack: bool = False, loss: str | None = None) -> list[list[int]]:
+                 pack: bool = False, loss: str | None = None, lookup: int = 0) -> list[list[int]]:
             one = LossPass(feats, functools.partial(head_loss, fused=True)) if loss else None
             decode = Decode(pad_token_id=tok.pad_token_id, eos_token_ids=eos, max_new_tokens=new or max_new,
                             batch_size=rows, prefill_batch=args.batch, share_prefixes=share and shareable,
-                            merge_lora=merge, loss_pass=one)
+                            merge_lora=merge, loss_pass=one, lookup_tokens=lookup if shareable else 0)
             if one is not None:
                 out = greedy_generate(m, prompts, decode, device=acc.device,
                                       autocast=acc.autocast if mixed_run else None, lora_context=lean_lora)
@@ -195,7 +209,10 @@ def main() -> None:
             "loss+generate": lambda: then(loss_pass, anchor),
             "loss+surefit": lambda: then(loss_pass, lambda: ours(rows=planned.rows)),
             "one_pass": lambda: ours(rows=planned.rows, loss="one_pass"),
+            "lookup": lambda: ours(rows=planned.rows, lookup=args.lookup_tokens, stats=lookup_stats),
+            "one_pass_lookup": lambda: ours(rows=planned.rows, loss="one_pass_lookup", lookup=args.lookup_tokens),
         }
+        lookup_stats: dict[str, int] = {}
         if args.configs:
             keep = {"generate", *args.configs.split(",")}
             runs = {k: v for k, v in runs.items() if k in keep}
@@ -242,6 +259,8 @@ def main() -> None:
             "new_tokens": new_tokens, "cpu_seconds": cpu, "wall_seconds": wall, "best_cpu_seconds": best,
             "new_tokens_per_cpu_s": {k: round(new_tokens[k] / best[k], 1) for k in best},
             "prefill_cpu_seconds": prefill, "eval_loss": {k: round(v, 6) for k, v in losses.items()},
+            "lookup": {"tokens": args.lookup_tokens, **{k: lookup_stats.get(k) for k in (
+                "decode_forwards", "drafted", "confirmed")}},
             "rows_identical": {**{f"{k}_vs_{r}": same(k, r) for r in ("generate", "fp32") for k in runs if k != r},
                                **{f"{a}_vs_{b}": same(a, b) for a, b in (("merged", "surefit"), ("packed", "surefit"),
                                                                          ("merged_shared", "shared"))
@@ -253,7 +272,7 @@ def main() -> None:
         }
         rec["goals"] = {f"{k} vs generate": {"ratio": v, "goal": GOAL, "result": "PASS" if v >= GOAL else "FAIL"}
                         for k, v in rec["speedup_vs_generate"].items()
-                        if k not in ("loss+generate", "loss+surefit", "one_pass")}
+                        if k not in ("loss+generate", "loss+surefit", "one_pass", "one_pass_lookup")}
         if {"loss+generate", "loss+surefit", "one_pass", "surefit"} <= set(best):
             loss_only = best["loss+surefit"] - best["surefit"]  # the loss pass alone, by difference
             marginal = best["one_pass"] - loss_only  # what answers add to an evaluation that scores the loss anyway
@@ -263,6 +282,12 @@ def main() -> None:
                 "one_pass_vs_loss+surefit": round(best["loss+surefit"] / best["one_pass"], 2),
                 "answers_vs_generate": round(best["generate"] / marginal, 2) if marginal > 0 else None,
             }
+            if "one_pass_lookup" in best:
+                with_lookup = best["one_pass_lookup"] - loss_only
+                rec["evaluation"].update(
+                    one_pass_lookup_minus_loss_pass_cpu_s=round(with_lookup, 2),
+                    answers_with_lookup_vs_generate=round(best["generate"] / with_lookup, 2) if with_lookup > 0
+                    else None)
         return rec
 
     for workload in args.workloads.split(","):
@@ -285,12 +310,15 @@ def _report(results: dict[str, Any], args: Any) -> str:
         f"`OMP_NUM_THREADS=1 .venv/bin/python benchmarks/generation.py --rows {args.rows} --batch {args.batch} "
         f"--repeats {args.repeats} --workloads {args.workloads}` on {m['device']} ({m['precision']}), torch "
         f"{m['torch']}, {m['threads']} thread. Embedded SmolLM2-135M-Instruct + LoRA r16 on every linear layer "
-        f"(random B), evaluation batch {args.batch}. `generate`: transformers' `model.generate` on batches of "
+        + (f"(the trained adapter of `{args.adapter}`)" if args.adapter else "(random B)")
+        + f", evaluation batch {args.batch}. `generate`: transformers' `model.generate` on batches of "
         f"{args.batch}. `exact`: surefit with `--eval_generate_batch_size {args.batch}` (each batch prefilled and "
         "decoded alone). `surefit`: the default (prompts prefilled "
         f"{args.batch} at a time, decoded in the planner's batch). `shared`: the default with "
         "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both; "
-        "`packed`: the default with `--eval_pack_lora`; `packed_shared`: with `--eval_share_prefixes` too. "
+        "`packed`: the default with `--eval_pack_lora`; `packed_shared`: with `--eval_share_prefixes` too; "
+        f"`lookup`: the default with `--prompt_lookup_num_tokens {args.lookup_tokens}` (drafts copied from the "
+        "prompt, confirmed by the model in one forward). "
         "The machine was shared with other work: speeds are new tokens per CPU second of "
         "the one-thread process, fastest of the repeats; the load average (1 min) at the start and end of each "
         "workload is listed.", "",
@@ -332,14 +360,20 @@ def _report(results: dict[str, Any], args: Any) -> str:
                   "the loss anyway: `one_pass` less the loss pass alone (`loss+surefit` less `surefit`), against "
                   "`generate`.", "",
                   "| workload | loss+generate | loss+surefit | one_pass | one_pass vs loss+generate | one_pass vs "
-                  "loss+surefit | answers vs generate | eval loss: loss pass / one_pass / fp32 |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "loss+surefit | answers vs generate | answers with lookup vs generate | eval loss: loss pass / "
+                  "one_pass / fp32 |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for name, r in evals.items():
             b, e, lo = r["best_cpu_seconds"], r["evaluation"], r["eval_loss"]
             lines.append(f"| {name} | {b['loss+generate']:.2f} | {b['loss+surefit']:.2f} | {b['one_pass']:.2f} | "
                          f"{e['one_pass_vs_loss+generate']}x | {e['one_pass_vs_loss+surefit']}x | "
-                         f"{e['answers_vs_generate']}x | {lo.get('separate')} / {lo.get('one_pass')} / "
+                         f"{e['answers_vs_generate']}x | {e.get('answers_with_lookup_vs_generate', '-')}x | "
+                         f"{lo.get('separate')} / {lo.get('one_pass')} / "
                          f"{lo.get('fp32')} |")
+    lines += ["", "Prompt lookup: " + "; ".join(
+        f"{k}: {r['lookup']['decode_forwards']} decode forwards, {r['lookup']['confirmed']} of "
+        f"{r['lookup']['drafted']} drafted tokens confirmed" for k, r in w.items() if r["lookup"].get("drafted")
+        is not None)]
     lines += ["", "Prompt tokens computed with shared prefixes: " + ", ".join(
         f"{k} {r['prefill_tokens_with_shared_prefixes'] or 0:,} of {r['prompt_tokens']:,}" for k, r in w.items()),
         "", "Planner: " + "; ".join(f"{k}: {r['planner']}" for k, r in w.items()), ""]

@@ -23,7 +23,7 @@ SFT_OPTIONS = {
     "pad_to_multiple_of": ["--epochs", "2", "--keep_best", "eval_f1", "--pad_to_multiple_of", "32"],
     # evaluation's generation switches, saved with the run and used again by eval and predict
     "eval_generation": ["--epochs", "2", "--keep_best", "eval_f1", "--eval_pack_lora", "true",
-                        "--eval_share_prefixes", "true"],
+                        "--eval_share_prefixes", "true", "--prompt_lookup_num_tokens", "3"],
     # the evaluation's loss in a pass of its own (the default computes it in the prompts' forward), with early stopping
     # on the loss it writes
     "eval_two_passes": ["--epochs", "3", "--early_stopping", "eval_loss:1", "--eval_loss_in_prefill", "false"],

@@ -482,3 +482,92 @@ def test_out_of_memory_while_packing_generates_unpacked_and_says_so(monkeypatch)
     assert said == ["out of memory while packing the LoRA layers' weights for generation: generated with the adapter "
                     "applied as in training instead (slower; --eval_pack_lora false skips the attempt)"]
     assert {id(m): m.__dict__.get("forward") for m in model.modules()} == forwards
+
+
+def _copying_prompts():
+    """Prompts that end with the beginning of their own first tokens again, so that greedy answers and the prompts
+    share n-grams and drafts get confirmed as well as turned down."""
+    return [p + p[:5] for p in _prompts()]
+
+
+@pytest.mark.parametrize("batch_size", [3, 9])
+@pytest.mark.parametrize("tokens", [2, 5])
+def test_prompt_lookup_gives_generates_tokens_in_fp32_in_fewer_forwards(batch_size, tokens, monkeypatch):
+    """--prompt_lookup_num_tokens: drafts copied from each row's context, confirmed in one forward, give every row the
+    tokens of generate() on the same batches (rows ending at different steps, at the length cap and on a stop id met
+    inside a draft), in fewer decode forwards, and the reserved cache never has to grow."""
+    from surefit.eval import generate_speedups
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    update = generate_speedups.Reserved.update
+
+    def within_room(self, keys, values, *args, **kwargs):
+        assert self._n + keys.shape[-2] <= self._k.shape[-2], "a draft went past the reserved room"
+        return update(self, keys, values, *args, **kwargs)
+
+    monkeypatch.setattr(generate_speedups.Reserved, "update", within_room)
+    model = _lora_model(bf16=False)
+    prompts = _copying_prompts()
+    free = _plain(model, prompts, set(), 12, batch_size=batch_size)
+    eos = {free[0][2], free[4][5]}
+    want = _plain(model, prompts, eos, 12, batch_size=batch_size)
+    assert len(set(map(len, want))) > 2 and max(map(len, want)) == 12
+    runs = {}
+    for k in (0, tokens):
+        stats: dict = {}
+        got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=12,
+                                                     batch_size=batch_size, lookup_tokens=k),
+                              lora_context=lean_lora, stats=stats)
+        assert got == want, k
+        runs[k] = stats
+    assert runs[0]["drafted"] == 0
+    assert 0 < runs[tokens]["confirmed"] < runs[tokens]["drafted"]  # some confirmed, some turned down
+    assert runs[tokens]["decode_forwards"] < runs[0]["decode_forwards"]
+
+
+def test_prompt_lookup_in_bf16_agrees_with_the_one_token_decode():
+    """In bf16 a step over several columns can round differently from one over one column, so the rows are counted:
+    at least 8 of 9 identical on this tiny model (the real model's figures: docs/performance.md)."""
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    model = _lora_model(bf16=True)
+    prompts = _copying_prompts()
+    common = dict(pad_token_id=0, eos_token_ids=[], max_new_tokens=12, batch_size=9)
+    one = greedy_generate(model, prompts, Decode(**common), autocast=_autocast(True), lora_context=lean_lora)
+    stats: dict = {}
+    drafted = greedy_generate(model, prompts, Decode(**common, lookup_tokens=5), autocast=_autocast(True),
+                              lora_context=lean_lora, stats=stats)
+    assert stats["confirmed"] > 0
+    assert sum(a == b for a, b in zip(one, drafted, strict=True)) >= 8
+
+
+def test_a_draft_continues_the_earliest_earlier_occurrence_of_the_longest_tail():
+    from surefit.eval.generate_speedups import PromptLookup
+
+    look = PromptLookup([[1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]], tokens=3)
+    assert look.draft(0, 10) == [4, 9, 2]  # tail (2, 3) first seen at 1, so 4, 9, 2 followed it; at most 3
+    look.extend(0, [5])
+    assert look.draft(0, 10) == [6, 2, 3]  # tail (2, 3, 5) occurs once before: 6, 2, 3 followed it
+    assert look.draft(0, 1) == [6]
+    look.extend(0, [7])
+    assert look.draft(0, 10) == []  # 7 occurs nowhere earlier
+    assert look.odds(0) == 0.5
+    look.confirmed(0, drafted=4, kept=3)
+    assert look.odds(0) == (3 + 1) / (4 + 2)
+
+
+def test_the_draft_width_follows_the_hardware_and_the_rows_furthest_behind():
+    """Wide steps cost a CPU core in fp32 most: there 24 rows with drafts confirmed half the time run one column, where
+    a GPU runs them all; drafts of rows that are ahead never widen a step by themselves."""
+    from surefit.eval.generate_speedups import DraftWidth
+
+    drafts, half = [[5, 6, 7, 8, 9]] * 24, [0.5] * 24
+    behind = [True] * 24
+    assert DraftWidth.on("cpu", sixteen_bit=False).choose(drafts, half, behind) == 1
+    assert DraftWidth.on("cuda", sixteen_bit=True).choose(drafts, half, behind) == 6
+    sure = [0.95] * 24
+    assert DraftWidth.on("cpu", sixteen_bit=True).choose(drafts, sure, behind) == 6
+    # only the rows ahead have drafts: the rows behind gain nothing from a wider step
+    ahead_only = [[5, 6, 7]] * 12 + [[]] * 12
+    assert DraftWidth.on("cuda", sixteen_bit=True).choose(ahead_only, sure, [False] * 12 + [True] * 12) == 1
+    assert DraftWidth.on("cpu", sixteen_bit=True).choose([[]] * 4, [0.5] * 4, [True] * 4) == 1

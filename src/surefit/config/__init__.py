@@ -329,6 +329,13 @@ class SFTConfig(TrainConfig):
     fused_cross_entropy: bool = opt(
         True, "Run the LM head and the cross-entropy fused, in chunks: no full logits tensor in memory, the same loss "
         "and gradients. false: the unfused head (its logits for all supervised tokens at once).")
+    prompt_lookup_num_tokens: int = opt(
+        0, "Prompt lookup decoding for evaluation answers (model.generate's flag): each decode step also runs up to N "
+        "draft tokens copied from where the answer's last tokens occur in its prompt, and keeps those the model "
+        "confirms as its own greedy choice: the same answers in exact arithmetic, in fewer forwards where answers copy "
+        "from the prompt (extractive QA, tool arguments). How many it runs per step is chosen for the hardware: a wide "
+        "step costs little on a GPU and in bf16, much on a CPU in fp32 (measured in docs/performance.md). Under 16-bit "
+        "precision a wider step rounds differently and can flip a near-tie. 0: one token per step.")
     max_new_tokens: int | None = opt(
         None, "Generation length for evaluation. Default: the longest answer of the rows scored (the validation "
         "answers; without validation rows, the training targets) in tokens, plus 4."
@@ -341,6 +348,7 @@ class SFTConfig(TrainConfig):
             p.append(Problem(f"unknown metric {self.metric!r}", "--metric",
                              "use auto, squad, rouge_l or your own module:function"))
         at_least(p, self, "max_new_tokens", 1)
+        at_least(p, self, "prompt_lookup_num_tokens", 0)
         at_least(p, self, "pad_to_multiple_of", 1)
         at_least(p, self, "eval_generate_batch_size", 1)
         if self.chat_format and self.chat_template is False:

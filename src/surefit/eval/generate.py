@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from surefit.data.collate import IGNORE_INDEX, PadCollator
-from surefit.eval.generate_speedups import Merged, merged_lora, reserve
+from surefit.eval.generate_speedups import DraftWidth, Merged, PromptLookup, merged_lora, reserve
 from surefit.models import inner_model
 from surefit.threads import check_threads
 
@@ -102,6 +102,7 @@ class Decode:
     reuse_cache: bool = True
     share_prefixes: bool = False
     loss_pass: LossPass | None = None
+    lookup_tokens: int = 0
 
 
 def why_no_loss_pass(model: Any, prompts: list[list[int]], features: list[dict[str, list[int]]], *,
@@ -157,6 +158,7 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
         if why is not None:
             raise ValueError(f"loss_pass: {why}")
     batches = _batches(prompts, batch_size, share_prefixes)
+    counts: dict[str, int] = {}
     out: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)
     done = 0
@@ -172,7 +174,7 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
             for idx, shared in batches:
                 ctx = autocast() if autocast is not None else contextlib.nullcontext()
                 how = _Step(pad_token_id, eos, max_new_tokens, device, reuse_cache, decode.prefill_batch,
-                            decode.loss_pass)
+                            decode.loss_pass, decode.lookup_tokens, counts)
                 feats = None if decode.loss_pass is None else [decode.loss_pass.features[i] for i in idx]
                 with ctx:
                     new, computed = _decode(model, [prompts[i] for i in idx], shared, how, feats)
@@ -184,6 +186,8 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
                     progress(done, len(prompts))
     finally:
         model.train(was_training)
+    stats.update(decode_forwards=counts.get("decode_forwards", 0), drafted=counts.get("drafted", 0),
+                 confirmed=counts.get("confirmed", 0))
     return out
 
 
@@ -279,6 +283,8 @@ class _Step:
     reuse_cache: bool
     prefill_batch: int | None
     loss_pass: LossPass | None = None
+    lookup_tokens: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # decode_forwards, drafted and confirmed tokens
 
 
 def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, list[int]]], how: _Step,
@@ -430,30 +436,89 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step,
         step, attention_mask, last, computed = _prefill_part(model, prompts, shared, feats, how, extra, cache_arg)
         logits, cache = step.logits[:, -1], getattr(step, cache_arg)
         del step
+    # Room for the answer, and with prompt lookup as much again for drafts the model turned down (masked columns).
+    room = max_new_tokens * (2 if how.lookup_tokens else 1)
     if how.reuse_cache:
-        reserve(cache, max_new_tokens)
+        reserve(cache, room)
+    lookup = PromptLookup(prompts, how.lookup_tokens) if how.lookup_tokens else None
+    kind = attention_mask.device.type
+    widths = DraftWidth.on(attention_mask.device, torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) in (
+        torch.bfloat16, torch.float16))
     alive = torch.arange(rows, device=attention_mask.device)
-    for n in range(max_new_tokens):
+    pending = logits.argmax(-1)  # each alive row's next token, not yet in the cache
+    finished: set[int] = set()  # rows (by place in ``alive``) that ended on a confirmed draft token
+    used = 0  # cache columns written after the prompts
+    while True:
         check_threads()
-        tokens = logits.argmax(-1)
         ended = []
-        for k, (row, token) in enumerate(zip(alive.tolist(), tokens.tolist(), strict=True)):
-            if token in eos:
+        for k, (row, token) in enumerate(zip(alive.tolist(), pending.tolist(), strict=True)):
+            if k in finished or token in eos:
                 ended.append(k)
-            else:
-                results[row].append(token)
-        if n == max_new_tokens - 1 or len(ended) == len(alive):
+                continue
+            results[row].append(token)
+            if lookup is not None:
+                lookup.extend(row, [token])
+            if len(results[row]) >= max_new_tokens:
+                ended.append(k)
+        finished = set()
+        if len(ended) == len(alive):
             break
         if ended:
             gone = set(ended)
             keep = torch.tensor([k for k in range(len(alive)) if k not in gone], device=attention_mask.device)
             cache.batch_select_indices(keep)
-            alive, tokens, attention_mask, last = alive[keep], tokens[keep], attention_mask[keep], last[keep]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(alive), 1)], dim=1)
-        last = last + 1
-        step = model(input_ids=tokens[:, None], attention_mask=attention_mask, position_ids=last[:, None],
-                     use_cache=True, **{cache_arg: cache}, **extra)
-        logits, cache = step.logits[:, -1], getattr(step, cache_arg)
+            alive, pending, attention_mask, last = alive[keep], pending[keep], attention_mask[keep], last[keep]
+        drafts: list[list[int]] = []
+        width = 1
+        if lookup is not None:
+            left = [max_new_tokens - len(results[row]) for row in alive.tolist()]
+            # Columns a plain decode would still need; a draft may use what the room has beyond them.
+            spare = room - used - 1 - (max(left) - 1)
+            drafts = [lookup.draft(row, min(n - 1, spare)) for row, n in zip(alive.tolist(), left, strict=True)]
+            most = max(left)  # the rows furthest behind have the most tokens left
+            width = widths.choose(drafts, [lookup.odds(row) for row in alive.tolist()], [n == most for n in left])
+            drafts = [d[: width - 1] for d in drafts]
+        ids, new_mask = pending[:, None], attention_mask.new_ones(len(alive), width)
+        if width > 1:
+            ids = torch.cat([ids, torch.tensor([d + [how.pad_token_id] * (width - 1 - len(d)) for d in drafts],
+                                               device=ids.device, dtype=ids.dtype)], dim=1)
+            for k, d in enumerate(drafts):
+                new_mask[k, 1 + len(d) :] = 0
+        attention_mask = torch.cat([attention_mask, new_mask], dim=1)
+        positions = last[:, None] + 1 + torch.arange(width, device=last.device)
+        step = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                     **{cache_arg: cache}, **(extra if width == 1 or not extra else {**extra, "logits_to_keep": width}))
+        used += width
+        how.counts["decode_forwards"] = how.counts.get("decode_forwards", 0) + 1
+        cache = getattr(step, cache_arg)
+        if width == 1:
+            pending, last = step.logits[:, -1].argmax(-1), last + 1
+            continue
+        # Greedy verification: a draft token stands where it is the model's own next token after the ones before it;
+        # the prediction after the last confirmed one is the next pending token (the same tokens as one at a time).
+        preds = step.logits[:, -width:].argmax(-1).tolist()
+        confirmed = []
+        for k, (row, d) in enumerate(zip(alive.tolist(), drafts, strict=True)):
+            a = 0
+            while a < len(d) and preds[k][a] == d[a]:
+                a += 1
+                if d[a - 1] in eos:
+                    finished.add(k)
+                    break
+                results[row].append(d[a - 1])
+                if len(results[row]) >= max_new_tokens:
+                    finished.add(k)
+                    break
+            if lookup is not None:
+                lookup.extend(row, d[:a])
+                lookup.confirmed(row, len(d), a)
+            attention_mask[k, attention_mask.shape[1] - width + 1 + a :] = 0  # the drafts turned down
+            confirmed.append(a)
+        how.counts["drafted"] = how.counts.get("drafted", 0) + sum(map(len, drafts))
+        how.counts["confirmed"] = how.counts.get("confirmed", 0) + sum(confirmed)
+        pending = torch.tensor([p[a] for p, a in zip(preds, confirmed, strict=True)],
+                               device=pending.device, dtype=pending.dtype)
+        last = last + 1 + torch.tensor(confirmed, device=last.device, dtype=last.dtype)
     return results, computed
 
 

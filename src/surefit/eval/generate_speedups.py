@@ -197,3 +197,103 @@ def merged_lora(model: Any) -> Iterator[Merged]:
     finally:
         cast.source = cast.cast = None
         restore()
+
+
+# Longest n-gram a draft is looked up by (HF's prompt lookup uses 3 by default, falling back to shorter ones).
+LOOKUP_NGRAM = 3
+
+
+class PromptLookup:
+    """Draft tokens for each row from its own context (prompt lookup decoding, ``model.generate``'s
+    ``prompt_lookup_num_tokens``): the tokens that followed the earliest earlier occurrence of the row's last
+    ``LOOKUP_NGRAM`` tokens (or fewer) in its prompt and answer so far. An extractive answer (a SQuAD span, a name
+    copied from a tool's output) is mostly such a copy, so one forward can confirm several tokens.
+
+    The first occurrence of every n-gram is indexed as tokens arrive, so a draft costs a few dictionary reads, not a
+    scan of the context. Each row's share of confirmed draft tokens is kept for :class:`DraftWidth`."""
+
+    def __init__(self, prompts: list[list[int]], tokens: int) -> None:
+        self.tokens = tokens
+        self._ctx: list[list[int]] = [[] for _ in prompts]
+        self._first: list[dict[tuple[int, ...], int]] = [{} for _ in prompts]
+        self._drafted = [0] * len(prompts)
+        self._kept = [0] * len(prompts)
+        for row, p in enumerate(prompts):
+            self.extend(row, p)
+
+    def extend(self, row: int, tokens: list[int]) -> None:
+        """Append ``tokens`` to the row's context and index the n-grams that end in them."""
+        ctx, first = self._ctx[row], self._first[row]
+        start = len(ctx)
+        ctx.extend(tokens)
+        for end in range(start + 1, len(ctx) + 1):
+            for n in range(1, min(LOOKUP_NGRAM, end) + 1):
+                first.setdefault(tuple(ctx[end - n : end]), end - n)
+
+    def draft(self, row: int, most: int) -> list[int]:
+        """Up to ``most`` (and ``tokens``) tokens that may come next in ``row``; [] where its tail occurs nowhere
+        earlier."""
+        most = min(most, self.tokens)
+        ctx, first = self._ctx[row], self._first[row]
+        size = len(ctx)
+        if most <= 0:
+            return []
+        for n in range(min(LOOKUP_NGRAM, size - 1), 0, -1):
+            start = first.get(tuple(ctx[size - n :]))
+            if start is not None and start < size - n:  # an earlier occurrence, so a continuation exists
+                return ctx[start + n : start + n + most]
+        return []
+
+    def confirmed(self, row: int, drafted: int, kept: int) -> None:
+        """Count what the model kept of the row's draft."""
+        self._drafted[row] += drafted
+        self._kept[row] += kept
+
+    def odds(self, row: int) -> float:
+        """The chance that the row's next draft token is confirmed: its share so far, starting from one half."""
+        return (self._kept[row] + 1) / (self._drafted[row] + 2)
+
+
+# What one more token row costs a decode forward, as a share of the forward's fixed cost (reading every weight once):
+# forward seconds ~ 1 + RATIO x (rows x width). Fitted to SmolLM2-135M decode forwards of 1-32 rows x 1-6 columns
+# over a 250-token cache (docs/performance.md): a CPU core in fp32 0.048, in bf16 0.007 (AVX-512 BF16), a GPU far
+# below either (its forwards are latency-bound at these sizes). Both parts grow with the model's size, so the ratio
+# carries over to other sizes better than either part does.
+COLUMN_COST = {("cpu", False): 0.048, ("cpu", True): 0.007}
+GPU_COLUMN_COST = 0.0005
+
+
+class DraftWidth:
+    """How many columns each decode forward runs: the pending token and up to ``width - 1`` draft tokens per row.
+
+    A wider forward costs more, by how much depends on the hardware: in fp32 on a CPU core 6 columns of 24 rows took
+    3.7x one column, in bf16 on the same core 1.7x, on a GPU about the same as one. Each step takes the width with the
+    most expected progress per unit of cost. A batch runs until its last row ends, so the progress that counts is
+    that of the rows furthest behind: ``1 + mean over them of p + p^2 + ...`` up to the row's draft length (``p`` the
+    row's confirmed share so far), against ``1 + ratio x rows x width``; the rows ahead fill the same columns with
+    their own drafts for free. The ratio is the device's and
+    precision's (``COLUMN_COST``), never a timing, so the same run chooses the same widths and gives the same
+    answers every time."""
+
+    def __init__(self, ratio: float) -> None:
+        self.ratio = ratio
+
+    @classmethod
+    def on(cls, device: Any, sixteen_bit: bool) -> DraftWidth:
+        kind = torch.device(device).type
+        return cls(COLUMN_COST.get((kind, sixteen_bit), COLUMN_COST[("cpu", False)]) if kind == "cpu"
+                   else GPU_COLUMN_COST)
+
+    def choose(self, drafts: list[list[int]], odds: list[float], behind: list[bool]) -> int:
+        """The width for these drafts (1: decode one token per row). ``behind``: the rows with the fewest tokens so
+        far, whose progress sets how many more forwards the batch runs (it runs until its last row ends)."""
+        longest = max(map(len, drafts), default=0)
+        rows, late = len(drafts), max(1, sum(behind))
+        best, best_rate = 1, 1 / (1 + self.ratio * rows)
+        for width in range(2, longest + 2):
+            gain = sum(sum(p**j for j in range(1, min(width - 1, len(d)) + 1))
+                       for d, p, b in zip(drafts, odds, behind, strict=True) if b)
+            rate = (1 + gain / late) / (1 + self.ratio * rows * width)
+            if rate > best_rate:
+                best, best_rate = width, rate
+        return best

@@ -113,6 +113,7 @@ class Switches:
         eval_share_prefixes: generate with prompt beginnings shared by several prompts computed once.
         eval_pack_lora: generate with each LoRA layer (or q/k/v, gate/up together) as one packed 16-bit matmul.
         eval_loss_in_prefill: compute the validation loss in the generation's forward over the prompts.
+        prompt_lookup_num_tokens: draft tokens copied from the prompt that each decode step may confirm (0: none).
     """
 
     share_prefixes: bool = True
@@ -122,12 +123,13 @@ class Switches:
     eval_share_prefixes: bool = False
     eval_pack_lora: bool = False
     eval_loss_in_prefill: bool = True
+    prompt_lookup_num_tokens: int = 0
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Switches:
         """A config's switches (a setting the config lacks keeps its default)."""
         names = ("share_prefixes", "fused_cross_entropy", "eval_generate", "eval_merge_lora", "eval_share_prefixes",
-                 "eval_pack_lora", "eval_loss_in_prefill")
+                 "eval_pack_lora", "eval_loss_in_prefill", "prompt_lookup_num_tokens")
         got = {n: getattr(cfg, n) for n in names if hasattr(cfg, n)}
         if got.get("eval_generate", True) is None:  # auto: training resolves it; an explicit evaluation generates
             got["eval_generate"] = True

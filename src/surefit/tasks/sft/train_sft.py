@@ -654,7 +654,7 @@ NOT_IN_STORE_KEY = startup_cache.NOT_IN_KEY | {
     "preset", "model", "lora_r", "lora_alpha", "lora_dropout", "lora_targets", "lora_variant", "quantize", "precision",
     "gradient_checkpointing", "sharding", "gpu_memory_gb", "batch_size", "grad_accum", "eval_batch_size", "metric",
     "eval_generate", "eval_merge_lora", "eval_share_prefixes", "eval_pack_lora", "eval_loss_in_prefill", "share_prefixes",
-    "fused_cross_entropy",
+    "fused_cross_entropy", "prompt_lookup_num_tokens",
     "max_new_tokens", "pad_to_multiple_of"}
 
 
@@ -962,7 +962,9 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             return cfg.eval_generate_batch_size
         if not chosen:
             budget = resolve_budget(getattr(cfg, "gpu_memory_gb", None), accelerator.device)[0]
-            chosen.append(generation_batch(m, [len(e.prompt_ids) + max_new for e in val_ex], batch_size, budget,
+            # with prompt lookup the cache has room for as many turned-down draft columns as answer tokens
+            room = max_new * (2 if switches.prompt_lookup_num_tokens else 1)
+            chosen.append(generation_batch(m, [len(e.prompt_ids) + room for e in val_ex], batch_size, budget,
                                            precision_name(accelerator) in ("bf16", "fp16")))
             say(f"generation decodes up to {chosen[0].rows} rows at once, their prompts run {chosen[0].prefill} at a "
                 f"time ({chosen[0].why}); --eval_generate_batch_size N sets it")
@@ -1132,6 +1134,8 @@ class Decoded:
     raw: list[str] = field(default_factory=list)
     loss_sum: float = 0.0  # with Generation.loss_pass: the validation loss summed over its supervised tokens
     loss_tokens: int = 0
+    drafted: int = 0  # with --prompt_lookup_num_tokens: draft tokens run, and those the model confirmed
+    confirmed: int = 0
 
 
 def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, accelerator: Any, gen: Generation,
@@ -1155,6 +1159,12 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
     inner = accelerator.unwrap_model(model)
     stats: dict[str, int] = {}
     passes: list[LossPass] = []
+    # Drafts are confirmed in a forward whose mask has holes (the drafts turned down): the families verified for that
+    lookup_tokens = gen.switches.prompt_lookup_num_tokens
+    if lookup_tokens and why_not_shared(inner) is not None:
+        _say_once(inner, f"--prompt_lookup_num_tokens: not used for this model ({why_not_shared(inner)}); answers are "
+                  "decoded one token per step", say)
+        lookup_tokens = 0
 
     def loss_pass() -> LossPass | None:
         # a fresh sum for each try: out of memory starts the generation again with a smaller batch
@@ -1171,7 +1181,7 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
                        # out of memory halves the prompts' batch and the decode batch alike
                        batch_size=max(bs, (gen.decode_rows or gen.batch_size) * bs // gen.batch_size),
                        share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None,
-                       loss_pass=loss_pass()),
+                       loss_pass=loss_pass(), lookup_tokens=lookup_tokens),
                 device=accelerator.device,
                 autocast=accelerator.autocast,
                 progress=lambda done, total: bar.set(done),
@@ -1182,6 +1192,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
             "generation",
             say,
         )
+    if out is not None and stats.get("drafted"):
+        out.drafted, out.confirmed = out.drafted + stats["drafted"], out.confirmed + stats["confirmed"]
     if stats.get("merge_out_of_memory"):
         say("out of memory while merging the LoRA adapter into a copy of the weights for generation: generated "
             "with the adapter applied as in training instead (slower; --eval_merge_lora false skips the attempt)")
@@ -1206,6 +1218,17 @@ class Scoring:
     metric: str
     generation: Generation
     answer: Callable[[str], str] | None = None  # a reasoning template: the answer part of a raw generation
+
+
+# Models for which something asked was not used, and said so once (a run evaluates many times).
+_said: weakref.WeakKeyDictionary[Any, set[str]] = weakref.WeakKeyDictionary()
+
+
+def _say_once(model: Any, text: str, say: Say) -> None:
+    seen = _said.setdefault(model, set())
+    if text not in seen:
+        seen.add(text)
+        say(text)
 
 
 # Models whose cache or logits ruled out the loss in the prompts' forward (said once, then two passes every time).
@@ -1302,6 +1325,9 @@ def evaluate_examples(model: Any, examples: list[Example], tokenizer: Any, accel
             return {"eval_loss": loss}, [], []
         out = Decoded()
         preds = generate_texts(model, prompts, tokenizer, accelerator, gen, say, progress=True, out=out)
+    if out.drafted:
+        say(f"prompt lookup: {out.confirmed:,} of {out.drafted:,} draft tokens confirmed "
+            f"({out.confirmed / out.drafted:.0%}; answers {sum(out.lengths):,} tokens)")
     if scoring.answer is not None:  # a reasoning template: the metrics score the answer, not the reasoning before it
         preds = [scoring.answer(r) for r in out.raw]
     golds = [_golds(e.row, scoring.target_field) for e in examples]
