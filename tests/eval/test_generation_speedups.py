@@ -490,12 +490,13 @@ def _copying_prompts():
     return [p + p[:5] for p in _prompts()]
 
 
-@pytest.mark.parametrize("batch_size", [3, 9])
+@pytest.mark.parametrize("batch_size,prefill", [(3, None), (9, None), (9, 3)],
+                         ids=["batches-of-3", "one-batch", "prefilled-in-threes"])
 @pytest.mark.parametrize("tokens", [2, 5])
-def test_prompt_lookup_gives_generates_tokens_in_fp32_in_fewer_forwards(batch_size, tokens, monkeypatch):
+def test_prompt_lookup_gives_generates_tokens_in_fp32_in_fewer_forwards(batch_size, prefill, tokens, monkeypatch):
     """--prompt_lookup_num_tokens: drafts copied from each row's context, confirmed in one forward, give every row the
-    tokens of generate() on the same batches (rows ending at different steps, at the length cap and on a stop id met
-    inside a draft), in fewer decode forwards, and the reserved cache never has to grow."""
+    tokens of generate() on the same (prefill) batches (rows ending at different steps, at the length cap and on a
+    stop id met inside a draft), in fewer decode forwards, and the reserved cache never has to grow."""
     from surefit.eval import generate_speedups
     from surefit.training.speedups.lora_generate import lean_lora
 
@@ -508,15 +509,15 @@ def test_prompt_lookup_gives_generates_tokens_in_fp32_in_fewer_forwards(batch_si
     monkeypatch.setattr(generate_speedups.Reserved, "update", within_room)
     model = _lora_model(bf16=False)
     prompts = _copying_prompts()
-    free = _plain(model, prompts, set(), 12, batch_size=batch_size)
+    free = _plain(model, prompts, set(), 12, batch_size=prefill or batch_size)
     eos = {free[0][2], free[4][5]}
-    want = _plain(model, prompts, eos, 12, batch_size=batch_size)
+    want = _plain(model, prompts, eos, 12, batch_size=prefill or batch_size)
     assert len(set(map(len, want))) > 2 and max(map(len, want)) == 12
     runs = {}
     for k in (0, tokens):
         stats: dict = {}
         got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=12,
-                                                     batch_size=batch_size, lookup_tokens=k),
+                                                     batch_size=batch_size, prefill_batch=prefill, lookup_tokens=k),
                               lora_context=lean_lora, stats=stats)
         assert got == want, k
         runs[k] = stats

@@ -31,6 +31,12 @@ round differently in 16 bits and are off unless asked for:
   casts around each layer). The trained adapter and the base weights are never changed. Merging rounds
   ``W + scale * B @ A`` to the weights' dtype (16 bits under mixed precision), so its answers can differ from the
   unmerged model's (counted in ``benchmarks/generation.py``); it is an option, not the default.
+- ``lookup_tokens``: prompt lookup decoding (an option, ``--prompt_lookup_num_tokens``). Each decode forward also runs
+  draft tokens copied from the row's own context (``PromptLookup``) and keeps those that are the model's greedy choice
+  after the ones before them: the same tokens in exact arithmetic, in fewer forwards where answers copy from the
+  prompt. Turned-down drafts stay in the cache as masked columns (room for ``max_new_tokens`` of them is reserved, and
+  no draft goes past it); ``DraftWidth`` chooses each forward's columns. Computed in another shape, 16-bit rounding
+  can differ.
 """
 
 from __future__ import annotations
@@ -419,7 +425,8 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step,
     """Greedy decoding of one batch with a KV cache; a row leaves the batch when it ends.
 
     The same tokens as ``model.generate`` (greedy, same positions and mask), with less work per step: the LM head
-    runs only at the last position, and finished rows stop costing compute instead of decoding padding to the end.
+    runs only at the last position (the last ``width`` with drafts), and finished rows stop costing compute instead of
+    decoding padding to the end.
     Returns the continuations and the number of prompt tokens computed.
     """
     rows, eos, max_new_tokens = len(prompts), how.eos, how.max_new_tokens
