@@ -106,3 +106,63 @@ def test_the_loop_gives_the_heap_back_around_evaluations_once_a_step_has_run(tmp
                  "--max_new_tokens", "2", "--output_dir", str(tmp_path / "run")]) == 0
     assert events == ["evaluate(", ")", "step", "step", "evaluate(", "release", "release", ")", "step", "step",
                       "evaluate(", "release", "release", ")"]
+
+
+def _train_args(tiny_lm_dir, tmp_path, data_rows: int = 24) -> list[str]:
+    import json
+
+    from conftest import qa_rows
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(data_rows)), encoding="utf-8")
+    return ["train", "--task", "sft", "--model", str(tiny_lm_dir), "--data", str(data), "--epochs", "1",
+            "--lora_r", "4", "--batch_size", "4", "--max_seq_length", "96", "--val_fraction", "0.2",
+            "--eval_generate", "false", "--no_cache", "--output_dir", str(tmp_path / "run")]
+
+
+def test_the_train_command_holds_the_collector_off_until_training_then_freezes_the_set_up(tiny_lm_dir, tmp_path,
+                                                                                           monkeypatch):
+    import gc
+
+    import surefit.tasks.sft.train_sft as train_sft
+    import surefit.training.loop as loop
+    from surefit.cli import main
+
+    seen: dict[str, tuple[bool, int]] = {}
+    real_load, real_settings = train_sft.load_model, loop.device_settings
+
+    def at_load(*a, **k):
+        seen["model load"] = (gc.isenabled(), gc.get_freeze_count())
+        return real_load(*a, **k)
+
+    def at_loop(*a, **k):
+        seen["training loop"] = (gc.isenabled(), gc.get_freeze_count())
+        return real_settings(*a, **k)
+
+    monkeypatch.setattr(train_sft, "load_model", at_load)
+    monkeypatch.setattr(loop, "device_settings", at_loop)
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    assert main(_train_args(tiny_lm_dir, tmp_path)) == 0
+    enabled, imported = seen["model load"]
+    assert not enabled and imported > 10_000  # set-up: no collections; the imported modules' objects frozen
+    enabled, frozen = seen["training loop"]
+    assert enabled and frozen > imported  # the set-up's objects (the model among them) out of the collector's walks
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # as found, for the rest of this Python session
+
+
+def test_a_train_command_that_stops_before_training_leaves_the_collector_as_found(tiny_lm_dir, tmp_path, capsys):
+    import gc
+
+    from surefit.cli import main
+
+    args = _train_args(tiny_lm_dir, tmp_path)
+    args[args.index("--data") + 1] = str(tmp_path / "missing.jsonl")
+    assert main(args) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    gc.disable()  # a session that turned the collector off keeps it off
+    try:
+        assert main(args) == 2
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

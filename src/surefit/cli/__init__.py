@@ -176,14 +176,18 @@ def main(argv: list[str] | None = None) -> int:
             cfg = parse_train_config(rest)
             if flags is not None and flags.launches:
                 return launch(flags, ["train", *rest])
-            from surefit.api import train
+            from surefit.training.heap import collector_off_for_set_up, imports_done
 
             if world_size() > 1:
                 from surefit.training.lost_worker import register_node
 
                 register_node()  # several machines: this node's host, so that a lost node can be named
             try:
-                train(cfg)
+                with collector_off_for_set_up():  # from the imports to the training loop (heap.py says why)
+                    from surefit.api import train
+
+                    imports_done()
+                    train(cfg)
             except Exception as e:
                 from surefit.training.lost_worker import lost_here, peer_gone
                 from surefit.training.processes import process_index

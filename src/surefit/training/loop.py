@@ -54,7 +54,7 @@ from surefit.training.distributed import (
     tell_ddp_about_unused,
 )
 from surefit.training.dropout import UNKEYED, training_rows
-from surefit.training.heap import release_free_memory
+from surefit.training.heap import release_free_memory, training_begins
 from surefit.training.memory import OOMGuard, free_memory, is_oom, shrink_on_oom
 from surefit.training.precision import device_settings, saved_activations_in
 from surefit.training.processes import barrier, max_over_processes, share_from_main, sum_over_processes, world_size
@@ -647,6 +647,7 @@ def fit(model: Any, work: TrainingWork, settings: LoopSettings, hooks: LoopHooks
     Raises:
         TrainingInterrupted: after saving, when a stop signal arrived.
     """
+    training_begins()  # the surefit command held Python's cyclic collector off while it set up (training/heap.py)
     # Process-wide settings (the CPU's denormal flushing, a GPU's attention kernel order) last as long as the run.
     with device_settings(hooks.accelerator.device):
         return _fit(model, work, settings, hooks)
