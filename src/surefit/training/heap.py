@@ -1,5 +1,6 @@
 """Memory outside the tensors: the C heap's freed pages handed back between the phases of a run (glibc only), and
-Python's cyclic collector held off while the ``surefit train`` command imports and sets up (:func:`collector_off_for_set_up`).
+Python's cyclic collector held off while the ``surefit train`` command imports and sets up
+(:func:`collector_off_for_set_up`).
 
 Why: glibc keeps memory that torch frees as part of its heap, resident, for the next allocation. A phase whose
 tensors come in other sizes than the next one's (training's activations, then the evaluation's generation) leaves
@@ -23,7 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-_COLLECTOR = {"state": "as found"}  # "off for set-up" from the command's start, "frozen" once training begins
+# "off for set-up" from the command's start, then "imports frozen", then "frozen" once training begins
+_COLLECTOR = {"state": "as found"}
 
 
 @functools.cache
@@ -56,10 +58,10 @@ def collector_off_for_set_up() -> Iterator[None]:
     """Around the ``surefit train`` command: Python's cyclic collector off until :func:`training_begins`.
 
     Why: importing torch, transformers and peft and setting up the run creates about 450k objects that live as long as
-    the process, and each full collection walks all of them: on a 2-core CPU seven full collections took 0.8-0.9 s of
+    the process, and each full collection walks all of them: on a 2-core CPU seven full collections took 0.85-1.00 s of
     the start-up and found almost nothing to free (0-1,788 objects each; benchmarks/results/epyc_zen4/gc_pauses_*).
     The modules imported first are frozen as they are (:func:`imports_done`: ``gc.freeze``, never walked again); when
-    training begins, one collection frees whatever the set-up left in cycles (12k objects on SQuAD rows), the
+    training begins, one collection frees whatever the set-up left in cycles (11,746 objects on SQuAD rows), the
     survivors are frozen too and the collector is back on for everything the run creates. On the way out, whether
     training began or not (a refusal, an error), the collector is as it was found and nothing stays frozen, so a Python
     session calling the command's ``main`` collects as before. A collector already off is left off.
