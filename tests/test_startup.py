@@ -146,7 +146,31 @@ def test_the_startup_line_is_printed_over_the_threshold_and_the_record_always_wr
         assert {"model load", "doctor", "memory plan", "encoding data", "imports and settings", "other"} <= set(
             rec["phases"])
         assert rec["seconds"] == pytest.approx(sum(rec["phases"].values()), abs=0.01)
-        assert rec["step1_at"] > rec["process_start"]
+        assert rec["step1_at"] > rec["started"]
+
+
+def test_a_run_inside_a_longer_program_times_its_start_up_from_the_call(tmp_path, tiny_lm_dir):
+    """``surefit.train`` in a notebook or script: the start-up is the call's, not the hours the program ran before
+    (the test process itself started long before this test)."""
+    import time
+
+    import surefit
+
+    before = time.time()
+    surefit.train(task="sft", model=str(tiny_lm_dir), data=str(_data(tmp_path / "train.jsonl")), epochs=1, lora_r=4,
+                  batch_size=4, max_seq_length=96, val_fraction=0.25, output_dir=str(tmp_path / "run"))
+    record = json.loads((tmp_path / "run" / "startup.json").read_text(encoding="utf-8"))
+    assert before <= record["started"] < record["step1_at"] <= time.time()
+    assert record["seconds"] == pytest.approx(record["step1_at"] - record["started"], abs=1e-3)
+
+
+def test_the_outermost_command_sets_the_start_and_a_clock_outside_any_starts_when_made():
+    import time
+
+    with startup.command(100.0), startup.command(200.0):  # cli.run's process start, then main's and train's calls
+        assert startup.Clock().started == 100.0
+    before = time.time()
+    assert before <= startup.Clock().started <= time.time()
 
 
 def test_the_line_names_the_phases_longest_first():

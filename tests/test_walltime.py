@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ def _argv(model: Path, data: Path, out: Path, *extra: str) -> list[str]:
 
 def test_profile_prints_and_writes_where_the_run_went_and_the_parts_add_up(tmp_path, tiny_lm_dir, capsys):
     out = tmp_path / "run"
+    before = time.time()
     assert main(_argv(tiny_lm_dir, _data(tmp_path / "train.jsonl"), out, "--profile")) == 0
+    took = time.time() - before
     printed = capsys.readouterr().out
     record = json.loads((out / "profile.json").read_text(encoding="utf-8"))
     profile = Profile.from_json(record)
@@ -58,6 +61,8 @@ def test_profile_prints_and_writes_where_the_run_went_and_the_parts_add_up(tmp_p
     assert sum(profile.startup.values()) == pytest.approx(parts["start-up"], abs=0.02)
     # epoch 0's evaluation is a start-up phase (before step 1), not also an evaluation part
     assert profile.startup["evaluation before training"] > 0
+    # main() called inside a program (this test process, running for minutes) counts from the call.
+    assert 0 < profile.seconds <= took
     # The printout is the record's table; the page shows it too.
     assert f"where the run's {profile.seconds:.1f} s went" in printed
     for name in parts:
@@ -102,7 +107,8 @@ def test_nested_parts_count_in_the_inner_one_and_nothing_before_recording():
     assert set(times.parts) == {"evaluation (other)", "generation"} and times.parts["generation"] > 0
     built = Profile.build(100.0, 10.0, {"model load": 10.0}, 50.0, times)
     # the loop's 50 s less what was recorded inside it are the training steps; the rest of the 100 s is "other"
-    assert built.parts["training steps"] == pytest.approx(50.0 - sum(times.parts.values()))
+    # (each part to the record's 1 ms)
+    assert built.parts["training steps"] == pytest.approx(50.0 - sum(times.parts.values()), abs=1e-3)
     assert sum(built.parts.values()) == pytest.approx(100.0)
 
 
@@ -198,7 +204,8 @@ def test_a_lora_run_imports_neither_bitsandbytes_nor_trl_nor_datasets(tmp_path, 
 def _surefit_process(tmp_path: Path, argv: list[str]) -> subprocess.CompletedProcess:
     """``surefit ARGV`` as the command runs it (``cli.run``), with an exit handler of its own registered first."""
     script = textwrap.dedent(f"""
-        import atexit, sys
+        import atexit, sys, psutil
+        print("process started", psutil.Process().create_time())
         atexit.register(lambda: print("exit handler ran", flush=True))
         sys.argv = ["surefit", *{argv!r}]
         from surefit.cli import run
@@ -218,6 +225,9 @@ def test_the_command_ends_with_its_exit_code_output_and_exit_handlers(tmp_path, 
     lines = done.stdout.splitlines()
     assert lines[-1] == "exit handler ran" and lines[-2] == f"wrote {out / 'curves.svg'} and {out / 'report.html'}"
     assert (out / "final" / "adapter_model.safetensors").is_file()
+    # The command's start-up counts from its process start: the interpreter's and the imports' seconds are the user's.
+    [started] = [float(x.split()[-1]) for x in lines if x.startswith("process started ")]
+    assert json.loads((out / "startup.json").read_text(encoding="utf-8"))["started"] == pytest.approx(started, abs=1e-3)
     refused = _surefit_process(tmp_path, ["train", "--data", str(tmp_path / "missing.jsonl"), "--output_dir",
                                           str(tmp_path / "r2")])
     assert refused.returncode not in (0, None) and "missing.jsonl" in refused.stderr

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 # Using a finished run lives in surefit/api/use_run.py; its names stay importable from here.
+from surefit import startup
 from surefit.api.use_run import UseOptions, evaluate, export, predict, report
 from surefit.config import SFTConfig, TrainConfig
 from surefit.config.aliases import build_with_aliases
@@ -48,9 +49,10 @@ def train(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any
         ConfigError, DataError, ModelError: with every problem found, each naming where and how to fix it.
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
-    cfg = _config(config, settings)
-    with using_cache_dir(cfg.cache_dir):
-        return task_of(cfg).run(cfg)
+    with startup.command():  # the start-up counts from this call, not from the start of the user's program
+        cfg = _config(config, settings)
+        with using_cache_dir(cfg.cache_dir):
+            return task_of(cfg).run(cfg)
 
 
 def doctor(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any) -> Any:

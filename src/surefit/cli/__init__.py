@@ -158,6 +158,15 @@ def parse_train_config(argv: list[str]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``surefit ARGV``; returns the exit code. A run's start-up counts from this call (or from the process start
+    under :func:`run`)."""
+    from surefit import startup
+
+    with startup.command():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     from surefit.threads import configure_threads
 
     configure_threads()  # before torch is imported: OpenMP reads its wait policy once (threads.py)
@@ -266,7 +275,10 @@ def run() -> None:
     teardown once aborted a process of a 2-process run that had succeeded (SIGABRT, "terminate called without an
     active exception": a C++ thread of torch's destroyed while still running).
     """
-    code = main()
+    from surefit import startup
+
+    with startup.command(startup.process_start()):  # the user waits from the process start: imports count
+        code = main()
     exit_now(code)
 
 

@@ -30,15 +30,34 @@ def process_start() -> float:
         return time.time() - time.process_time()
 
 
+_began: list[float] = []  # when the commands being run began, the outermost first
+
+
+@contextmanager
+def command(began: float | None = None) -> Iterator[None]:
+    """A user's command runs inside: a run started in it times its start-up from ``began`` (now when ``None``).
+
+    The outermost wins: the ``surefit`` command marks its process start, so Python's and torch's imports count,
+    while ``surefit.train`` called later in a notebook or script counts from that call, not from the hours the
+    program had been running before it.
+    """
+    _began.append(time.time() if began is None else began)
+    try:
+        yield
+    finally:
+        _began.pop()
+
+
 class Clock:
-    """Wall-clock seconds per start-up phase, from the process start to the first training step.
+    """Wall-clock seconds per start-up phase, from the user's command (:func:`command`) to the first training step.
 
     ``phase(name)`` may be entered several times; the seconds add up. What no phase covers is reported as
     ``other`` (the time before :class:`Clock` was made is ``imports and settings``).
     """
 
     def __init__(self, started: float | None = None) -> None:
-        self.started = process_start() if started is None else started
+        # from the command's start (see command); a run outside any marked command starts now
+        self.started = started if started is not None else _began[0] if _began else time.time()
         self.made = time.time()
         self.phases: dict[str, float] = {}
         self.cache: dict[str, str] = {}  # what the cache did per kind: "reused", "computed", "off", "not cacheable"
@@ -95,7 +114,7 @@ class Clock:
 
     def record(self) -> dict[str, Any]:
         """What ``OUTPUT/startup.json`` holds."""
-        return {"seconds": round(self.stop(), 3), "process_start": self.started, "step1_at": self.step1_at,
+        return {"seconds": round(self.stop(), 3), "started": self.started, "step1_at": self.step1_at,
                 "phases": {k: round(v, 3) for k, v in self.split().items()}, "cache": dict(self.cache)}
 
 

@@ -93,7 +93,7 @@ class Profile:
     """``OUTPUT/profile.json``: where the run's wall time went.
 
     Attributes:
-        seconds: from the process start (the command) to the end of the run (the profile itself is the last work).
+        seconds: from the command's start (``startup.command``) to the end of the run (the profile itself is the last work).
         parts: seconds per part, in :data:`ORDER`; they add up to ``seconds`` (``other`` is the rest).
         startup: the start-up's phases (``startup.json``), which add up to ``parts["start-up"]``.
     """
@@ -110,9 +110,12 @@ class Profile:
         after = dict(times.parts)
         in_loop = sum(v for k, v in after.items() if k not in ("final save", "report"))
         parts = {"start-up": startup_seconds, "training steps": max(0.0, loop_seconds - in_loop), **after}
-        parts["other"] = max(0.0, total - sum(parts.values()))
+        # to the record's 1 ms, so that the printout shows what profile.json holds (728.5496 s would print as
+        # 728.5 and be recorded as 728.55)
+        total, parts = round(total, 3), {k: round(v, 3) for k, v in parts.items()}
+        parts["other"] = round(max(0.0, total - sum(parts.values())), 3)
         ordered = {k: parts[k] for k in ORDER if k in parts} | {k: v for k, v in parts.items() if k not in ORDER}
-        return cls(total, ordered, dict(startup_phases))
+        return cls(total, ordered, {k: round(v, 3) for k, v in startup_phases.items()})
 
     def to_json(self) -> dict[str, Any]:
         return {"seconds": round(self.seconds, 3), "parts": {k: round(v, 3) for k, v in self.parts.items()},
