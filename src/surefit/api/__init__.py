@@ -12,12 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 # Using a finished run lives in surefit/api/use_run.py; its names stay importable from here.
-from surefit import startup
 from surefit.api.use_run import UseOptions, evaluate, export, predict, report
 from surefit.config import SFTConfig, TrainConfig
 from surefit.config.aliases import build_with_aliases
 from surefit.config.task_configs import TASK_CONFIGS
 from surefit.errors import ConfigError, Problem
+from surefit.startup import command
 from surefit.startup.cache import using_cache_dir
 from surefit.tasks import inspector, task_of
 from surefit.tasks.runner import RunResult
@@ -49,7 +49,7 @@ def train(config: TrainConfig | dict[str, Any] | None = None, /, **settings: Any
         ConfigError, DataError, ModelError: with every problem found, each naming where and how to fix it.
         DoctorRefused: the doctor found errors in the setup (``force=True`` trains anyway).
     """
-    with startup.command():  # the start-up counts from this call, not from the start of the user's program
+    with command():  # the start-up counts from this call, not from the start of the user's program
         cfg = _config(config, settings)
         with using_cache_dir(cfg.cache_dir):
             return task_of(cfg).run(cfg)

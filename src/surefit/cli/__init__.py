@@ -160,9 +160,9 @@ def parse_train_config(argv: list[str]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """Run ``surefit ARGV``; returns the exit code. A run's start-up counts from this call (or from the process start
     under :func:`run`)."""
-    from surefit import startup
+    from surefit.startup import command
 
-    with startup.command():
+    with command():
         return _main(argv)
 
 
@@ -275,9 +275,9 @@ def run() -> None:
     teardown once aborted a process of a 2-process run that had succeeded (SIGABRT, "terminate called without an
     active exception": a C++ thread of torch's destroyed while still running).
     """
-    from surefit import startup
+    from surefit.startup import command, process_start
 
-    with startup.command(startup.process_start()):  # the user waits from the process start: imports count
+    with command(process_start()):  # the user waits from the process start: imports count
         code = main()
     exit_now(code)
 
