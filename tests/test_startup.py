@@ -62,6 +62,14 @@ def test_an_unchanged_setup_reuses_the_doctor_and_the_planner_in_a_new_run_folde
     # Another folder, and settings that only steer the loop: the same content, so nothing is recomputed.
     second = _train(tiny_lm_dir, data, tmp_path / "b", "--lr", "1e-3", "--epochs", "2")
     assert counted == {"doctor": 1, "planner": 1} and second["cache"] == {"doctor": "reused", "planner": "reused", "evaluation": "reused"}
+    # The doctor's seconds by check (startup.json, --profile shows the longest): each check that ran, by the codes it
+    # reports; none for a reused report, which ran nothing.
+    from surefit.doctor.core import DRY_RUN, REGISTRY
+
+    assert set(first["doctor_checks"]) <= {codes for codes, _ in REGISTRY} | {DRY_RUN}
+    assert len(first["doctor_checks"]) >= 20 and first["doctor_checks"][DRY_RUN] > 0
+    assert 0 < sum(first["doctor_checks"].values()) <= first["phases"]["doctor"] + 1e-3
+    assert second["doctor_checks"] == {}
     # The reused report is the report: doctor.json and memory_plan.json are the same in both folders.
     for name in ("doctor.json", "memory_plan.json"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()

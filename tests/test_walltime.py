@@ -61,6 +61,10 @@ def test_profile_prints_and_writes_where_the_run_went_and_the_parts_add_up(tmp_p
     assert sum(profile.startup.values()) == pytest.approx(parts["start-up"], abs=0.02)
     # epoch 0's evaluation is a start-up phase (before step 1), not also an evaluation part
     assert profile.startup["evaluation before training"] > 0
+    # the doctor's phase by check, longest first, within the phase
+    assert list(profile.doctor.values()) == sorted(profile.doctor.values(), reverse=True)
+    assert 0 < sum(profile.doctor.values()) <= profile.startup["doctor"] + 1e-3
+    assert profile.doctor == startup["doctor_checks"]
     # main() called inside a program (this test process, running for minutes) counts from the call.
     assert 0 < profile.seconds <= took
     # The printout is the record's table; the page shows it too.
@@ -93,6 +97,20 @@ def test_without_profile_no_profile_file_and_the_page_shows_the_start_up(tmp_pat
     assert main(["report", "--run", str(out)]) == 0
     page = (out / "report.html").read_text(encoding="utf-8")
     assert "from profile.json (--profile): 10.0 s" in page and "60.0%" in page
+
+
+def test_the_table_shows_the_doctors_three_longest_checks_under_its_phase():
+    profile = Profile(20.0, {"start-up": 12.0, "training steps": 8.0}, {"doctor": 9.0, "model load": 3.0},
+                      {"forward-failed": 6.2, "memory-over-budget": 1.5, "eos-missing": 0.9, "labels-preshifted": 0.2,
+                       "double-bos": 0.01})
+    lines = profile.table().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.split() == ["doctor", "9.0", "s"])
+    assert [line.split() for line in lines[at + 1:at + 4]] == [
+        ["forward-failed", "6.2", "s"], ["memory-over-budget", "1.5", "s"], ["eos-missing", "0.9", "s"]]
+    assert lines[at + 1].startswith("      forward-failed") and lines[at + 4].split()[0] == "model"
+    assert "labels-preshifted" not in profile.table()
+    # read back from profile.json as written
+    assert Profile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
 
 
 def test_nested_parts_count_in_the_inner_one_and_nothing_before_recording():

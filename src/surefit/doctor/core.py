@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
@@ -44,6 +45,10 @@ class Finding:
 
 _MARK = {"error": "✗", "warning": "!", "info": "i"}
 
+# The doctor's split (``Report.seconds``, ``--profile``): its one forward, which every check that needs the model's
+# output reads, is named apart from the check that happened to ask for it first.
+DRY_RUN = "dry run (the forward the checks share)"
+
 
 @dataclass
 class Report:
@@ -51,6 +56,9 @@ class Report:
 
     findings: list[Finding] = field(default_factory=list)
     checks_run: int = 0
+    # each check's wall seconds, by the codes it reports (``--profile`` shows the longest); a report read back from
+    # the start-up cache ran none and has none
+    seconds: dict[str, float] = field(default_factory=dict, compare=False)
 
     @property
     def has_errors(self) -> bool:
@@ -208,6 +216,8 @@ class Setup:
     call: Callable[[Any, Mapping[str, Any]], Any] | None = None
     sample: int | None = None
     _cache: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    # seconds of the work the checks share (the dry run's forward), counted apart from the check that asked first
+    shared_seconds: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.args = normalise_args(self.args)
@@ -381,6 +391,7 @@ class Setup:
                 # transformers writes a guessed config.problem_type on the first forward with labels; the doctor
                 # must not change the model it checks.
                 problem_type = getattr(self.config, "problem_type", None)
+                began = time.perf_counter()
                 try:
                     self.model.eval()
                     with torch.no_grad():
@@ -388,6 +399,7 @@ class Setup:
                 except Exception as e:  # noqa: BLE001 - explained or reported as forward-failed
                     ferr = e
                 finally:
+                    self.shared_seconds[DRY_RUN] = time.perf_counter() - began
                     self.model.train(was)
                     if self.config is not None and hasattr(self.config, "problem_type"):
                         self.config.problem_type = problem_type
@@ -597,16 +609,21 @@ def describe(value: Any) -> str:
 def run_checks(setup: Setup, only: Sequence[str] | None = None) -> Report:
     """Run every registered check (or those reporting codes in ``only``) and collect the findings."""
     findings: list[Finding] = []
+    seconds: dict[str, float] = {}
     n = 0
     for codes, fn in REGISTRY:
         if only and not set(codes.split(",")) & set(only):
             continue
         n += 1
+        began, shared = time.perf_counter(), sum(setup.shared_seconds.values())
         try:
             findings += fn(setup)
         except Exception as e:  # noqa: BLE001 - a check that crashes must not hide the others' findings
             findings.append(Finding("forward-failed" if "forward" in codes else codes.split(",")[0], "warning",
                                     f"the check for {codes} could not run: {type(e).__name__}: {e}"))
+        own = time.perf_counter() - began - (sum(setup.shared_seconds.values()) - shared)
+        seconds[codes] = seconds.get(codes, 0.0) + max(0.0, own)
     order = {"error": 0, "warning": 1, "info": 2}
     findings.sort(key=lambda f: order[f.severity])
-    return Report(findings, n)
+    seconds.update(setup.shared_seconds)
+    return Report(findings, n, dict(sorted(seconds.items(), key=lambda kv: -kv[1])))

@@ -61,6 +61,7 @@ class Clock:
         self.made = time.time()
         self.phases: dict[str, float] = {}
         self.cache: dict[str, str] = {}  # what the cache did per kind: "reused", "computed", "off", "not cacheable"
+        self.checks: dict[str, float] = {}  # the doctor's seconds per check, longest first (none when it was reused)
         self.total: float | None = None
         self.step1_at: float | None = None
         self._open: list[list[Any]] = []
@@ -115,7 +116,8 @@ class Clock:
     def record(self) -> dict[str, Any]:
         """What ``OUTPUT/startup.json`` holds."""
         return {"seconds": round(self.stop(), 3), "started": self.started, "step1_at": self.step1_at,
-                "phases": {k: round(v, 3) for k, v in self.split().items()}, "cache": dict(self.cache)}
+                "phases": {k: round(v, 3) for k, v in self.split().items()}, "cache": dict(self.cache),
+                "doctor_checks": {k: round(v, 3) for k, v in self.checks.items()}}
 
 
 _current: list[Clock] = []

@@ -96,15 +96,18 @@ class Profile:
         seconds: from the command's start (``startup.command``) to the end of the run (the profile itself is the last work).
         parts: seconds per part, in :data:`ORDER`; they add up to ``seconds`` (``other`` is the rest).
         startup: the start-up's phases (``startup.json``), which add up to ``parts["start-up"]``.
+        doctor: the doctor's phase split by check (by the codes each reports), longest first; empty when the doctor's
+            report came from the start-up cache.
     """
 
     seconds: float
     parts: dict[str, float]
     startup: dict[str, float] = field(default_factory=dict)
+    doctor: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def build(cls, total: float, startup_seconds: float, startup_phases: dict[str, float], loop_seconds: float,
-              times: WallTimes) -> Profile:
+              times: WallTimes, doctor: dict[str, float] | None = None) -> Profile:
         """Put the parts together. ``loop_seconds``: from step 1 to the loop's return; the parts recorded inside it
         come out of it, and what is left is the training steps."""
         after = dict(times.parts)
@@ -115,26 +118,35 @@ class Profile:
         total, parts = round(total, 3), {k: round(v, 3) for k, v in parts.items()}
         parts["other"] = round(max(0.0, total - sum(parts.values())), 3)
         ordered = {k: parts[k] for k in ORDER if k in parts} | {k: v for k, v in parts.items() if k not in ORDER}
-        return cls(total, ordered, {k: round(v, 3) for k, v in startup_phases.items()})
+        return cls(total, ordered, {k: round(v, 3) for k, v in startup_phases.items()},
+                   {k: round(v, 3) for k, v in sorted((doctor or {}).items(), key=lambda kv: -kv[1])})
 
     def to_json(self) -> dict[str, Any]:
         return {"seconds": round(self.seconds, 3), "parts": {k: round(v, 3) for k, v in self.parts.items()},
-                "startup": {k: round(v, 3) for k, v in self.startup.items()}}
+                "startup": {k: round(v, 3) for k, v in self.startup.items()},
+                "doctor": {k: round(v, 3) for k, v in self.doctor.items()}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Profile:
         """The record :meth:`to_json` wrote (raises ``KeyError``/``TypeError``/``ValueError`` on another shape)."""
         return cls(float(data["seconds"]), {str(k): float(v) for k, v in dict(data["parts"]).items()},
-                   {str(k): float(v) for k, v in dict(data.get("startup", {})).items()})
+                   {str(k): float(v) for k, v in dict(data.get("startup", {})).items()},
+                   {str(k): float(v) for k, v in dict(data.get("doctor", {})).items()})
 
     def table(self) -> str:
-        """The printout: one line per part with seconds and share, the start-up's phases under it."""
+        """The printout: one line per part with seconds and share, the start-up's phases under it, and under the
+        doctor its longest checks (the three longest of 0.05 s or more: a user asking why the doctor is slow)."""
         shown = {k: v for k, v in self.startup.items() if v >= 0.05}
-        width = max([len(k) for k in self.parts] + [len(k) + 2 for k in shown]) + 2
+        checks = {k: v for k, v in list(self.doctor.items())[:3] if v >= 0.05} if "doctor" in shown else {}
+        width = max([len(k) for k in self.parts] + [len(k) + 2 for k in shown] + [len(k) + 4 for k in checks]) + 2
         lines = [f"where the run's {self.seconds:.1f} s went (--profile; OUTPUT/profile.json):"]
         for name, seconds in self.parts.items():
             share = 100.0 * seconds / self.seconds if self.seconds > 0 else 0.0
             lines.append(f"  {name.ljust(width)}{seconds:8.1f} s {share:5.1f}%")
-            if name == "start-up":  # its phases, indented, the longest first (phases under 0.05 s left out)
-                lines += [f"    {k.ljust(width - 2)}{v:8.1f} s" for k, v in shown.items()]
+            if name != "start-up":
+                continue
+            for k, v in shown.items():  # its phases, indented, the longest first (phases under 0.05 s left out)
+                lines.append(f"    {k.ljust(width - 2)}{v:8.1f} s")
+                if k == "doctor":
+                    lines += [f"      {c.ljust(width - 4)}{s:8.1f} s" for c, s in checks.items()]
         return "\n".join(lines)

@@ -210,6 +210,7 @@ def _run_prepared(folder: RunFolder, p: Prepared, clock: startup.Clock, times: w
         key = startup_cache.run_key(cfg, p.cache_key, p.accelerator) if cache.folder is not None else None
     with clock.phase("doctor"), phase("doctor"):
         report = run_doctor(lambda: cached_doctor(lambda: _where_it_trains(p, cfg), key, cache, clock.cache))
+        clock.checks = dict(getattr(report, "seconds", None) or {})
         folder.write_doctor(report)
         gate(report, cfg, say)
     acc = p.accelerator
@@ -266,7 +267,8 @@ def _run_prepared(folder: RunFolder, p: Prepared, clock: startup.Clock, times: w
     if cfg.profile and is_main_process():
         startup_s = clock.stop()
         loop_s = loop_end - clock.step1_at if clock.step1_at is not None else 0.0
-        profile = walltime.Profile.build(time.time() - clock.started, startup_s, clock.split(), loop_s, times)
+        profile = walltime.Profile.build(time.time() - clock.started, startup_s, clock.split(), loop_s, times,
+                                         clock.checks)
         folder.write_profile(profile.to_json())
         say(profile.table())
     return RunResult(folder.path, final, history, p.found.data_report.to_json())
