@@ -93,7 +93,8 @@ class Profile:
     """``OUTPUT/profile.json``: where the run's wall time went.
 
     Attributes:
-        seconds: from the command's start (``startup.command``) to the end of the run (the profile itself is the last work).
+        seconds: from the command's start (``startup.command``) to the end of the run (the profile itself is the
+            last work).
         parts: seconds per part, in :data:`ORDER`; they add up to ``seconds`` (``other`` is the rest).
         startup: the start-up's phases (``startup.json``), which add up to ``parts["start-up"]``.
         doctor: the doctor's phase split by check (by the codes each reports), longest first; empty when the doctor's
