@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,3 +135,17 @@ def test_inspect_with_skip_lists_the_rows_it_left_out(tiny_lm_dir, tmp_path):
     assert counts["rejected"] == 1 and counts["rows"] == 6
     assert "--on_bad_rows skip: 1 row rejected and left out:" in said
     assert any(s.startswith(f"  {data} line 3: not valid JSON") for s in said)
+
+
+def test_a_max_seq_length_below_the_template_is_refused_naming_the_template_not_the_targets(tiny_lm_dir, tmp_path):
+    from surefit.errors import DataError
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(12)), encoding="utf-8")
+    with pytest.raises(DataError) as e:
+        surefit.train(model=str(tiny_lm_dir), data=str(data), max_seq_length=8, output_dir=str(tmp_path / "run"))
+    text = str(e.value)
+    assert re.search(r"no train rows left after encoding: none of its \d+ rows fits --max_seq_length 8: the "
+                     r"prompt template alone is \d+ tokens", text), text
+    assert "no validation rows left" in text and "targets are longer" not in text, text
+    assert "keeps every row whole, input included" in text, text

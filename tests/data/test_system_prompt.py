@@ -77,3 +77,30 @@ def test_the_run_says_what_the_template_injects_and_system_prompt_none_removes_i
         assert f"{bare} of 3 rows" in enc.system_line(rows)
         if conversational:  # a row's own system turn stays
             assert "Be brief." in texts[1]
+
+
+def test_a_split_no_row_fits_names_the_templates_share_a_whole_length_and_what_shortens_the_template(tok):
+    """Rows whose targets are two tokens were reported as "all 3 targets are longer than --max_seq_length allows":
+    the chat template (its default system turn included) was what left no room. The fix offered keeps every row
+    whole (a length that cuts inputs would lose data), and names only the switches this run can use."""
+    import re
+
+    rows = _rows(False)
+    enc = _encoder(tok, False)
+    fixed = len(enc.prompt.prefix_ids) + len(enc.prompt.suffix_ids)
+    for cap, says in ((fixed, f"the prompt template alone is {fixed} tokens"),
+                      (fixed + 1, f"the prompt template takes {fixed} of them and every row's target with its EOS "
+                                  "needs more than the other 1")):
+        examples, rep = _encoder(tok, False, max_seq_length=cap).encode(rows, "train")
+        assert not examples and len(rep.excluded) == 3
+        what, fix = rep.nothing_fits(cap, "targets", enc.shorter())
+        assert what.startswith(f"no train rows left after encoding: none of its 3 rows fits --max_seq_length {cap}: ")
+        assert says in what, what
+        assert "--system_prompt none leaves out" in fix and "--chat_template false" in fix, fix
+    whole = int(re.search(r"--max_seq_length (\d+) keeps every row whole", fix).group(1))
+    examples, rep = _encoder(tok, False, max_seq_length=whole).encode(rows, "train")
+    assert len(examples) == 3 and rep.truncated == 0 and not rep.excluded
+    _, rep = _encoder(tok, False, max_seq_length=whole - 1).encode(rows, "train")
+    assert rep.truncated + len(rep.excluded) >= 1  # the least length that keeps them all
+    assert "--system_prompt" not in _encoder(tok, False, system_prompt="none").shorter()
+    assert _encoder(tok, False, chat_template=False).shorter() == ""  # the plain template: no switch to offer

@@ -193,6 +193,24 @@ class EncodeReport:
     tokens: int = 0
     supervised_tokens: int = 0
     longest_target: int = 0  # tokens, including EOS
+    template_tokens: int = 0  # the prompt template's own tokens (around the input), 0 where not one fixed template
+    template_name: str = ""  # PromptFormat.name of that template
+    longest_whole: int = 0  # tokens the longest row needs kept whole (template + input + target + EOS)
+
+    def nothing_fits(self, max_seq_length: int, unit: str = "targets", shorter: str = "") -> tuple[str, str]:
+        """(what happened, the fix) when every row of the split was excluded as too long: the template's share
+        named where it is what left no room, and a length that keeps every row whole (a fix that cuts no input).
+        ``shorter``: the settings that make this run's template shorter, in words (empty: none)."""
+        if not self.template_tokens:
+            return (f"no {self.split} rows left after encoding: all {self.rows} {unit} are longer than "
+                    f"--max_seq_length allows", f"raise --max_seq_length (now {max_seq_length}) or shorten the rows")
+        fixed, cap = self.template_tokens, max_seq_length
+        share = (f"the prompt template alone is {fixed} tokens" if fixed >= cap else
+                 f"the prompt template takes {fixed} of them and every row's target with its EOS needs more than "
+                 f"the other {cap - fixed}, even with its input cut to nothing")
+        return (f"no {self.split} rows left after encoding: none of its {self.rows} rows fits --max_seq_length {cap}: "
+                + share, f"--max_seq_length {self.longest_whole} keeps every row whole, input included"
+                + (f"; {shorter}" if shorter else ""))
 
     def summary(self) -> str:
         parts = [f"{self.split}: {self.encoded}/{self.rows} rows encoded"]
@@ -201,7 +219,8 @@ class EncodeReport:
         if self.answer_cut:
             parts.append(f"{self.answer_cut} of them lost the part of the input that contained the answer")
         if self.excluded:
-            parts.append(f"{len(self.excluded)} rows excluded (target does not fit)")
+            parts.append(f"{len(self.excluded)} rows excluded (too long for --max_seq_length"
+                         + (" even with the input cut)" if self.template_tokens else ")"))
         if self.tokens:
             parts.append(
                 f"{self.tokens} tokens, {self.supervised_tokens} supervised "
@@ -236,9 +255,11 @@ def encode_rows(
     input_ids = tokenizer(inputs, add_special_tokens=False)["input_ids"]
     target_ids = tokenizer(targets, add_special_tokens=False)["input_ids"]
     fixed = len(fmt.prefix_ids) + len(fmt.suffix_ids)
+    report.template_tokens, report.template_name = fixed, fmt.name
     examples: list[Example] = []
     for row, text, target, inp, tgt in zip(rows, inputs, targets, input_ids, target_ids, strict=True):
         tgt = list(tgt) + [eos]
+        report.longest_whole = max(report.longest_whole, fixed + len(inp) + len(tgt))
         budget = max_seq_length - fixed - len(tgt)
         if budget < 0:
             report.excluded.append(

@@ -471,6 +471,16 @@ class Encoder:
                        prompt=build_prompt_format(tokenizer, chat_template=True, system=system))
         return cls(cfg, tokenizer, why, prompt=build_prompt_format(tokenizer))
 
+    def shorter(self) -> str:
+        """The settings that make the prompt template of single-turn rows shorter, in words (empty: none)."""
+        if self.prompt is None or self.prompt.name != "chat":
+            return ""
+        ways = ["--system_prompt none leaves out the chat template's default system turn"] \
+            if self.injected is not None and self.cfg.system_prompt == "auto" else []
+        if not self.cfg.chat_format:
+            ways.append("--chat_template false uses the shorter plain template")
+        return "; ".join(ways)
+
     def encode(self, rows: list[Row], split: str, skip: bool = False) -> tuple[list[Example], EncodeReport]:
         """Examples and the report of one split. A row the chat template cannot label is an error (or, with
         ``--on_bad_rows skip``, excluded and listed)."""
@@ -750,7 +760,7 @@ def load_encoded(cfg: SFTConfig, source: Any, say: Say, early: list[Problem]) ->
                                                 encoded_store.cores(), STREAM_CHUNK)
             del train_rows  # the rows are in the store now: what stays in memory does not grow with them
             val_ex, val_rep = encoder.encode(val_rows, "validation", skip)
-        excluded, shortened = _encoding_lines(cfg, record, train_rep, val_rep, conversational)
+        excluded, shortened = _encoding_lines(cfg, record, train_rep, val_rep, conversational, encoder.shorter())
         data_report.encoding = {
             r.split: {k: v for k, v in r.__dict__.items() if k not in ("excluded", "rows_shortened")}
             | {"excluded": len(r.excluded)}
@@ -802,9 +812,10 @@ def stored_data(cfg: SFTConfig, source: Any, say: Say) -> EncodedData | None:
 
 
 def _encoding_lines(cfg: SFTConfig, say: Say, train_rep: EncodeReport, val_rep: EncodeReport,
-                    conversational: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Print what encoding did (counts, excluded and shortened rows); refuse a split left empty. Returns the rows
-    excluded and shortened, for the run folder's lists."""
+                    conversational: bool, shorter: str = "") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Print what encoding did (counts, excluded and shortened rows); refuse a split left empty (``shorter``: what
+    makes the template shorter, :meth:`Encoder.shorter`). Returns the rows excluded and shortened, for the run
+    folder's lists."""
     excluded = [{"split": r.split, "where": w, "reason": why} for r in (train_rep, val_rep) for w, why in r.excluded]
     shortened: list[dict[str, Any]] = []
     for rep in (train_rep, val_rep):
@@ -821,11 +832,13 @@ def _encoding_lines(cfg: SFTConfig, say: Say, train_rep: EncodeReport, val_rep: 
         if len(shortened_rows) > 10:
             say(f"  ... and {len(shortened_rows) - 10} more (all listed in {Path(cfg.output_dir) / SHORTENED})")
         shortened += [{"split": rep.split, "where": w, "turns_dropped": n} for w, n in shortened_rows]
-    too_long = "conversations are longer" if conversational else "targets are longer"
-    raise_if([Problem(f"no {r.split} rows left after encoding: all {r.rows} {too_long} than "
-                      "--max_seq_length allows", "--max_seq_length",
-                      f"raise --max_seq_length (now {cfg.max_seq_length}) or shorten the rows")
-              for r in (train_rep, val_rep) if r.encoded == 0 and r.rows], DataError)
+    unit = "conversations" if conversational else "targets"
+    problems = []
+    for r in (train_rep, val_rep):
+        if r.encoded == 0 and r.rows:
+            what, fix = r.nothing_fits(cfg.max_seq_length, unit, shorter)
+            problems.append(Problem(what, "--max_seq_length", fix))
+    raise_if(problems, DataError)
     return excluded, shortened
 
 

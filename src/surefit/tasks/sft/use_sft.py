@@ -138,9 +138,16 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     for where, why in rep.excluded[:10]:
         say(f"excluded {where}: {why}")
     if not examples:
-        raise DataError(Problem(f"no rows of {described} fit: all {rep.rows} targets are longer than "
-                                f"max_seq_length {cfg.max_seq_length} allows", run.where("max_seq_length"),
-                                "evaluate on rows with shorter targets"))
+        if rep.template_tokens:  # what left no room: the template's share named, as training names it
+            what = rep.nothing_fits(cfg.max_seq_length)[0].replace("no evaluation rows left after encoding",
+                                                                   f"no rows of {described} fit", 1)
+            fix = (f"evaluate on rows that fit the run's max_seq_length {cfg.max_seq_length}, or train a run with "
+                   f"--max_seq_length {rep.longest_whole} (every one of these rows whole)")
+        else:
+            what = (f"no rows of {described} fit: all {rep.rows} targets are longer than max_seq_length "
+                    f"{cfg.max_seq_length} allows")
+            fix = "evaluate on rows with shorter targets"
+        raise DataError(Problem(what, run.where("max_seq_length"), fix))
     # training's rule for the rows it scores: no answer longer than their longest reference needs (train_sft.py)
     scored = max((len(e.input_ids) - e.prompt_len for e in examples), default=0)
     max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc, scored)
