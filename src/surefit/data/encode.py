@@ -193,7 +193,8 @@ class EncodeReport:
     tokens: int = 0
     supervised_tokens: int = 0
     longest_target: int = 0  # tokens, including EOS
-    template_tokens: int = 0  # the prompt template's own tokens (around the input), 0 where not one fixed template
+    # the prompt template's own tokens (around the input), 0 where not one fixed template; alike in every chunk
+    template_tokens: int = field(default=0, metadata={"merge": "max"})
     template_name: str = ""  # PromptFormat.name of that template
     longest_whole: int = 0  # tokens the longest row needs kept whole (template + input + target + EOS)
 

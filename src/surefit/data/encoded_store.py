@@ -694,8 +694,9 @@ def chunked(fn: Callable[[int, int], Any], n: int, workers: int, chunk: int = 20
 
 
 def merge_reports(reports: Sequence[Any]) -> Any:
-    """One encoding report from the reports of consecutive chunks: counts added, ``longest_*`` the maximum, lists
-    joined in order, per-key counts added, words (the split, how tools were given) the first chunk's."""
+    """One encoding report from the reports of consecutive chunks: counts added, ``longest_*`` and fields marked
+    ``metadata={"merge": "max"}`` (a size every chunk sees alike, the template's) the maximum, lists joined in order,
+    per-key counts added, words (the split, how tools were given) the first chunk's."""
     from dataclasses import fields as dc_fields
 
     out = reports[0]
@@ -706,7 +707,8 @@ def merge_reports(reports: Sequence[Any]) -> Any:
                 if not a and b:
                     setattr(out, f.name, b)
             elif isinstance(a, int):
-                setattr(out, f.name, max(a, b) if f.name.startswith("longest") else a + b)
+                most = f.name.startswith("longest") or f.metadata.get("merge") == "max"
+                setattr(out, f.name, max(a, b) if most else a + b)
             elif isinstance(a, list):
                 a.extend(b)
             elif isinstance(a, dict):
