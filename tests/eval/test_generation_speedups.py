@@ -572,3 +572,81 @@ def test_the_draft_width_follows_the_hardware_and_the_rows_furthest_behind():
     ahead_only = [[5, 6, 7]] * 12 + [[]] * 12
     assert DraftWidth.on("cuda", sixteen_bit=True).choose(ahead_only, sure, [False] * 12 + [True] * 12) == 1
     assert DraftWidth.on("cpu", sixteen_bit=True).choose([[]] * 4, [0.5] * 4, [True] * 4) == 1
+
+
+def _windowed_lora_model(family: str, window: int):
+    """A Mistral- or Phi-3-style tiny model whose every layer attends within ``window`` tokens, LoRA as in training."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from surefit.training.speedups.lora_fast import fuse_lora
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               pad_token_id=0, eos_token_id=0, sliding_window=window)
+    model = get_peft_model(AutoModelForCausalLM.from_config(cfg),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    fuse_lora(model)
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["mistral", "phi3"])
+@pytest.mark.parametrize("switch", ["share_prefixes", "lookup"])
+def test_gaps_in_the_cache_never_move_a_sliding_window(family, switch):
+    """Shared prefixes and prompt lookup leave gaps between a row's cache columns, and a sliding window is counted in
+    columns: with an 8-token window and prompts of up to 28 tokens they gave other tokens than generate(). A batch
+    whose cache could pass the window is now generated without them (counted); where the window cannot bite
+    (64 tokens) they are still used, with generate()'s tokens."""
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    on = {"share_prefixes": True} if switch == "share_prefixes" else {"lookup_tokens": 3}
+    prompts = _copying_prompts() if switch == "lookup" else _prompts()
+    for window, n in ((8, 10), (64, 6)):
+        model = _windowed_lora_model(family, window)
+        free = _plain(model, prompts, set(), n, batch_size=3)
+        eos = {free[0][2], free[4][3]}
+        want = _plain(model, prompts, eos, n, batch_size=3)
+        stats: dict = {}
+        got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=n,
+                                                     batch_size=3, **on), lora_context=lean_lora, stats=stats)
+        assert got == want, window
+        if window == 8:  # every prompt is longer than the window: every batch that would leave gaps is counted
+            from surefit.eval.generate import _batches
+
+            gapped = len(prompts) if switch == "lookup" else sum(
+                len(idx) for idx, shared in _batches(prompts, 3, True) if any(shared))
+            assert stats["window"] == 8 and stats["window_rows"] == gapped > 0
+            assert stats["prefill_tokens"] == stats["prompt_tokens"] and stats["drafted"] == 0
+        else:
+            assert "window_rows" not in stats
+            used = stats["prefill_tokens"] < stats["prompt_tokens"] if switch == "share_prefixes" else stats["drafted"]
+            assert used
+
+
+def test_an_evaluation_says_which_answers_a_sliding_window_kept_from_the_shared_prefixes():
+    from conftest import build_tokenizer
+    from surefit.tasks.sft.train_sft import Generation, generate_texts
+    from surefit.training.precision import make_accelerator
+    from surefit.training.work import Switches
+
+    tok = build_tokenizer()
+    model = _windowed_lora_model("mistral", 24)
+    g = torch.Generator().manual_seed(2)
+
+    def rand(n):
+        return torch.randint(2, 64, (n,), generator=g).tolist()
+
+    para = rand(20)
+    # batches of 3: three rows of 30 tokens, three on one paragraph (23), three of 4 that stay within the window
+    # with room for 6 answer tokens and 6 turned-down drafts
+    prompts = [rand(30) for _ in range(3)] + [para + rand(3) for _ in range(3)] + [rand(4) for _ in range(3)]
+    said: list[str] = []
+    sw = Switches(eval_share_prefixes=True, prompt_lookup_num_tokens=2)
+    got = generate_texts(model, prompts, tok, make_accelerator("fp32"), Generation([0], 6, 3, sw), say=said.append)
+    want = generate_texts(model, prompts, tok, make_accelerator("fp32"), Generation([0], 6, 3), say=lambda _: None)
+    assert got == want
+    hits = [s for s in said if "sliding window" in s]
+    assert len(hits) == 1, said
+    assert hits[0].startswith("--eval_share_prefixes and --prompt_lookup_num_tokens: not used for 6 of 9 answers: ")
+    assert "sliding window (24 tokens)" in hits[0] and "(the same answers, slower)" in hits[0]

@@ -37,6 +37,9 @@ round differently in 16 bits and are off unless asked for:
   prompt. Turned-down drafts stay in the cache as masked columns (room for ``max_new_tokens`` of them is reserved, and
   no draft goes past it); ``DraftWidth`` chooses each forward's columns. Computed in another shape, 16-bit rounding
   can differ.
+- Both of the last two leave gaps between a row's cache columns (a shared prefix's padding, turned-down drafts).
+  A sliding window is counted in columns, so a batch whose cache could grow past the model's window is generated
+  without them (counted in ``stats``): with the gaps the window would drop tokens it keeps in ``generate``.
 """
 
 from __future__ import annotations
@@ -146,7 +149,8 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
             around the whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
         stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``lora_out_of_memory``
             (0/1: ``lora_context`` yielded an object whose ``out_of_memory`` is true), ``prompt_tokens``,
-            ``prefill_tokens`` (computed).
+            ``prefill_tokens`` (computed); ``window`` and ``window_rows``: the model's sliding window and the prompts
+            generated without shared prefixes and drafts because their cache could pass it.
 
     Returns:
         The generated token ids per prompt, without the prompt and without the EOS.
@@ -164,6 +168,7 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
         if why is not None:
             raise ValueError(f"loss_pass: {why}")
     batches = _batches(prompts, batch_size, share_prefixes)
+    window = sliding_window(model)
     counts: dict[str, int] = {}
     out: list[list[int]] = [[] for _ in prompts]
     eos = set(eos_token_ids)
@@ -179,8 +184,15 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
                 stats["lora_out_of_memory"] = int(bool(getattr(entered, "out_of_memory", False)))
             for idx, shared in batches:
                 ctx = autocast() if autocast is not None else contextlib.nullcontext()
+                lookup_tokens = decode.lookup_tokens
+                if window is not None and (any(shared) or lookup_tokens) and _columns(
+                        [prompts[i] for i in idx], shared, max_new_tokens, lookup_tokens) > window:
+                    # A gap in the cache (a shared prefix's padding, a turned-down draft) moves the columns apart
+                    # while the positions stay: the window, counted in columns, would cut tokens it should keep.
+                    shared, lookup_tokens = [0] * len(idx), 0
+                    stats.update(window=window, window_rows=stats.get("window_rows", 0) + len(idx))
                 how = _Step(pad_token_id, eos, max_new_tokens, device, reuse_cache, decode.prefill_batch,
-                            decode.loss_pass, decode.lookup_tokens, counts)
+                            decode.loss_pass, lookup_tokens, counts)
                 feats = None if decode.loss_pass is None else [decode.loss_pass.features[i] for i in idx]
                 with ctx:
                     new, computed = _decode(model, [prompts[i] for i in idx], shared, how, feats)
@@ -195,6 +207,31 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
     stats.update(decode_forwards=counts.get("decode_forwards", 0), drafted=counts.get("drafted", 0),
                  confirmed=counts.get("confirmed", 0))
     return out
+
+
+def sliding_window(model: Any) -> int | None:
+    """The narrowest attention window any layer of the model applies, in tokens (None: every layer sees the whole
+    context). Read from the config as transformers builds the masks from it: ``sliding_window`` unless
+    ``use_sliding_window`` is false or ``layer_types`` names no sliding layer."""
+    cfg = getattr(inner_model(model), "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window or getattr(text, "use_sliding_window", True) is False or (
+            types is not None and "sliding_attention" not in types):
+        return None
+    return int(window)
+
+
+def _columns(prompts: list[list[int]], shared: list[int], max_new_tokens: int, lookup_tokens: int) -> int:
+    """The most cache columns a batch can reach: its prompts as :func:`_prefill` lays them out (the longest shared
+    prefix, then the longest rest) and room for the answers (twice with prompt lookup: turned-down drafts)."""
+    if any(shared):
+        heads = [n or len(p) - 1 for p, n in zip(prompts, shared, strict=True)]
+        width = max(heads) + max(len(p) - n for p, n in zip(prompts, heads, strict=True))
+    else:
+        width = max(map(len, prompts))
+    return width + max_new_tokens * (2 if lookup_tokens else 1)
 
 
 def _lcp(a: list[int], b: list[int]) -> int:

@@ -1205,6 +1205,13 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
             "generation",
             say,
         )
+    if stats.get("window_rows"):
+        used = [f for f, on in (("--eval_share_prefixes", gen.switches.eval_share_prefixes),
+                                ("--prompt_lookup_num_tokens", lookup_tokens)) if on]
+        _say_once(inner, f"{' and '.join(used)}: not used for {stats['window_rows']} of {len(prompts)} answers: their "
+                  f"prompt and answer can pass the model's sliding window ({stats['window']} tokens), which the gaps "
+                  "these leave in the KV cache would move; those were generated from whole prompts, one token per "
+                  "step (the same answers, slower)", say)
     if out is not None and stats.get("drafted"):
         out.drafted, out.confirmed = out.drafted + stats["drafted"], out.confirmed + stats["confirmed"]
     if stats.get("merge_out_of_memory"):
