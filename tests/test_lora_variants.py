@@ -57,3 +57,45 @@ def test_fused_forward_computes_what_peft_does_for_each_variant(kw):
         fuse_lora(model)
         got = model(input_ids=ids).logits
     assert torch.allclose(got, want, atol=1e-6)  # DoRA falls back to peft's forward; rsLoRA's scaling is used
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_an_moe_model_trains_at_the_default_dropout_and_its_adapter_loads_with_plain_peft(family, tmp_path, capsys):
+    """transformers 5 stores MoE experts as fused 3-D parameters, which peft adapts through ParamWrapper; that refuses
+    any lora_dropout, so the default 0.05 stopped every MoE run ('cannot apply LoRA: lora.ParamWrapper does not work
+    with lora_dropout != 0', after peft had already changed the model). Now the linear layers' adapters get the
+    dropout, the experts' none, and the run says so."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import build_tokenizer, qa_rows
+
+    tok = build_tokenizer()
+    extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+             "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)}[family]
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(family, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **extra)
+    folder = tmp_path / "model"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--data", str(data), "--epochs", "2", "--lora_r", "4",
+                 "--batch_size", "4", "--max_seq_length", "128", "--lr", "1e-2", "--max_new_tokens", "2",
+                 "--precision", "fp32", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ("--lora_dropout 0.05: on the adapters of the 8 linear layers; the fused MoE parameters (down_proj, "
+            "gate.weight, gate_up_proj) are adapted through peft's parameter LoRA, which takes no dropout") in printed
+    assert "gate_up_proj (parameter)" in printed
+    losses = [json.loads(x)["eval_loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x).get("type") == "epoch"]
+    assert losses[-1] < losses[0]
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "final")
+    experts = [m for m in model.modules() if type(m).__name__ == "ParamWrapper"]
+    assert len(experts) == 6  # gate_up_proj, down_proj and the router in each of the 2 layers
+    trained = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
+    assert trained and all(v.abs().sum() > 0 for v in trained.values())

@@ -222,6 +222,25 @@ def plain_lora_adapter(layer: Any, quantized_base: bool = False) -> str | None:
     return name
 
 
+def _parameter_targets(model: Any, lora: Any) -> set[str]:
+    """The parameters (not modules) peft will adapt for ``lora`` on ``model``: transformers 5 stores an MoE layer's
+    experts as fused 3-D parameters, and peft maps module targets (``all-linear`` included) onto them. Read from
+    peft's own conversion, run on a copy of the config (the model is only read); empty where peft has none."""
+    import copy
+
+    probe = copy.deepcopy(lora)
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers,
+            get_model_conversion_mapping,
+        )
+
+        convert_peft_config_for_transformers(probe, model=model, conversions=get_model_conversion_mapping(model))
+    except (ImportError, AttributeError, TypeError, ValueError):  # another peft: only what was asked for
+        pass
+    return set(getattr(probe, "target_parameters", None) or [])
+
+
 def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, note: str = "", part: str | None = None) -> Any:
     """Wrap ``model`` (or its submodule ``part``, e.g. a classifier's ``backbone``) with LoRA adapters as ``cfg``
     (``lora_r``, ``lora_alpha``, ``lora_dropout``, ``lora_targets``) says, and report what trains over the whole
@@ -245,12 +264,35 @@ def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, n
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.resolved_lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=lora_targets(cfg.lora_targets), use_dora=variant == "dora",
                       use_rslora=variant == "rslora", **extra)
+    target = getattr(model, part) if part else model
+    fused_experts = sorted(_parameter_targets(target, lora))
+    if fused_experts and cfg.lora_dropout:
+        # peft adapts transformers 5's fused MoE experts (3-D parameters) through ParamWrapper, which refuses any
+        # dropout (and raises after it has already changed the model): build without, then give the linear layers'
+        # adapters the dropout asked for.
+        import dataclasses
+
+        lora = dataclasses.replace(lora, lora_dropout=0.0)
     try:
-        wrapped = get_peft_model(getattr(model, part) if part else model, lora)
+        wrapped = get_peft_model(target, lora)
     except ValueError as e:
         raise ConfigError(
             Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or names of Linear modules")
         ) from e
+    if fused_experts and cfg.lora_dropout:
+        import torch
+
+        with_dropout = 0
+        for layer in wrapped.modules():
+            drop = getattr(layer, "lora_dropout", None)
+            if isinstance(drop, torch.nn.ModuleDict) and type(layer).__name__ != "ParamWrapper":
+                for name in list(drop.keys()):
+                    drop[name] = torch.nn.Dropout(p=cfg.lora_dropout)
+                    with_dropout += 1
+        say(f"--lora_dropout {cfg.lora_dropout}: on the adapters of the {with_dropout} linear layers; the fused MoE "
+            f"parameters ({', '.join(fused_experts)}) are adapted through peft's parameter LoRA, which takes no "
+            "dropout (the saved adapter_config.json says lora_dropout 0.0 for that reason; --lora_dropout 0 for none "
+            "anywhere)")
     if part:
         setattr(model, part, wrapped)
     else:
@@ -258,7 +300,8 @@ def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, n
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     applied: Any = wrapped.peft_config["default"]  # a LoraConfig; peft types it as its base class
-    adapted = sorted({n.split(".")[-1] for n in applied.target_modules})
+    adapted = sorted({n.split(".")[-1] for n in applied.target_modules or []})
+    adapted += [f"{n} (parameter)" for n in sorted(applied.target_parameters or [])]
     kind = {"lora": "LoRA", "dora": "DoRA", "rslora": "rsLoRA"}[variant]
     scale = f" (scaling alpha/sqrt(r) = {cfg.resolved_lora_alpha / cfg.lora_r ** 0.5:.3g})" if variant == "rslora" else ""
     say(f"{kind} r={cfg.lora_r} alpha={cfg.resolved_lora_alpha}{scale} on {', '.join(adapted)}: {trainable:,} trainable "
