@@ -650,3 +650,41 @@ def test_an_evaluation_says_which_answers_a_sliding_window_kept_from_the_shared_
     assert len(hits) == 1, said
     assert hits[0].startswith("--eval_share_prefixes and --prompt_lookup_num_tokens: not used for 6 of 9 answers: ")
     assert "sliding window (24 tokens)" in hits[0] and "(the same answers, slower)" in hits[0]
+
+
+@pytest.mark.parametrize("family", ["lfm2", "qwen3_next"])
+def test_a_model_with_convolution_or_linear_attention_layers_generates_generates_tokens(family):
+    """LFM2's convolution layers and Qwen3-Next's linear attention keep states, not keys: the reserved cache left
+    them alone only after reading their (absent) keys, and a finished row could not leave the batch
+    (``batch_select_indices`` does not cover them): every evaluation of such a model stopped with an AttributeError.
+    Now their states are selected as beam search reorders them, and rows end at different steps."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, pad_token_id=0, eos_token_id=0)
+    if family == "lfm2":
+        kw.update(layer_types=["conv", "full_attention"])
+    else:
+        kw.update(head_dim=8, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                  linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                  shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"])
+    from peft import LoraConfig, get_peft_model
+
+    from surefit.training.speedups.lora_fast import fuse_lora
+
+    model = get_peft_model(AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **kw)),
+                           LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    fuse_lora(model)
+    model.eval()
+    prompts = _prompts()
+    free = _plain(model, prompts, set(), 8, batch_size=3)
+    eos = {free[0][2], free[4][3]}
+    want = _plain(model, prompts, eos, 8, batch_size=3)
+    assert len(set(map(len, want))) > 1
+    for decode in (dict(batch_size=3), dict(batch_size=3, reuse_cache=False), dict(batch_size=9, prefill_batch=3)):
+        got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=sorted(eos), max_new_tokens=8,
+                                                     **decode), lora_context=lean_lora)
+        assert got == want, decode

@@ -90,14 +90,46 @@ def test_the_loss_pass_is_refused_where_the_prompts_are_computed_otherwise():
                                                loss_pass=LossPass(feats, _head_loss)))
 
 
-def test_a_sliding_window_cache_stops_the_loss_pass_before_any_loss_is_added():
-    from transformers import MistralConfig, MistralForCausalLM
+@pytest.mark.parametrize("family", ["mistral", "gemma3_text"], ids=["every-layer-windowed", "mixed-layers"])
+def test_a_sliding_window_model_gets_the_loss_and_tokens_of_two_passes(family):
+    """transformers' own cache for a sliding-window layer keeps only the window's last tokens and cannot be cut;
+    generation gives such models a full-length cache (the mask still applies the window), so the loss pass, the
+    stacked prefill and the reserved cache serve them too, with the numbers of two passes (window 4, prompts up to
+    19 tokens: the window bites)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    base = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
-                                            pad_token_id=0, eos_token_id=0))
-    model = _lora_model(base=base)
+    cfg = AutoConfig.for_model(family, vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                               pad_token_id=0, eos_token_id=0)
+    model = _lora_model(base=AutoModelForCausalLM.from_config(cfg))
+    prompts, feats = _examples()
+    want_loss, want_n = _separate_loss(model, feats)
+    for prefill_batch in (None, 2):
+        decode = dict(pad_token_id=0, eos_token_ids=[], max_new_tokens=6, batch_size=7, prefill_batch=prefill_batch)
+        want = greedy_generate(model, prompts, Decode(**decode, reuse_cache=False))  # the model's own cache
+        passes = LossPass(feats, _head_loss)
+        assert greedy_generate(model, prompts, Decode(**decode, loss_pass=passes)) == want
+        assert passes.tokens == want_n
+        assert passes.loss_sum / passes.tokens == pytest.approx(want_loss, rel=1e-5)
+
+
+def _linear_attention_model():
+    """A Qwen3-Next-style tiny model: a linear-attention (gated delta rule) layer, then a full-attention one."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("qwen3_next", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                               linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=16, layer_types=["linear_attention", "full_attention"],
+                               pad_token_id=0, eos_token_id=0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_a_linear_attention_cache_stops_the_loss_pass_before_any_loss_is_added():
+    model = _lora_model(base=_linear_attention_model())
     prompts, feats = _examples(4)
     passes = LossPass(feats, _head_loss)
     with pytest.raises(LossPassUnfit, match="full-attention"):

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from surefit.data.collate import IGNORE_INDEX, PadCollator
-from surefit.eval.generate_speedups import DraftWidth, Merged, PromptLookup, merged_lora, reserve
+from surefit.eval.generate_speedups import DraftWidth, Merged, PromptLookup, merged_lora, reserve, select_rows
 from surefit.models import inner_model
 from surefit.threads import check_threads
 
@@ -64,7 +64,7 @@ MIN_SHARED_PREFIX = 16
 
 
 class LossPassUnfit(RuntimeError):
-    """The model's KV cache holds layers other than plain full-attention ones (sliding windows, linear attention), so
+    """The model's KV cache holds layers other than plain attention ones (linear attention, convolutions), so
     a prompt's keys and values cannot be cut out of the whole example's, or the model transforms its logits after the
     head. Raised at the first batch, before any loss is added: the caller computes the loss in a pass of its own."""
 
@@ -223,6 +223,18 @@ def sliding_window(model: Any) -> int | None:
     return int(window)
 
 
+def other_layer_kinds(model: Any) -> list[str]:
+    """The model's layer kinds other than full and sliding-window attention (convolutions, linear attention, Mamba
+    mixers; layers that reuse another's keys), from its config: their cache holds states, not keys and values, so
+    the loss pass cannot cut it. Empty for a plain attention model."""
+    cfg = getattr(inner_model(model), "config", None)
+    text = cfg.get_text_config() if cfg is not None and hasattr(cfg, "get_text_config") else cfg
+    kinds = sorted(set(getattr(text, "layer_types", None) or []) - {"full_attention", "sliding_attention"})
+    if getattr(text, "num_kv_shared_layers", 0):
+        kinds.append("shared key/value")
+    return kinds
+
+
 def _columns(prompts: list[list[int]], shared: list[int], max_new_tokens: int, lookup_tokens: int) -> int:
     """The most cache columns a batch can reach: its prompts as :func:`_prefill` lays them out (the longest shared
     prefix, then the longest rest) and room for the answers (twice with prompt lookup: turned-down drafts)."""
@@ -290,7 +302,8 @@ def _prefill(model: Any, prompts: list[list[int]], shared: list[int], pad_token_
         batch = collate([{"input_ids": p} for p in prompts])
         ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
         positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
-        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **extra)
+        step = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                     **_own_cache(model, cache_arg), **extra)
         return step, mask, positions[:, -1], int(mask.sum())
     heads: dict[tuple[int, ...], int] = {}
     which, rests = [], []
@@ -302,10 +315,11 @@ def _prefill(model: Any, prompts: list[list[int]], shared: list[int], pad_token_
     pre = collate([{"input_ids": list(h)} for h in heads])
     pre_ids, pre_mask = pre["input_ids"].to(device), pre["attention_mask"].to(device)
     pre_pos = (pre_mask.long().cumsum(-1) - 1).clamp(min=0)
-    first = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True, **extra)
+    first = model(input_ids=pre_ids, attention_mask=pre_mask, position_ids=pre_pos, use_cache=True,
+                  **_own_cache(model, cache_arg), **extra)
     cache = getattr(first, cache_arg)
     rows = torch.tensor(which, device=device)
-    cache.batch_select_indices(rows)
+    select_rows(cache, rows)
     rest = collate([{"input_ids": r} for r in rests])
     rest_ids, rest_mask = rest["input_ids"].to(device), rest["attention_mask"].to(device)
     mask = torch.cat([pre_mask[rows], rest_mask], dim=1)
@@ -364,7 +378,8 @@ def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, li
     capture = HeadInput()
     setattr(inner, name, capture)
     try:
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=keep)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=keep,
+                    **_own_cache(model, cache_arg))
     finally:
         setattr(inner, name, head)
     if out.logits is not capture.seen:
@@ -390,9 +405,25 @@ def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, li
     return step, mask[:, :width], positions[:, width - 1], int(mask.sum())
 
 
+def _own_cache(model: Any, cache_arg: str) -> dict[str, Any]:
+    """A cache of plain full-length layers for a model whose every layer is full or sliding-window attention (none
+    where it has other kinds: linear attention, convolutions, shared keys keep the model's own cache).
+
+    transformers gives a sliding-window layer a cache that keeps only the window's last tokens; the mask applies the
+    window either way (counted in columns, which are the positions where a row's cache has no gaps), so a full-length
+    cache gives the same numbers, and is one the loss pass can cut, the stacked prefill can stack and ``Reserved``
+    can write in place. The planner already sizes the generation cache as full-length in every layer."""
+    if sliding_window(model) is None or other_layer_kinds(model):
+        return {}
+    from transformers.cache_utils import DynamicCache
+
+    return {cache_arg: DynamicCache()}
+
+
 def _plain_layers(cache: Any) -> list[Any] | None:
     """The cache's layers where every one is a plain full-attention ``DynamicLayer`` holding 4-D keys (what can be
-    cut, stacked and reserved); None otherwise (sliding windows, linear attention, quantised caches)."""
+    cut, stacked and reserved); None otherwise (transformers' own sliding-window layers, linear attention, quantised
+    caches; :func:`_own_cache` gives a sliding-window model plain layers)."""
     layers = getattr(cache, "layers", None)
     if not layers or any(type(layer) is not DynamicLayer or layer.keys is None or layer.keys.dim() != 4
                          for layer in layers):
@@ -510,7 +541,7 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step,
         if ended:
             gone = set(ended)
             keep = torch.tensor([k for k in range(len(alive)) if k not in gone], device=attention_mask.device)
-            cache.batch_select_indices(keep)
+            select_rows(cache, keep)
             alive, pending, attention_mask, last = alive[keep], pending[keep], attention_mask[keep], last[keep]
         drafts: list[list[int]] = []
         width = 1

@@ -65,14 +65,30 @@ class Reserved(DynamicLayer):
         raise NotImplementedError("a reserved generation cache is not cropped")
 
 
+def select_rows(cache: Any, rows: torch.Tensor) -> None:
+    """Keep (or repeat) the cache's batch rows ``rows``, layer by layer: attention layers select their keys and
+    values; the states of linear-attention and convolution layers (LFM2, Qwen3-Next, hybrid Mamba models), which
+    transformers' ``batch_select_indices`` does not cover, are selected as beam search reorders them."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        cache.batch_select_indices(rows)
+        return
+    for layer in layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(rows)
+        else:
+            layer.reorder_cache(rows)
+
+
 def reserve(cache: Any, room: int) -> int:
     """Replace each plain full-attention layer of ``cache`` by a :class:`Reserved` one with ``room`` more slots;
     other layer kinds (sliding windows, linear attention, quantized) stay as they are. Returns how many changed."""
     n = 0
     for i, layer in enumerate(getattr(cache, "layers", [])):
+        if type(layer) is not DynamicLayer:  # a linear-attention or convolution layer has no keys at all
+            continue
         keys, values = layer.keys, layer.values
-        if type(layer) is DynamicLayer and layer.is_initialized and keys is not None and values is not None \
-                and keys.dim() == 4:
+        if layer.is_initialized and keys is not None and values is not None and keys.dim() == 4:
             kind = keys.device.type
             dtype = None
             if keys.dtype == torch.float32 and values.dtype == torch.float32 and torch.is_autocast_enabled(kind):

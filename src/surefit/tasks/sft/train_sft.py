@@ -83,7 +83,7 @@ from surefit.errors import (
     raise_if,
     raise_with_rejected,
 )
-from surefit.eval.generate import Decode, LossPass, LossPassUnfit, greedy_generate, why_no_loss_pass
+from surefit.eval.generate import Decode, LossPass, LossPassUnfit, greedy_generate, other_layer_kinds, why_no_loss_pass
 from surefit.eval.metrics import exact_match, rouge_l, squad_scores, token_f1
 from surefit.eval.progress import Progress, phase
 from surefit.models import (
@@ -1268,6 +1268,10 @@ def _loss_in_prefill(model: Any, examples: list[Example], scoring: Scoring, acce
         return None
     if fused_head.softcap_of(inner) is not None:  # found at the first batch too; known before, so no bar breaks off
         _two_passes(inner, "the model soft-caps its logits after the LM head", say)
+        return None
+    if other_layer_kinds(inner):  # the same: found at the first batch, known from the config
+        _two_passes(inner, f"its {', '.join(other_layer_kinds(inner))} layers keep states the prompts' cache cannot be "
+                    "cut from", say)
         return None
     features = [e.features() for e in examples]
     share = sw.eval_share_prefixes and why_not_shared(inner) is None
