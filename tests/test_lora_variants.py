@@ -99,3 +99,41 @@ def test_an_moe_model_trains_at_the_default_dropout_and_its_adapter_loads_with_p
     assert len(experts) == 6  # gate_up_proj, down_proj and the router in each of the 2 layers
     trained = {k: v for k, v in model.state_dict().items() if "lora_B" in k}
     assert trained and all(v.abs().sum() > 0 for v in trained.values())
+
+
+def test_a_mamba_hybrid_trains_on_all_linear_without_the_mixer_layers_peft_refuses(tmp_path, capsys):
+    """peft expands all-linear into a Mamba mixer's out_proj, then refuses it part-way through changing the model
+    ('Module 'out_proj' is incompatible with Mamba-based models'), so Falcon-H1 failed on the default targets. Now
+    the run adapts every other linear layer and says which it left out; the adapter loads with plain peft."""
+    from peft import PeftModel
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import build_tokenizer, qa_rows
+
+    tok = build_tokenizer()
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model("falcon_h1", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               max_position_embeddings=512, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
+                               mamba_d_state=16, mamba_expand=1, mamba_chunk_size=16,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    folder = tmp_path / "model"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
+    out = tmp_path / "run"
+    assert main(["train", "--model", str(folder), "--data", str(data), "--epochs", "2", "--lora_r", "4",
+                 "--batch_size", "4", "--max_seq_length", "128", "--lr", "1e-2", "--max_new_tokens", "2",
+                 "--precision", "fp32", "--output_dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert ("--lora_targets all-linear: not on out_proj, which peft cannot adapt on a falcon_h1 model (a Mamba "
+            "mixer's); on the other linear layers (down_proj, gate_proj, in_proj, k_proj, o_proj, q_proj, up_proj, "
+            "v_proj;") in printed
+    losses = [json.loads(x)["eval_loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x).get("type") == "epoch"]
+    assert losses[-1] < losses[0]
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "final")
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"down_proj", "gate_proj", "in_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"}

@@ -222,6 +222,23 @@ def plain_lora_adapter(layer: Any, quantized_base: bool = False) -> str | None:
     return name
 
 
+def _refused_by_peft(model: Any, lora: Any, names: set[str]) -> set[str]:
+    """Those of ``names`` peft's architecture check refuses as LoRA targets on ``model`` (a Mamba mixer's
+    ``out_proj`` on Falcon-H1, Mamba 2, Nemotron-H). peft expands ``all-linear`` into them and then raises part-way
+    through changing the model, so surefit asks the same check first. Empty where peft has no such check."""
+    try:
+        from peft.tuners.tuners_utils import _check_lora_target_modules_mamba as check
+    except ImportError:
+        return set()
+    refused = set()
+    for name in names:
+        try:
+            check(lora, model, name)
+        except ValueError:
+            refused.add(name)
+    return refused
+
+
 def _parameter_targets(model: Any, lora: Any) -> set[str]:
     """The parameters (not modules) peft will adapt for ``lora`` on ``model``: transformers 5 stores an MoE layer's
     experts as fused 3-D parameters, and peft maps module targets (``all-linear`` included) onto them. Read from
@@ -273,6 +290,21 @@ def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, n
         import dataclasses
 
         lora = dataclasses.replace(lora, lora_dropout=0.0)
+    import torch
+
+    if cfg.lora_targets == "all-linear":
+        head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+        linear = {n.rsplit(".", 1)[-1] for n, m in target.named_modules() if isinstance(m, torch.nn.Linear)
+                  and m is not head}
+        refused = _refused_by_peft(target, lora, linear)
+        if refused and linear - refused:
+            import dataclasses
+
+            kept = sorted(linear - refused)
+            lora = dataclasses.replace(lora, target_modules=kept)
+            say(f"--lora_targets all-linear: not on {', '.join(sorted(refused))}, which peft cannot adapt on a "
+                f"{getattr(target.config, 'model_type', '?')} model (a Mamba mixer's); on the other linear layers "
+                f"({', '.join(kept)}; the saved adapter_config.json names them)")
     try:
         wrapped = get_peft_model(target, lora)
     except ValueError as e:
@@ -280,8 +312,6 @@ def apply_lora(model: Any, cfg: TrainConfig, task_type: str | None, say=print, n
             Problem(f"cannot apply LoRA: {e}", "--lora_targets", "use 'all-linear' or names of Linear modules")
         ) from e
     if fused_experts and cfg.lora_dropout:
-        import torch
-
         with_dropout = 0
         for layer in wrapped.modules():
             drop = getattr(layer, "lora_dropout", None)
