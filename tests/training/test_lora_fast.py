@@ -101,6 +101,71 @@ def test_fp32_adapters_reading_a_norms_output_keep_the_norms_inputs_instead_with
     assert saved[1] - saved[0] == 3 * batch["input_ids"].numel() * 32 * 4
 
 
+def test_16_bit_adapters_reading_a_norms_output_make_its_copy_again_once_with_the_same_bits(monkeypatch):
+    """On 16-bit frozen weights q/k/v and gate/up kept a shared bf16 copy of their norm's output for their A
+    gradients; now the norm's input and row scale (kept by the norm anyway) make it again in the backward pass, once
+    per norm for the adapters sharing it. Without the activation store that is the same copy: the same loss and
+    gradients to the bit, dropout included, and two bf16 tensors of the hidden width per token fewer per block."""
+    import surefit.training.speedups.lora_fast as lf
+    from surefit.training.plan import measure_saved_bytes
+
+    model = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    model.train()
+    batch = _batch()
+    made_again = []
+    again = lf._norm_again
+    monkeypatch.setattr(lf, "_norm_again", lambda *a: made_again.append(1) or again(*a))
+    results, saved = [], []
+    for recipes in (True, False):
+        monkeypatch.setattr(lf, "NORM_RECIPES_16", recipes)
+        torch.manual_seed(5)
+        results.append(_loss_and_grads(model, batch, bf16=True))
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            saved.append(measure_saved_bytes(model, lambda: causal_lm_loss_sum(model, batch)[0]))
+    (loss, g), (loss_plain, g_plain) = results
+    assert loss == loss_plain
+    assert g.keys() == g_plain.keys() and len(g) == 28
+    assert all(torch.equal(g[k], g_plain[k]) for k in g)
+    # each norm's copy made again once, not once per adapter reading it: block 1's two norms and block 0's second
+    # (block 0's first reads the embeddings, which need no gradient, so no norm recipe is tagged there)
+    assert len(made_again) == 3
+    assert lf._last_norm[0] is None  # the last copy went with the graph that needed it
+    assert saved[1] - saved[0] == 3 * batch["input_ids"].numel() * 32 * 2
+
+
+def test_under_the_bf16_store_the_copy_made_again_is_within_a_bf16_step_and_trains_the_same(monkeypatch):
+    """With activations saved in bf16 the norm's input comes back rounded, so the copy made again can differ from the
+    forward's by a bf16 step: the loss is the same (the forward is untouched), the A gradients within bf16 rounding,
+    the rest to the bit."""
+    import surefit.training.speedups.lora_fast as lf
+    from surefit.training.speedups.lora_fast import SavedActivationsIn
+
+    monkeypatch.setattr(SavedActivationsIn, "MIN_NUMEL", 1)  # this tiny batch's tensors are packed too
+
+    model = _peft(tiny_llama())
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    batch = _batch()
+    results = []
+    for recipes in (True, False):
+        lf.NORM_RECIPES_16 = recipes
+        try:
+            with SavedActivationsIn():
+                results.append(_loss_and_grads(model, batch, bf16=True))
+        finally:
+            lf.NORM_RECIPES_16 = True
+    (loss, g), (loss_plain, g_plain) = results
+    assert loss == loss_plain
+    a_grads = [k for k in g if "lora_A" in k and any(n in k for n in ("q_proj", "k_proj", "v_proj", "gate", "up_"))]
+    assert len(a_grads) == 10  # 5 adapters reading a norm x 2 blocks
+    assert all(torch.equal(g[k], g_plain[k]) for k in g if k not in a_grads)
+    assert all(_rel(g[k], g_plain[k]) < 0.02 for k in a_grads)
+    assert any(not torch.equal(g[k], g_plain[k]) for k in a_grads)
+
+
 def test_a_norms_output_changed_in_place_before_an_adapter_reads_it_is_saved_as_it_is():
     """An in-place change voids the recipe (the adapter's gradient is the changed input's); the norm's output may be
     changed in place at all (it was once a view made inside a Function, which autograd forbids changing)."""

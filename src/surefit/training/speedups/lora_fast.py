@@ -15,7 +15,6 @@ base) falls back to peft's own forward at call time. Why and what was measured: 
 
 from __future__ import annotations
 
-import functools
 import math
 import re
 import types
@@ -252,6 +251,11 @@ class _LoraMixed(torch.autograd.Function):
     Saves the shared 16-bit copy of ``x`` (one for q, k and v), a bit mask, the rank-r projection and 16-bit copies
     of the adapter; the dropped input is recomputed in the backward pass. The adapter's gradients come from 16-bit
     matmuls with fp32 accumulation, as under autocast, and are returned in the adapter's dtype.
+
+    Where ``x`` is an RMSNorm's output (q/k/v, gate/up), the 16-bit copy is not kept: the norm's input and row scale,
+    which the norm keeps anyway, make it again in the backward pass, once for the adapters sharing it
+    (:func:`_low_norm_again`). Only the A gradient reads it. Under :class:`SavedActivationsIn` the norm's input comes
+    back rounded to bf16, so the copy made again can differ from the forward's by one bf16 step in some elements.
     """
 
     @staticmethod
@@ -273,13 +277,18 @@ class _LoraMixed(torch.autograd.Function):
             if bias is not None:
                 out.add_(bias)
         ctx.scaling, ctx.x_dtype = scaling, x.dtype
-        ctx.save_for_backward(xh, _saved_mask(ctx, keep), u, w, ah, bh)
+        recipe = _norm_recipe(x) if NORM_RECIPES_16 else None
+        ctx.norm = None if recipe is None else (recipe[3], recipe[5])
+        if recipe is None:
+            ctx.save_for_backward(xh, _saved_mask(ctx, keep), u, w, ah, bh, None, None, None)
+        else:  # x is a norm's output: keep what the norm keeps anyway and make xh again in the backward pass
+            ctx.save_for_backward(None, _saved_mask(ctx, keep), u, w, ah, bh, *recipe[:3])
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         _check_threads()
-        xh, keep, u, w, ah, bh = ctx.saved_tensors
+        xh, keep, u, w, ah, bh, nx, nr, nw = ctx.saved_tensors
         keep = _restored_mask(ctx, keep)
         needs = ctx.needs_input_grad
         with torch.autocast(grad.device.type, enabled=False):
@@ -288,6 +297,8 @@ class _LoraMixed(torch.autograd.Function):
             grad_u = (g @ bh).mul_(ctx.scaling)  # through u = scaling * (dropout(x) @ a.t())
             grad_a = None
             if needs[4]:
+                if ctx.norm is not None:
+                    xh = _low_norm_again(nx, nr, nw, ctx.norm, w.dtype)
                 kf = None if keep is None else _as(keep, xh.dtype)
                 grad_a = _reduce(grad_u, _masked(xh, kf))
             grad_x = None
@@ -565,7 +576,9 @@ _RMS_NORM_FORWARD = (
     "return self.weight * hidden_states.to(input_dtype)",
 )
 _rms_norm_classes: dict[type, bool] = {}
-FUSED_RMS_NORM = True  # False: transformers' own norm forward (benchmarks/gpu_profile.py --norm transformers)
+FUSED_RMS_NORM = True
+# False: 16-bit adapters (_LoraMixed) keep their copy of a norm's output rather than make it again in the backward pass
+NORM_RECIPES_16 = True  # False: transformers' own norm forward (benchmarks/gpu_profile.py --norm transformers)
 
 
 def _is_rms_norm(m: nn.Module) -> bool:
@@ -606,7 +619,7 @@ def _rms_norm_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
         if box:
             # How to make y again from what the norm saves anyway: an fp32 adapter reading y keeps these rather than
             # y itself (_LoraBranch). y's version now: an in-place change before the adapter reads it voids the recipe.
-            y._surefit_norm = (x, box[0], self.weight, dtype, y._version)
+            y._surefit_norm = (x, box[0], self.weight, dtype, y._version, _NormKey())
         return y
     normed = F.rms_norm(x, (x.shape[-1],), eps=self.variance_epsilon)
     return self.weight * normed.to(dtype)
@@ -677,38 +690,84 @@ def _norm_again(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, dtype: t
 
 
 def _norm_recipe(x: torch.Tensor) -> tuple | None:
-    """``(input, row scale, weight, dtype)`` when ``x`` is an RMSNorm's output that :func:`_norm_again` makes again
-    (tagged by :func:`_rms_norm_forward`, not changed in place since); None otherwise."""
+    """``(input, row scale, weight, dtype, version, key)`` when ``x`` is an RMSNorm's output that
+    :func:`_norm_again` makes again (tagged by :func:`_rms_norm_forward`, not changed in place since); None
+    otherwise. ``key`` names this norm call (for :func:`_low_norm_again`)."""
     if torch.compiler.is_compiling():  # first: nothing to trace (the norm tags nothing under the compiler)
         return None
     tag = getattr(x, "_surefit_norm", None)
     if tag is None or tag[4] != x._version:
         return None
-    return tag[:4]
+    return tag
+
+
+class _NormKey:
+    """Names one norm call: the adapters reading its output hold it (in their ctx) until their backward is done."""
+
+    __slots__ = ("__weakref__",)
+
+
+# The 16-bit norm output last made again: (the norm call's key, weakly; its dtype; the tensor). q, k and v (gate and
+# up) run their backward one after another and share it, as their forward shared the cast (_shared_cast).
+_last_norm: list[Any] = [None]
+
+
+def _forget_norm(ref: Any) -> None:
+    last = _last_norm[0]
+    if last is not None and last[0] is ref:
+        _last_norm[0] = None
+
+
+def _low_norm_again(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, norm: tuple, dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """The 16-bit copy (``dtype``) of a norm's output that ``_LoraMixed`` did not keep, made again from what the norm
+    saved; ``norm`` is ``(the norm's dtype, its call's key)``. Made once for the adapters sharing it; the copy lives
+    until its norm call's last adapter is done (the key dies) or the next norm's copy replaces it."""
+    norm_dtype, key = norm
+    last = _last_norm[0]
+    if last is not None and last[0]() is key and last[1] == dtype:
+        return last[2]
+    xh = _norm_again(x, r, weight, norm_dtype).to(dtype)
+    ref = weakref.ref(key, _forget_norm)
+    _last_norm[0] = (ref, dtype, xh)
+    return xh
 
 
 def _hooked(m: nn.Module) -> bool:
     return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
 
 
-@functools.cache
+# peft's layer classes, looked up once (the forwards ask on every call). Kept in a global rather than by
+# functools.cache: dynamo inlines a cached function, and its import then broke the graph where it had failed once.
+_peft_classes: dict[str, Any] = {}
+
+
 def _lora_linear_class() -> type | None:
-    """peft's LoRA ``Linear`` (looked up once: the MLP forward asks on every call)."""
-    try:
-        from peft.tuners.lora import Linear as LoraLinear
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return None
-    return LoraLinear
+    """peft's LoRA ``Linear``."""
+    if "linear" not in _peft_classes:
+        found: type | None = None
+        try:
+            from peft.tuners.lora import Linear as LoraLinear
+
+            found = LoraLinear
+        except ImportError:  # pragma: no cover - peft is a dependency
+            pass
+        _peft_classes["linear"] = found
+    return _peft_classes["linear"]
 
 
-@functools.cache
 def _quantized_lora_classes() -> tuple[type, ...]:
     """peft's LoRA layers on bitsandbytes 4-bit and 8-bit bases (present only where bitsandbytes imports)."""
-    try:
-        from peft.tuners.lora import bnb
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return ()
-    return tuple(c for c in (getattr(bnb, "Linear4bit", None), getattr(bnb, "Linear8bitLt", None)) if c is not None)
+    if "quantized" not in _peft_classes:
+        try:
+            from peft.tuners.lora import bnb
+        except ImportError:  # pragma: no cover - peft is a dependency
+            found: tuple[type, ...] = ()
+        else:
+            found = tuple(c for c in (getattr(bnb, "Linear4bit", None), getattr(bnb, "Linear8bitLt", None))
+                          if c is not None)
+        _peft_classes["quantized"] = found
+    return _peft_classes["quantized"]
 
 
 def is_lora_linear(m: Any) -> bool:
