@@ -576,9 +576,9 @@ _RMS_NORM_FORWARD = (
     "return self.weight * hidden_states.to(input_dtype)",
 )
 _rms_norm_classes: dict[type, bool] = {}
-FUSED_RMS_NORM = True
+FUSED_RMS_NORM = True  # False: transformers' own norm forward (benchmarks/gpu_profile.py --norm transformers)
 # False: 16-bit adapters (_LoraMixed) keep their copy of a norm's output rather than make it again in the backward pass
-NORM_RECIPES_16 = True  # False: transformers' own norm forward (benchmarks/gpu_profile.py --norm transformers)
+NORM_RECIPES_16 = True
 
 
 def _is_rms_norm(m: nn.Module) -> bool:
