@@ -66,32 +66,15 @@ def test_an_moe_model_trains_at_the_default_dropout_and_its_adapter_loads_with_p
     with lora_dropout != 0', after peft had already changed the model). Now the linear layers' adapters get the
     dropout, the experts' none, and the run says so."""
     from peft import PeftModel
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from conftest import build_tokenizer, qa_rows
-
-    tok = build_tokenizer()
     extra = {"mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
              "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)}[family]
-    torch.manual_seed(0)
-    cfg = AutoConfig.for_model(family, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **extra)
-    folder = tmp_path / "model"
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in qa_rows(24)), encoding="utf-8")
-    out = tmp_path / "run"
-    assert main(["train", "--model", str(folder), "--data", str(data), "--epochs", "2", "--lora_r", "4",
-                 "--batch_size", "4", "--max_seq_length", "128", "--lr", "1e-2", "--max_new_tokens", "2",
-                 "--precision", "fp32", "--output_dir", str(out)]) == 0
+    folder, out, losses = _train_tiny(family, tmp_path, **extra)
     printed = capsys.readouterr().out
     assert ("--lora_dropout 0.05: on the adapters of the 8 linear layers; the fused MoE parameters (down_proj, "
             "gate.weight, gate_up_proj) are adapted through peft's parameter LoRA, which takes no dropout") in printed
     assert "gate_up_proj (parameter)" in printed
-    losses = [json.loads(x)["eval_loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
-              if json.loads(x).get("type") == "epoch"]
     assert losses[-1] < losses[0]
 
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "final")
@@ -106,17 +89,33 @@ def test_a_mamba_hybrid_trains_on_all_linear_without_the_mixer_layers_peft_refus
     ('Module 'out_proj' is incompatible with Mamba-based models'), so Falcon-H1 failed on the default targets. Now
     the run adapts every other linear layer and says which it left out; the adapter loads with plain peft."""
     from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    folder, out, losses = _train_tiny("falcon_h1", tmp_path, head_dim=8, mamba_d_ssm=32, mamba_n_heads=4,
+                                      mamba_d_head=8, mamba_d_state=16, mamba_expand=1, mamba_chunk_size=16)
+    printed = capsys.readouterr().out
+    assert ("--lora_targets all-linear: not on out_proj, which peft cannot adapt on a falcon_h1 model (a Mamba "
+            "mixer's); on the other linear layers (down_proj, gate_proj, in_proj, k_proj, o_proj, q_proj, up_proj, "
+            "v_proj;") in printed
+    assert losses[-1] < losses[0]
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "final")
+    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"down_proj", "gate_proj", "in_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"}
+
+
+def _train_tiny(family, tmp_path, **dims):
+    """A 2-layer ``family`` model built from its config, trained 2 epochs on QA rows with the default LoRA targets
+    and dropout; returns (its folder, the run folder, the epoch losses)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import build_tokenizer, qa_rows
 
     tok = build_tokenizer()
     torch.manual_seed(0)
-    cfg = AutoConfig.for_model("falcon_h1", vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                               max_position_embeddings=512, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8,
-                               mamba_d_state=16, mamba_expand=1, mamba_chunk_size=16,
-                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    cfg = AutoConfig.for_model(family, vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, **dims)
     folder = tmp_path / "model"
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -126,14 +125,6 @@ def test_a_mamba_hybrid_trains_on_all_linear_without_the_mixer_layers_peft_refus
     assert main(["train", "--model", str(folder), "--data", str(data), "--epochs", "2", "--lora_r", "4",
                  "--batch_size", "4", "--max_seq_length", "128", "--lr", "1e-2", "--max_new_tokens", "2",
                  "--precision", "fp32", "--output_dir", str(out)]) == 0
-    printed = capsys.readouterr().out
-    assert ("--lora_targets all-linear: not on out_proj, which peft cannot adapt on a falcon_h1 model (a Mamba "
-            "mixer's); on the other linear layers (down_proj, gate_proj, in_proj, k_proj, o_proj, q_proj, up_proj, "
-            "v_proj;") in printed
     losses = [json.loads(x)["eval_loss"] for x in (out / "metrics.jsonl").read_text().splitlines()
               if json.loads(x).get("type") == "epoch"]
-    assert losses[-1] < losses[0]
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), out / "final")
-    adapted = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
-    assert adapted == {"down_proj", "gate_proj", "in_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"}
+    return folder, out, losses
