@@ -69,28 +69,39 @@ def test_fused_forward_gives_peft_loss_and_gradients_in_fp32(monkeypatch):
         assert torch.allclose(g[k], g_ref[k], atol=1e-6, rtol=1e-5), k
 
 
-def test_fp32_adapters_reading_a_norms_output_keep_the_norms_inputs_instead_with_the_same_bits(monkeypatch):
-    """q/k/v and gate/up read an RMSNorm's output; in fp32 they keep the norm's input and row scale (saved by the
-    norm anyway) and make the output again in the backward pass: the same loss and gradients to the bit, with
-    dropout's masks, and one hidden-sized fp32 tensor per norm fewer saved."""
+def _with_and_without_norm_recipes(model, batch, monkeypatch, switch_off, bf16):
+    """Loss and gradients, and the bytes saved for the backward pass, with the norm recipes and then after
+    ``switch_off()``; and how often a norm's output was made again (the first run's and the measuring forward's)."""
     import surefit.training.speedups.lora_fast as lf
     from surefit.training.plan import measure_saved_bytes
 
-    model = _peft(tiny_llama(), dropout=0.1)
-    fuse_lora(model)
     model.train()
-    batch = _batch()
     made_again = []
     again = lf._norm_again
     monkeypatch.setattr(lf, "_norm_again", lambda *a: made_again.append(1) or again(*a))
     results, saved = [], []
     for recipes in (True, False):
         if not recipes:
-            monkeypatch.setattr(lf, "_norm_recipe", lambda x: None)
+            switch_off()
         torch.manual_seed(5)
-        results.append(_loss_and_grads(model, batch))
+        results.append(_loss_and_grads(model, batch, bf16=bf16))
         torch.manual_seed(5)
-        saved.append(measure_saved_bytes(model, lambda: causal_lm_loss_sum(model, batch)[0]))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            saved.append(measure_saved_bytes(model, lambda: causal_lm_loss_sum(model, batch)[0]))
+    return results, saved, made_again
+
+
+def test_fp32_adapters_reading_a_norms_output_keep_the_norms_inputs_instead_with_the_same_bits(monkeypatch):
+    """q/k/v and gate/up read an RMSNorm's output; in fp32 they keep the norm's input and row scale (saved by the
+    norm anyway) and make the output again in the backward pass: the same loss and gradients to the bit, with
+    dropout's masks, and one hidden-sized fp32 tensor per norm fewer saved."""
+    import surefit.training.speedups.lora_fast as lf
+
+    model = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(model)
+    batch = _batch()
+    results, saved, made_again = _with_and_without_norm_recipes(
+        model, batch, monkeypatch, lambda: monkeypatch.setattr(lf, "_norm_recipe", lambda x: None), bf16=False)
     (loss, g), (loss_plain, g_plain) = results
     assert loss == loss_plain
     assert g.keys() == g_plain.keys() and len(g) == 28
@@ -107,24 +118,13 @@ def test_16_bit_adapters_reading_a_norms_output_make_its_copy_again_once_with_th
     per norm for the adapters sharing it. Without the activation store that is the same copy: the same loss and
     gradients to the bit, dropout included, and two bf16 tensors of the hidden width per token fewer per block."""
     import surefit.training.speedups.lora_fast as lf
-    from surefit.training.plan import measure_saved_bytes
 
     model = _peft(tiny_llama(), dropout=0.1)
     fuse_lora(model)
     store_frozen_in(model, torch.bfloat16)
-    model.train()
     batch = _batch()
-    made_again = []
-    again = lf._norm_again
-    monkeypatch.setattr(lf, "_norm_again", lambda *a: made_again.append(1) or again(*a))
-    results, saved = [], []
-    for recipes in (True, False):
-        monkeypatch.setattr(lf, "NORM_RECIPES_16", recipes)
-        torch.manual_seed(5)
-        results.append(_loss_and_grads(model, batch, bf16=True))
-        torch.manual_seed(5)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            saved.append(measure_saved_bytes(model, lambda: causal_lm_loss_sum(model, batch)[0]))
+    results, saved, made_again = _with_and_without_norm_recipes(
+        model, batch, monkeypatch, lambda: monkeypatch.setattr(lf, "NORM_RECIPES_16", False), bf16=True)
     (loss, g), (loss_plain, g_plain) = results
     assert loss == loss_plain
     assert g.keys() == g_plain.keys() and len(g) == 28
