@@ -206,7 +206,8 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
     real = recipe.greedy_generate
 
     def spy(model, prompts, decode, **kwargs):
-        calls.append({**kwargs, "merge_lora": decode.merge_lora, "share_prefixes": decode.share_prefixes})
+        calls.append({**kwargs, "merge_lora": decode.merge_lora, "share_prefixes": decode.share_prefixes,
+                      "by_length": decode.prefill_by_length})
         return real(model, prompts, decode, **kwargs)
 
     monkeypatch.setattr(recipe, "greedy_generate", spy)
@@ -216,7 +217,7 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
               "--max_new_tokens", "3", "--precision", "fp32"]
     assert main([*common, "--output_dir", str(tmp_path / "a")]) == 0
     assert calls and all(c["merge_lora"] is False and c["share_prefixes"] is False and c["lora_context"] is lean_lora
-                         for c in calls)
+                         and c["by_length"] is True for c in calls)
     calls.clear()
     assert main([*common, "--eval_merge_lora", "true", "--eval_share_prefixes", "true",
                  "--output_dir", str(tmp_path / "b")]) == 0
@@ -224,8 +225,75 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
     calls.clear()
     from surefit.training.speedups.lora_generate import packed_lora
 
-    assert main([*common, "--eval_pack_lora", "true", "--output_dir", str(tmp_path / "c")]) == 0
-    assert calls and all(c["lora_context"] is packed_lora and c["merge_lora"] is False for c in calls)
+    # --eval_generate_batch_size: each batch prefilled whole (generate()'s batches), not in parts by length
+    assert main([*common, "--eval_pack_lora", "true", "--eval_generate_batch_size", "2",
+                 "--output_dir", str(tmp_path / "c")]) == 0
+    assert calls and all(c["lora_context"] is packed_lora and c["merge_lora"] is False and c["by_length"] is False
+                         for c in calls)
+
+
+def test_length_parts_are_the_cheapest_cut_within_the_limit():
+    """The cut of sorted prompts into prefill parts: what an exhaustive search over every cut finds cheapest, never
+    more rows than the limit; SQuAD-like lengths split where the padding would cost more than a forward."""
+    import itertools
+    import random
+
+    from surefit.eval.generate import length_parts
+
+    def cost(runs, lengths, tails, part_cost):
+        return sum((e - s) * (max(lengths[s:e]) + max(tails[s:e])) + part_cost for s, e in runs)
+
+    rnd = random.Random(0)
+    for _ in range(200):
+        n = rnd.randint(1, 7)
+        lengths = sorted((rnd.randint(1, 300) for _ in range(n)), reverse=True)
+        tails = [rnd.choice([0, rnd.randint(1, 40)]) for _ in range(n)]
+        limit, part_cost = rnd.randint(1, n), rnd.choice([0, 32, 4096])
+        got = length_parts(lengths, tails, limit, part_cost)
+        assert [s for s, _ in got] == [0] + [e for _, e in got[:-1]] and got[-1][1] == n
+        assert all(e - s <= limit for s, e in got)
+        best = min(cost(list(zip((0, *cuts), (*cuts, n), strict=True)), lengths, tails, part_cost)
+                   for k in range(n) for cuts in itertools.combinations(range(1, n), k)
+                   if all(e - s <= limit for s, e in zip((0, *cuts), (*cuts, n), strict=True)))
+        assert cost(got, lengths, tails, part_cost) == best
+    squad = [231, 193, 193, 121, 120, 115, 114, 107]
+    assert length_parts(squad, [0] * 8, 8, 32) == [(0, 1), (1, 3), (3, 8)]
+    assert length_parts(squad, [0] * 8, 8, 4096) == [(0, 8)]  # a GPU's forward costs more than the padding
+    assert length_parts(squad, [0] * 8, 2, 32) == [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8)]
+
+
+@pytest.mark.parametrize("loss", [False, True], ids=["prompts", "loss-in-prefill"])
+def test_prefill_in_parts_by_length_gives_generates_tokens_in_fp32(loss):
+    """Prompts of very different lengths prefilled in parts of similar length (one forward each, caches stacked):
+    in fp32 every row's tokens are generate()'s, and the loss computed in those forwards is the separate loss pass's;
+    fewer padded tokens are computed than in one forward over the batch."""
+    from test_loss_in_prefill import _head_loss, _separate_loss
+
+    from surefit.eval.generate import LossPass
+    from surefit.training.speedups.lora_generate import lean_lora
+
+    model = _lora_model(bf16=False)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(2, 64, (n,), generator=g).tolist() for n in (41, 3, 38, 4, 5, 20, 2, 40, 6)]
+    feats = [{"input_ids": p + [5, 9, 0], "labels": [-100] * len(p) + [5, 9, 0]} for p in prompts]
+    want = _plain(model, prompts, set(), 6, batch_size=9)
+    widths: list[int] = []
+    hook = model.get_base_model().model.register_forward_pre_hook(
+        lambda m, args, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    stats: dict = {}
+    passes = LossPass(feats, _head_loss) if loss else None
+    got = greedy_generate(model, prompts, Decode(pad_token_id=0, eos_token_ids=[], max_new_tokens=6, batch_size=9,
+                                                 prefill_by_length=True, loss_pass=passes),
+                          lora_context=lean_lora, stats=stats)
+    hook.remove()
+    assert got == want
+    tail = 3 if loss else 0
+    # 41, 40, 38, 20 | 6, 5, 4, 3, 2: forwards of 4 x 41 and 5 x 6 prompt tokens against one of 9 x 41
+    assert stats["prefill_parts"] == 2 and widths[:2] == [(4, 41 + tail), (5, 6 + tail)]
+    assert widths[2:] == [(9, 1)] * 5  # then one decode batch of all nine rows
+    if loss:
+        want_loss, want_n = _separate_loss(model, feats)
+        assert passes.tokens == want_n and passes.loss_sum / passes.tokens == pytest.approx(want_loss, rel=1e-5)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["whole-prompts", "shared-prefixes"])
@@ -304,7 +372,7 @@ def test_training_caps_answers_at_the_longest_reference_and_decodes_the_planners
            "with its terminator, + 4)" in out
     assert decodes and all(d.max_new_tokens == longest_val + 4 for d in decodes)
     assert all(d.batch_size == 12 and d.prefill_batch == 2 for d in decodes)
-    assert "generation decodes up to 12 rows at once, their prompts run 2 at a time" in out
+    assert "generation decodes up to 12 rows at once, their prompts run up to 2 at a time in parts of similar length" in out
 
 
 def test_merged_generation_in_bf16_equals_generate_on_peft_merge_and_unload():

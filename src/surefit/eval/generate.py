@@ -100,6 +100,9 @@ class Decode:
         reuse_cache: reserve each batch's KV cache once and write it in place (False: transformers' growing cache).
         share_prefixes: compute a prompt prefix of ``MIN_SHARED_PREFIX`` tokens or more that several prompts start
             with once per batch (the caller checks that the model family takes a mask with a hole in it).
+        prefill_by_length: prefill a batch in parts of up to ``prefill_batch`` rows of similar length, as many as
+            :func:`length_parts` finds cheapest, instead of parts of exactly ``prefill_batch`` (their caches are stacked
+            as always). False: the tokens of ``generate()`` on the same batches, bit for bit in 16 bits too.
     """
 
     pad_token_id: int
@@ -112,6 +115,7 @@ class Decode:
     share_prefixes: bool = False
     loss_pass: LossPass | None = None
     lookup_tokens: int = 0
+    prefill_by_length: bool = False
 
 
 def why_no_loss_pass(model: Any, prompts: list[list[int]], features: list[dict[str, list[int]]], *,
@@ -149,7 +153,7 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
             around the whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
         stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``lora_out_of_memory``
             (0/1: ``lora_context`` yielded an object whose ``out_of_memory`` is true), ``prompt_tokens``,
-            ``prefill_tokens`` (computed); ``window`` and ``window_rows``: the model's sliding window and the prompts
+            ``prefill_tokens`` (computed), ``prefill_parts`` (the prompts' forwards, one per part); ``window`` and ``window_rows``: the model's sliding window and the prompts
             generated without shared prefixes and drafts because their cache could pass it.
 
     Returns:
@@ -192,7 +196,7 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
                     shared, lookup_tokens = [0] * len(idx), 0
                     stats.update(window=window, window_rows=stats.get("window_rows", 0) + len(idx))
                 how = _Step(pad_token_id, eos, max_new_tokens, device, reuse_cache, decode.prefill_batch,
-                            decode.loss_pass, lookup_tokens, counts)
+                            decode.loss_pass, lookup_tokens, counts, decode.prefill_by_length)
                 feats = None if decode.loss_pass is None else [decode.loss_pass.features[i] for i in idx]
                 with ctx:
                     new, computed = _decode(model, [prompts[i] for i in idx], shared, how, feats)
@@ -205,7 +209,7 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
     finally:
         model.train(was_training)
     stats.update(decode_forwards=counts.get("decode_forwards", 0), drafted=counts.get("drafted", 0),
-                 confirmed=counts.get("confirmed", 0))
+                 confirmed=counts.get("confirmed", 0), prefill_parts=counts.get("prefill_parts", 0))
     return out
 
 
@@ -342,6 +346,7 @@ class _Step:
     loss_pass: LossPass | None = None
     lookup_tokens: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # decode_forwards, drafted and confirmed tokens
+    prefill_by_length: bool = False
 
 
 def _loss_prefill(model: Any, prompts: list[list[int]], feats: list[dict[str, list[int]]], how: _Step,
@@ -452,20 +457,63 @@ def _prefill_part(model: Any, prompts: list[list[int]], shared: list[int], feats
     return _prefill(model, prompts, shared, how.pad_token_id, how.device, extra, cache_arg)
 
 
-def _stacked_prefill(model: Any, prompts: list[list[int]], shared: list[int], feats: list[dict[str, list[int]]] | None,
-                     how: _Step, extra: dict, cache_arg: str) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor,
-                                                                           int] | None:
-    """Prefill in parts of ``how.prefill_batch`` rows and stack their caches, left padded, into one batch.
+# What one more forward costs, in prompt tokens of the same forward: a CPU pays each operation's fixed cost (about
+# 30 ms a forward of the embedded model on 2 cores, where a token costs 1.5 ms), a GPU runs a few thousand tokens in
+# about the time of one (its small forwards are latency-bound; not measured here).
+CPU_PART_COST_TOKENS = 32
+GPU_PART_COST_TOKENS = 4096
+
+
+def length_parts(lengths: list[int], tails: list[int], limit: int, part_cost: int) -> list[tuple[int, int]]:
+    """The cheapest cut of rows, in their order, into runs of at most ``limit``: a run of ``n`` rows computes ``n x
+    (longest prompt + longest tail)`` tokens (prompts are left padded to end in one column, what follows them right
+    padded: the answers of the loss pass) plus ``part_cost`` for its forward. Returns ``(start, end)`` per run."""
+    rows = len(lengths)
+    best = [0.0] + [float("inf")] * rows
+    cut = [0] * (rows + 1)
+    for end in range(1, rows + 1):
+        widest = tail = 0
+        for start in range(end - 1, max(end - limit, 0) - 1, -1):
+            widest, tail = max(widest, lengths[start]), max(tail, tails[start])
+            cost = best[start] + (end - start) * (widest + tail) + part_cost
+            if cost < best[end]:
+                best[end], cut[end] = cost, start
+    runs, end = [], rows
+    while end:
+        runs.append((cut[end], end))
+        end = cut[end]
+    return runs[::-1]
+
+
+def _prefill_parts(prompts: list[list[int]], shared: list[int], feats: list[dict[str, list[int]]] | None,
+                   how: _Step) -> list[tuple[int, int]]:
+    """The rows each prefill forward runs, as ``(start, end)``: parts of ``how.prefill_batch`` (with shared prefixes a
+    group must stay in one part, and their order keeps groups together), or with ``how.prefill_by_length`` the
+    cheapest cut by padded length (:func:`length_parts`); one part where the cache is not reused (nothing to stack)."""
+    rows = len(prompts)
+    size = min(how.prefill_batch or rows, rows)
+    if not how.reuse_cache:
+        return [(0, rows)]
+    if not how.prefill_by_length or any(shared):
+        return [(s, min(s + size, rows)) for s in range(0, rows, size)]
+    tails = [0] * rows if feats is None else [len(f["input_ids"]) - len(p) for p, f in zip(prompts, feats, strict=True)]
+    kind = torch.device(how.device).type
+    return length_parts([len(p) for p in prompts], tails, size,
+                        CPU_PART_COST_TOKENS if kind == "cpu" else GPU_PART_COST_TOKENS)
+
+
+def _stacked_prefill(model: Any, prompts: list[list[int]], runs: list[tuple[int, int]], shared: list[int],
+                     feats: list[dict[str, list[int]]] | None, how: _Step, extra: dict,
+                     cache_arg: str) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, int] | None:
+    """Prefill in parts (``runs``: ``(start, end)`` rows each) and stack their caches, left padded, into one batch.
 
     Returns ``(last logits, cache, attention mask, last positions, tokens computed)``, or None where a part's cache
     holds a layer other than a plain full-attention one (sliding windows, linear attention): then nothing was kept
     and the caller prefills the batch whole."""
-    size = how.prefill_batch or len(prompts)
     parts = []
-    for s in range(0, len(prompts), size):
-        step, mask, last, computed = _prefill_part(model, prompts[s : s + size], shared[s : s + size],
-                                                   None if feats is None else feats[s : s + size], how, extra,
-                                                   cache_arg)
+    for s, e in runs:
+        step, mask, last, computed = _prefill_part(model, prompts[s:e], shared[s:e],
+                                                   None if feats is None else feats[s:e], how, extra, cache_arg)
         cache = getattr(step, cache_arg)
         if _plain_layers(cache) is None:
             return None
@@ -503,8 +551,10 @@ def _decode(model: Any, prompts: list[list[int]], shared: list[int], how: _Step,
         return results, 0
     extra, cache_arg = _forward_kwargs(model)
     stacked = None
-    if how.prefill_batch and how.prefill_batch < rows and how.reuse_cache:
-        stacked = _stacked_prefill(model, prompts, shared, feats, how, extra, cache_arg)
+    parts = _prefill_parts(prompts, shared, feats, how)
+    if len(parts) > 1 and how.reuse_cache:
+        stacked = _stacked_prefill(model, prompts, parts, shared, feats, how, extra, cache_arg)
+    how.counts["prefill_parts"] = how.counts.get("prefill_parts", 0) + (len(parts) if stacked else 1)
     if stacked is not None:
         logits, cache, attention_mask, last, computed = stacked
     else:

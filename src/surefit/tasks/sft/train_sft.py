@@ -979,8 +979,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
             room = max_new * (2 if switches.prompt_lookup_num_tokens else 1)
             chosen.append(generation_batch(m, [len(e.prompt_ids) + room for e in val_ex], batch_size, budget,
                                            precision_name(accelerator) in ("bf16", "fp16")))
-            say(f"generation decodes up to {chosen[0].rows} rows at once, their prompts run {chosen[0].prefill} at a "
-                f"time ({chosen[0].why}); --eval_generate_batch_size N sets it")
+            say(f"generation decodes up to {chosen[0].rows} rows at once, their prompts run up to {chosen[0].prefill} "
+                f"at a time in parts of similar length ({chosen[0].why}); --eval_generate_batch_size N sets it")
         return chosen[0].rows
 
     # The evaluation before training reads the model's files, the validation examples and rows and the settings: a
@@ -995,7 +995,8 @@ def prepare(cfg: SFTConfig, say: Say = print, problems: list[Problem] | None = N
 
     def evaluate(m: Any, epoch: int | float, batch_size: int) -> Evaluation:
         rows = decode_rows(m, batch_size) if generate else None
-        scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches, rows),
+        scoring = Scoring(cfg.target_field, metric, Generation(eos_ids, max_new, batch_size, switches, rows,
+                                                               prefill_by_length=not cfg.eval_generate_batch_size),
                           answer=encoder.answer_of())
 
         def compute() -> Evaluation:
@@ -1136,6 +1137,9 @@ class Generation:
     # the validation loss computed in the prompts' forward: each prompt's example (input_ids, labels) and the head's
     # loss on hidden states (eval/generate.LossPass); None: generation computes the prompts alone
     loss_pass: tuple[list[dict[str, list[int]]], Callable[[Any, Any, Any], Any]] | None = None
+    # prompts prefilled in parts of similar length (eval/generate.length_parts); False with --eval_generate_batch_size:
+    # each batch prefilled whole, the tokens of generate() on the same batches
+    prefill_by_length: bool = True
 
 
 @dataclass
@@ -1194,7 +1198,8 @@ def generate_texts(model: Any, prompts: list[list[int]], tokenizer: Any, acceler
                        # out of memory halves the prompts' batch and the decode batch alike
                        batch_size=max(bs, (gen.decode_rows or gen.batch_size) * bs // gen.batch_size),
                        share_prefixes=gen.switches.eval_share_prefixes and why_not_shared(inner) is None,
-                       loss_pass=loss_pass(), lookup_tokens=lookup_tokens),
+                       loss_pass=loss_pass(), lookup_tokens=lookup_tokens,
+                       prefill_by_length=gen.prefill_by_length),
                 device=accelerator.device,
                 autocast=accelerator.autocast,
                 progress=lambda done, total: bar.set(done),

@@ -152,7 +152,8 @@ def evaluate(run: Run, data: str | None, batch_size: int, max_new_tokens: int | 
     scored = max((len(e.input_ids) - e.prompt_len for e in examples), default=0)
     max_new = _max_new_tokens(run, max_new_tokens, loaded, train_rows, enc, scored)
     metric = choose_metric(cfg, bool(run.summary.format_conversational))
-    scoring = Scoring(target_field, metric, Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg)),
+    scoring = Scoring(target_field, metric, Generation(loaded.extra["eos"], max_new, batch_size, Switches.of(cfg),
+                                                       prefill_by_length=not cfg.eval_generate_batch_size),
                       answer=encoder.answer_of())
     metrics, preds, golds = evaluate_examples(loaded.model, examples, loaded.tokenizer, loaded.accelerator, scoring,
                                               say)
