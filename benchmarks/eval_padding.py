@@ -1,10 +1,11 @@
-"""Evaluation batches cut where padding would exceed 1/8 of their tokens (on a CPU), or full batches: seconds, padded
-tokens and the loss of each evaluation.
+"""Evaluation batches cut by padding against a forward's cost (on a CPU), or full batches: seconds, padded tokens and
+the loss of each evaluation.
 
 On a CPU a forward costs its tokens, padding included. Until 2026-11-28 the validation loss ran full batches of
 ``--eval_batch_size`` rows (8 by default), longest first, each padded to its longest row; on chat rows of 100-380
 tokens a third of the evaluated tokens were padding. ``training/loop.py: eval_batches`` now ends a CPU batch before
-a row whose padding would take it past 1/8 of its real tokens. ``--mode full`` puts the earlier batches back,
+a row whose padding would take it past 1/8 of its real tokens; since 2026-12-03 it takes the cut with the fewest
+padded tokens counting a forward as 32 (``data/collate.length_parts``). ``--mode full`` puts the earlier batches back,
 ``--mode lean`` runs the code as it is. One surefit run per call (a cold start, ``--max_steps`` steps between the
 evaluation before training and the one after), alone on the machine, on a workload that ``cpu_sft.py --keep`` left:
 
@@ -43,8 +44,9 @@ def main() -> None:
     batches = loop.eval_batches
     seen: list[dict[str, int]] = []
 
-    def counted(order: Any, lengths: Any, batch_size: int, lean: bool) -> list[list[int]]:
-        parts = batches(order, lengths, batch_size, lean and args.mode == "lean")
+    def counted(order: Any, lengths: Any, batch_size: int, device: Any) -> list[list[int]]:
+        parts = (batches(order, lengths, batch_size, device) if args.mode == "lean" else
+                 [list(order[s : s + batch_size]) for s in range(0, len(order), batch_size)])
         seen.append({"batches": len(parts), "padded": sum(lengths[p[0]] * len(p) for p in parts),
                      "real": sum(lengths[i] for i in order)})
         return parts

@@ -238,7 +238,7 @@ def test_length_parts_are_the_cheapest_cut_within_the_limit():
     import itertools
     import random
 
-    from surefit.eval.generate import length_parts
+    from surefit.data.collate import length_parts
 
     def cost(runs, lengths, tails, part_cost):
         return sum((e - s) * (max(lengths[s:e]) + max(tails[s:e])) + part_cost for s, e in runs)

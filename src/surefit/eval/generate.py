@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from surefit.data.collate import IGNORE_INDEX, PadCollator
+from surefit.data.collate import IGNORE_INDEX, PadCollator, length_parts, part_cost
 from surefit.eval.generate_speedups import DraftWidth, Merged, PromptLookup, merged_lora, reserve, select_rows
 from surefit.models import inner_model
 from surefit.threads import check_threads
@@ -457,34 +457,6 @@ def _prefill_part(model: Any, prompts: list[list[int]], shared: list[int], feats
     return _prefill(model, prompts, shared, how.pad_token_id, how.device, extra, cache_arg)
 
 
-# What one more forward costs, in prompt tokens of the same forward: a CPU pays each operation's fixed cost (about
-# 30 ms a forward of the embedded model on 2 cores, where a token costs 1.5 ms), a GPU runs a few thousand tokens in
-# about the time of one (its small forwards are latency-bound; not measured here).
-CPU_PART_COST_TOKENS = 32
-GPU_PART_COST_TOKENS = 4096
-
-
-def length_parts(lengths: list[int], tails: list[int], limit: int, part_cost: int) -> list[tuple[int, int]]:
-    """The cheapest cut of rows, in their order, into runs of at most ``limit``: a run of ``n`` rows computes ``n x
-    (longest prompt + longest tail)`` tokens (prompts are left padded to end in one column, what follows them right
-    padded: the answers of the loss pass) plus ``part_cost`` for its forward. Returns ``(start, end)`` per run."""
-    rows = len(lengths)
-    best = [0.0] + [float("inf")] * rows
-    cut = [0] * (rows + 1)
-    for end in range(1, rows + 1):
-        widest = tail = 0
-        for start in range(end - 1, max(end - limit, 0) - 1, -1):
-            widest, tail = max(widest, lengths[start]), max(tail, tails[start])
-            cost = best[start] + (end - start) * (widest + tail) + part_cost
-            if cost < best[end]:
-                best[end], cut[end] = cost, start
-    runs, end = [], rows
-    while end:
-        runs.append((cut[end], end))
-        end = cut[end]
-    return runs[::-1]
-
-
 def _prefill_parts(prompts: list[list[int]], shared: list[int], feats: list[dict[str, list[int]]] | None,
                    how: _Step) -> list[tuple[int, int]]:
     """The rows each prefill forward runs, as ``(start, end)``: parts of ``how.prefill_batch`` (with shared prefixes a
@@ -497,9 +469,7 @@ def _prefill_parts(prompts: list[list[int]], shared: list[int], feats: list[dict
     if not how.prefill_by_length or any(shared):
         return [(s, min(s + size, rows)) for s in range(0, rows, size)]
     tails = [0] * rows if feats is None else [len(f["input_ids"]) - len(p) for p, f in zip(prompts, feats, strict=True)]
-    kind = torch.device(how.device).type
-    return length_parts([len(p) for p in prompts], tails, size,
-                        CPU_PART_COST_TOKENS if kind == "cpu" else GPU_PART_COST_TOKENS)
+    return length_parts([len(p) for p in prompts], tails, size, part_cost(how.device))
 
 
 def _stacked_prefill(model: Any, prompts: list[list[int]], runs: list[tuple[int, int]], shared: list[int],

@@ -34,6 +34,7 @@ import torch
 
 import surefit.startup.walltime as walltime
 from surefit.config import TrainConfig
+from surefit.data.collate import length_parts, part_cost
 from surefit.data.sampling import SAMPLER_VERSION, SAMPLERS, as_int_array, deal, epoch_steps, micro_batches
 from surefit.errors import Problem, SurefitError
 from surefit.threads import check_threads
@@ -809,27 +810,13 @@ def accumulate_step(model: Any, work: TrainingWork, step_indices: list[int], acc
         real = 0 if idle else len(parts)  # reached without lockstep padding only (lockstep refuses to split)
 
 
-# On a CPU a forward's time is its tokens' time, padding included, and a batch of a few hundred tokens already keeps
-# the matmuls at speed: an evaluation batch ends where padding would add more than this share of its real tokens.
-EVAL_PADDING_SLACK = 0.125
-
-
-def eval_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, lean: bool) -> list[list[int]]:
+def eval_batches(order: Sequence[int], lengths: Sequence[int], batch_size: int, device: Any) -> list[list[int]]:
     """``order`` (longest first) cut into evaluation batches of at most ``batch_size`` rows, each padded to its first
-    row's length. ``lean`` (a CPU): a batch also ends before a row whose padding would take the batch's padded tokens
-    above ``1 + EVAL_PADDING_SLACK`` times its real ones. On a GPU, fewer and fuller batches are what is fast."""
-    parts: list[list[int]] = []
-    real = 0
-    for i in order:
-        part = parts[-1] if parts else None
-        if part is not None and len(part) < batch_size and (
-                not lean or lengths[part[0]] * (len(part) + 1) <= (1 + EVAL_PADDING_SLACK) * (real + lengths[i])):
-            part.append(i)
-            real += lengths[i]
-        else:
-            parts.append([i])
-            real = lengths[i]
-    return parts
+    row's length: the cut that computes the fewest padded tokens, counting a forward as the device's
+    ``data/collate.part_cost`` tokens (generation's prompts are cut by the same rule). On a CPU a forward costs its
+    tokens, padding included, so batches end where padding grows; on a GPU fewer, fuller batches are what is fast."""
+    runs = length_parts([lengths[i] for i in order], [0] * len(order), batch_size, part_cost(device))
+    return [list(order[s:e]) for s, e in runs]
 
 
 @torch.no_grad()
@@ -851,11 +838,10 @@ def evaluate_loss(
     was_training = model.training
     model.eval()
     order = sorted(range(len(features)), key=lambda i: -lengths[i])
-    lean = torch.device(accelerator.device).type == "cpu"
 
     def run(bs: int) -> float:
         total, items = 0.0, 0
-        for part in eval_batches(order, lengths, bs, lean):
+        for part in eval_batches(order, lengths, bs, accelerator.device):
             batch = _to_device(collate([features[i] for i in part]), accelerator.device)
             with accelerator.autocast():
                 loss_sum, n = loss_fn(model, batch)
