@@ -15,8 +15,9 @@ caps it):
 - ``exact``: surefit's earlier default, ``--eval_generate_batch_size`` equal to the evaluation batch: each batch of
   ``--batch`` prompts prefilled and decoded alone (reserved cache, finished rows dropped, lean LoRA forward). The
   tokens of ``generate`` on the same batches.
-- ``surefit``: the default: prompts prefilled ``--batch`` at a time, decoded together in the planner's batch
-  (``training/plan.generation_batch``: up to 32 rows).
+- ``surefit``: the default: prompts prefilled up to ``--batch`` at a time in parts of similar length
+  (``data/collate.length_parts``, since 2026-12-03; ``--batch`` at a time before), decoded together in the planner's
+  batch (``training/plan.generation_batch``: up to 32 rows).
 - ``shared``: the default with ``--eval_share_prefixes``.
 - ``merged``: the default with ``--eval_merge_lora`` (the adapter merged into a 16-bit working copy of the weights:
   one matmul per layer); ``merged_shared``: with both.
@@ -313,8 +314,8 @@ def _report(results: dict[str, Any], args: Any) -> str:
         + (f"(the trained adapter of `{args.adapter}`)" if args.adapter else "(random B)")
         + f", evaluation batch {args.batch}. `generate`: transformers' `model.generate` on batches of "
         f"{args.batch}. `exact`: surefit with `--eval_generate_batch_size {args.batch}` (each batch prefilled and "
-        "decoded alone). `surefit`: the default (prompts prefilled "
-        f"{args.batch} at a time, decoded in the planner's batch). `shared`: the default with "
+        "decoded alone). `surefit`: the default (prompts prefilled up to "
+        f"{args.batch} at a time in parts of similar length, decoded in the planner's batch). `shared`: the default with "
         "`--eval_share_prefixes`; `merged`: the default with `--eval_merge_lora`; `merged_shared`: with both; "
         "`packed`: the default with `--eval_pack_lora`; `packed_shared`: with `--eval_share_prefixes` too; "
         f"`lookup`: the default with `--prompt_lookup_num_tokens {args.lookup_tokens}` (drafts copied from the "
