@@ -156,6 +156,18 @@ def loadavg() -> list[float]:
 # ------------------------------------------------------------------------------------------------- worker plumbing
 
 
+def read_files(folder: Path) -> int:
+    """Read every file under ``folder`` once (into the page cache), so that the job after it starts as warm as any
+    other; returns the bytes read."""
+    total = 0
+    for f in sorted(folder.rglob("*")):
+        if f.is_file():
+            with f.open("rb") as fh:
+                while chunk := fh.read(1 << 24):
+                    total += len(chunk)
+    return total
+
+
 def kept_surefit_settings(work: Path, out: Path, **extra: Any) -> dict[str, Any]:
     """``surefit.train`` settings of ``cpu_sft.py``'s surefit job on a work folder it kept (``--keep``: train.jsonl,
     val.jsonl, spec.json), writing to ``out``, with no start-up cache (the doctor and the planner run as on a cold

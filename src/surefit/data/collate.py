@@ -3,6 +3,9 @@
 The seeds' crash (``expected sequence of length 432 at dim 1 (got 512)``) came from a language-model collator that
 padded ``input_ids`` but not a pre-built ``labels`` key. Here every sequence key is padded to the same length with
 its own pad value, and a per-example length mismatch between keys is reported with the example and key names.
+
+What padding costs decides where batches of rows sorted by length are cut for evaluation and generation
+(:func:`length_parts`), so that rule lives beside the padding.
 """
 
 from __future__ import annotations

@@ -153,8 +153,9 @@ def greedy_generate(model: Any, prompts: list[list[int]], decode: Decode, *, dev
             around the whole generation, e.g. surefit's lean LoRA forward (``training/speedups/lora_generate.py``).
         stats: if given, receives counters: ``merged_layers``, ``merge_out_of_memory`` (0/1), ``lora_out_of_memory``
             (0/1: ``lora_context`` yielded an object whose ``out_of_memory`` is true), ``prompt_tokens``,
-            ``prefill_tokens`` (computed), ``prefill_parts`` (the prompts' forwards, one per part); ``window`` and ``window_rows``: the model's sliding window and the prompts
-            generated without shared prefixes and drafts because their cache could pass it.
+            ``prefill_tokens`` (computed), ``prefill_parts`` (the prompts' forwards, one per part); ``window`` and
+            ``window_rows``: the model's sliding window and the prompts generated without shared prefixes and drafts
+            because their cache could pass it.
 
     Returns:
         The generated token ids per prompt, without the prompt and without the EOS.
