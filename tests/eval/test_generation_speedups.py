@@ -230,6 +230,15 @@ def test_training_evaluation_uses_the_exact_path_by_default_and_the_options_when
                  "--output_dir", str(tmp_path / "c")]) == 0
     assert calls and all(c["lora_context"] is packed_lora and c["merge_lora"] is False and c["by_length"] is False
                          for c in calls)
+    # `surefit eval` and `predict` of that run: eval keeps the run's whole batches (its numbers are the last epoch's),
+    # predict has no epoch to match and cuts by length
+    calls.clear()
+    assert main(["eval", "--run", str(tmp_path / "c")]) == 0
+    assert calls and all(c["by_length"] is False for c in calls)
+    calls.clear()
+    assert main(["predict", "--run", str(tmp_path / "c"), "--file", str(qa_jsonl),
+                 "--out", str(tmp_path / "preds.jsonl")]) == 0
+    assert calls and all(c["by_length"] is True for c in calls) and (tmp_path / "preds.jsonl").exists()
 
 
 def test_length_parts_are_the_cheapest_cut_within_the_limit():
