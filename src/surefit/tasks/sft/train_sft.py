@@ -1137,7 +1137,7 @@ class Generation:
     # the validation loss computed in the prompts' forward: each prompt's example (input_ids, labels) and the head's
     # loss on hidden states (eval/generate.LossPass); None: generation computes the prompts alone
     loss_pass: tuple[list[dict[str, list[int]]], Callable[[Any, Any, Any], Any]] | None = None
-    # prompts prefilled in parts of similar length (eval/generate.length_parts); False with --eval_generate_batch_size:
+    # prompts prefilled in parts of similar length (data/collate.length_parts); False with --eval_generate_batch_size:
     # each batch prefilled whole, the tokens of generate() on the same batches
     prefill_by_length: bool = True
 
