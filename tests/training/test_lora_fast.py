@@ -1003,3 +1003,80 @@ def test_the_gated_mlps_gate_and_up_come_back_in_bf16_from_the_store_and_whole_e
     assert seen == [(torch.float32, torch.float32)] * 2  # recomputed under checkpointing's hooks
     # apart by bf16 rounding of gate and up only: under 2% on an AMX Xeon, 2.5% on an AVX2 EPYC
     assert g_ckpt.keys() == g_store.keys() and max(_rel(g_ckpt[k], g_store[k]) for k in g_store) < 0.04
+
+
+def _attention_calls(monkeypatch):
+    """Every scaled_dot_product_attention call: its output's dtype, whether autocast was on around it, and how far its
+    output is from the same attention of the same inputs in fp64."""
+    calls = []
+    original = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kw):
+        out = original(q, k, v, attn_mask=attn_mask, **kw)
+        with torch.autocast("cpu", enabled=False):
+            mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool else attn_mask.double()
+            ref = original(q.double(), k.double(), v.double(), attn_mask=mask, **kw)
+        calls.append((out.dtype, torch.is_autocast_enabled("cpu"), _rel(out.double(), ref)))
+        return out
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+@pytest.mark.parametrize("left_padded", [False, True])
+def test_training_attention_on_a_cpu_takes_the_fused_layers_fp32_outputs_and_is_exact(monkeypatch, left_padded):
+    """Under bf16 autocast with 16-bit frozen weights, training's attention computes on the fp32 q/k/v the fused layers
+    return (autocast off inside it): its output within fp32 rounding of fp64's, where autocast's bf16 copies are a
+    thousand times further. Evaluation (no gradient) and models fuse_lora did not touch keep autocast's bf16."""
+    import surefit.training.speedups.lora_fast as lf
+
+    model = _peft(tiny_llama())
+    plain = copy.deepcopy(model)
+    fuse_lora(model)
+    for m in (model, plain):
+        store_frozen_in(m, torch.bfloat16)
+        m.train()
+    batch = _batch()
+    if left_padded:  # a mask reaches the attention
+        kwargs = {"input_ids": torch.cat([torch.zeros(3, 2, dtype=torch.long), batch["input_ids"]], 1),
+                  "attention_mask": torch.cat([torch.zeros(3, 2, dtype=torch.long), torch.ones_like(batch["input_ids"])], 1)}
+    else:
+        kwargs = {"input_ids": batch["input_ids"]}
+
+    def attention(m, grad=True):
+        calls = _attention_calls(monkeypatch)
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = m(**kwargs).logits.float().sum()
+        if grad:
+            out.backward()
+        monkeypatch.undo()
+        return calls
+
+    trained = attention(model)
+    assert len(trained) == 2 and all(dt == torch.float32 and not on for dt, on, _ in trained)
+    assert max(err for *_, err in trained) < 1e-6
+    monkeypatch.setattr(lf, "FP32_ATTENTION_ON_CPU", False)
+    old = attention(model)  # the switch off: autocast's bf16 copies, as before
+    assert all(dt == torch.bfloat16 and on for dt, on, _ in old) and min(err for *_, err in old) > 1e-4
+    assert all(dt == torch.bfloat16 and on for dt, on, _ in attention(model, grad=False))
+    assert all(dt == torch.bfloat16 and on for dt, on, _ in attention(plain))
+
+
+def test_fp32_attention_in_training_keeps_the_loss_and_gradients_of_the_bf16_path_close_to_fp32s(monkeypatch):
+    """The change in numbers, bounded: the bf16 training step with fp32 attention against the fp32 step is at least as
+    close as with bf16 attention (loss and every gradient), and both stay within the mixed path's documented bound."""
+    import surefit.training.speedups.lora_fast as lf
+
+    ref = _peft(tiny_llama())
+    fuse_lora(ref)
+    mixed = copy.deepcopy(ref)
+    store_frozen_in(mixed, torch.bfloat16)
+    batch = _batch(n=4)
+    loss_ref, g_ref = _loss_and_grads(ref, batch)
+    loss32, g32 = _loss_and_grads(mixed, batch, bf16=True)
+    monkeypatch.setattr(lf, "FP32_ATTENTION_ON_CPU", False)
+    loss16, g16 = _loss_and_grads(mixed, batch, bf16=True)
+    assert loss32 != loss16
+    assert abs(loss32 - loss_ref) <= abs(loss16 - loss_ref) * 1.05
+    worst32, worst16 = (max(_rel(g[k], g_ref[k]) for k in g_ref) for g in (g32, g16))
+    assert worst32 < 0.08 and worst16 < 0.08 and worst32 <= worst16 * 1.05

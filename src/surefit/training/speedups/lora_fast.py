@@ -839,6 +839,8 @@ def fuse_lora(model: nn.Module) -> int:
 
     The output is in the adapter's dtype (fp32), so the adapter's contribution is never rounded to 16 bits; with
     frozen weights in fp32 (no mixed precision) every matmul is fp32 and the numbers are peft's.
+    The modules holding such layers (attention, MLP) are marked: in training on a CPU their attention then takes the
+    fused layers' fp32 outputs as they are (:data:`FP32_ATTENTION_ON_CPU`).
     Idempotent; saving, loading and merging stay peft's (only ``forward`` changes, per instance).
     """
     LoraLinear = _lora_linear_class()
@@ -858,7 +860,52 @@ def fuse_lora(model: nn.Module) -> int:
             m.forward = types.MethodType(_fused_mlp_forward, m)
         elif FUSED_RMS_NORM and _is_rms_norm(m):
             m.forward = types.MethodType(_rms_norm_forward, m)
+    for m in model.modules():
+        if any(type(c) in fused for c in m.children()):
+            m._surefit_fp32_attention = True  # type: ignore[assignment]  # a new attribute, read by _fp32_attention
+    _install_fp32_attention()
     return n
+
+
+# On a CPU, training's attention takes q, k and v as the fused layers return them (fp32) rather than the bf16 copies
+# autocast makes: torch's CPU flash kernel computes in fp32 blocks either way where there is no AMX, its backward ran
+# faster on fp32 inputs on both CPUs measured (4 x 347 tokens: a chat step 3.7% faster on a Zen 4, 11% on a Xeon with
+# AMX), and the scores come from unrounded inputs (the output 1e4 times closer to fp64's). Only where a backward pass
+# follows (evaluation and generation keep bf16: a forward alone ran faster there) and never on a GPU, whose bf16
+# kernels are the fast ones. False: autocast's bf16 attention (benchmarks/step_parts.py --attention bf16,fp32).
+FP32_ATTENTION_ON_CPU = True
+
+
+def _fp32_attention(original: Any) -> Any:
+    """transformers' ``sdpa`` attention function wrapped: for a module :func:`fuse_lora` marked, in training on a CPU
+    under 16-bit autocast with fp32 queries, the call runs with autocast off on fp32 q/k/v (and mask); otherwise it
+    is ``original`` exactly."""
+
+    def sdpa_attention_forward(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+        if FP32_ATTENTION_ON_CPU and getattr(module, "_surefit_fp32_attention", False) \
+                and query.device.type == "cpu" and query.dtype == torch.float32 and query.requires_grad \
+                and torch.is_grad_enabled() and torch.is_autocast_enabled("cpu"):
+            if attention_mask is not None and attention_mask.is_floating_point():
+                attention_mask = attention_mask.float()  # an additive mask must match the queries' dtype
+            with torch.autocast("cpu", enabled=False):
+                return original(module, query, key.float(), value.float(), attention_mask, *args, **kwargs)
+        return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+    sdpa_attention_forward._surefit_original = original  # type: ignore[attr-defined]  # marks it as installed
+    return sdpa_attention_forward
+
+
+def _install_fp32_attention() -> None:
+    """Put :func:`_fp32_attention` in front of transformers' ``sdpa`` attention function, once per process. Models
+    that :func:`fuse_lora` did not mark call through to the original unchanged."""
+    try:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return
+    current = ALL_ATTENTION_FUNCTIONS.get("sdpa")
+    if current is not None and getattr(current, "_surefit_original", None) is None:
+        ALL_ATTENTION_FUNCTIONS["sdpa"] = _fp32_attention(current)
 
 
 class Packed:
