@@ -49,7 +49,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out", default=None, help="results path without suffix (.json and .md are written)")
     ap.add_argument("--alone-repeats", type=int, default=5, help="rounds of the attention-alone comparison (0: none)")
+    ap.add_argument("--report", default=None, help="a result's .json: write its .md again and stop")
     args = ap.parse_args()
+    if args.report:
+        rec = json.loads(Path(args.report).read_text())
+        Path(args.report).with_suffix(".md").write_text(_markdown(rec) + "\n")
+        return
 
     import benchlib
     import torch
@@ -248,6 +253,13 @@ def _markdown(rec: dict[str, Any]) -> str:
     for key in ["step", "forward", "backward", "frozen_matmuls", *parts]:
         lines.append(f"| {key} | " + " | ".join(f"{med[n].get(key, 0.0):.3f}" for n in names) + " |")
     lines.append("| loss | " + " | ".join(f"{med[n]['loss']:.6f}" for n in names) + " |")
+    for t in sorted({n.split("T_")[0] for n in names}, reverse=True):
+        a, b = rec["runs"].get(f"{t}T_bf16"), rec["runs"].get(f"{t}T_fp32")
+        if a and b:
+            lines += ["", f"Paired rounds, {t} thread(s), fp32 attention minus bf16 (negative: fp32 faster): " + "; ".join(
+                f"{key} median {statistics.median(y[key] - x[key] for x, y in zip(a, b, strict=True)):+.3f} s, "
+                f"fp32 faster in {sum(y[key] < x[key] for x, y in zip(a, b, strict=True))} of {len(a)}"
+                for key in ("step", "forward", "backward"))]
     if rec.get("attention_alone_ms"):
         lines += ["", "One layer's attention alone at this shape (9 query, 3 key/value heads of 64, causal), 2 threads, "
                   "milliseconds, and relative error against fp64:", "",

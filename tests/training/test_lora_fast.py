@@ -1080,3 +1080,46 @@ def test_fp32_attention_in_training_keeps_the_loss_and_gradients_of_the_bf16_pat
     assert abs(loss32 - loss_ref) <= abs(loss16 - loss_ref) * 1.05
     worst32, worst16 = (max(_rel(g[k], g_ref[k]) for k in g_ref) for g in (g32, g16))
     assert worst32 < 0.08 and worst16 < 0.08 and worst32 <= worst16 * 1.05
+
+
+def test_fp32_attention_keeps_what_bf16_attention_kept_for_the_backward_pass(monkeypatch):
+    """Under the bf16 store, fp32 attention's output is packed into bf16 by the store and read by o_proj through a
+    transposed view: o_proj takes a view of that copy instead of making a second one. The bytes kept for the backward
+    pass are bf16 attention's, and the loss and gradients are those of o_proj making its own copy, bit for bit."""
+    import surefit.training.speedups.lora_fast as lf
+    from surefit.training.plan import measure_saved_bytes
+
+    model = _peft(tiny_llama(), dropout=0.1)
+    fuse_lora(model)
+    store_frozen_in(model, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (4, 80), generator=g)  # long enough for the attention's tensors to be packed
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.masked_fill(ids < 20, -100)}
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return causal_lm_loss_sum(model, batch)[0]
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16), lf.SavedActivationsIn():
+            loss, n = causal_lm_loss_sum(model, batch)
+        (loss / n).backward()
+        return (loss / n).item(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    views = []
+    original = lf._packed_view
+    monkeypatch.setattr(lf, "_packed_view", lambda x, d: views.append(original(x, d)) or views[-1])
+    model.train()
+    fp32_bytes = measure_saved_bytes(model, forward, lf.SavedActivationsIn())
+    assert sum(v is not None for v in views) == 2  # o_proj of each block read the packed copy
+    loss, grads = step()
+    monkeypatch.setattr(lf, "_packed_view", lambda x, d: None)
+    twice_bytes = measure_saved_bytes(model, forward, lf.SavedActivationsIn())
+    loss_twice, g_twice = step()
+    monkeypatch.setattr(lf, "FP32_ATTENTION_ON_CPU", False)
+    bf16_bytes = measure_saved_bytes(model, forward, lf.SavedActivationsIn())
+    assert fp32_bytes == bf16_bytes < twice_bytes
+    assert loss == loss_twice and grads.keys() == g_twice.keys()
+    assert all(torch.equal(grads[k], g_twice[k]) for k in grads)

@@ -793,9 +793,29 @@ def _shared_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         cast = last[3]()
         if cast is not None:
             return cast
-    cast = x.detach().to(dtype)
+    cast = _packed_view(x, dtype)
+    if cast is None:
+        cast = x.detach().to(dtype)
     _last_cast[0] = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
     return cast
+
+
+# The fp32 activation SavedActivationsIn packed last: (its source, weakly; the source's version; the bf16 copy, weakly).
+_last_packed: list[Any] = [None]
+
+
+def _packed_view(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``x`` in ``dtype`` as a view of the bf16 copy SavedActivationsIn just packed of the tensor ``x`` is a view of, or
+    None. Why: fp32 attention's output is saved by the attention (packed into bf16) and then read by ``o_proj``
+    through a transposed view; without this its 16-bit copy was made twice, one more tensor per layer kept for the
+    backward pass. The copy has the source's strides (``Tensor.to`` preserves them), so the view is exact."""
+    last, base = _last_packed[0], x._base
+    if last is None or base is None or last[1] != x._version:
+        return None
+    src, low = last[0](), last[2]()
+    if src is None or low is None or base is not src or low.dtype != dtype or low.stride() != src.stride():
+        return None
+    return low.as_strided(x.shape, x.stride(), x.storage_offset() - src.storage_offset())
 
 
 def fast_adapter(layer: Any, args: tuple, kwargs: dict) -> str | None:
@@ -869,10 +889,10 @@ def fuse_lora(model: nn.Module) -> int:
 
 # On a CPU, training's attention takes q, k and v as the fused layers return them (fp32) rather than the bf16 copies
 # autocast makes: torch's CPU flash kernel computes in fp32 blocks either way where there is no AMX, its backward ran
-# faster on fp32 inputs on both CPUs measured (4 x 347 tokens: a chat step 3.7% faster on a Zen 4, 11% on a Xeon with
-# AMX), and the scores come from unrounded inputs (the output 1e4 times closer to fp64's). Only where a backward pass
-# follows (evaluation and generation keep bf16: a forward alone ran faster there) and never on a GPU, whose bf16
-# kernels are the fast ones. False: autocast's bf16 attention (benchmarks/step_parts.py --attention bf16,fp32).
+# faster on fp32 inputs on both CPUs measured, and the scores come from unrounded inputs (docs/performance.md,
+# "Precision and LoRA speed"). Only where a backward pass follows (evaluation and generation keep bf16: a forward
+# alone was not faster in fp32) and never on a GPU, whose bf16 kernels are the fast ones. False: autocast's bf16
+# attention (benchmarks/step_parts.py --attention bf16,fp32).
 FP32_ATTENTION_ON_CPU = True
 
 
@@ -996,6 +1016,7 @@ class SavedActivationsIn:
             return hit[2]
         packed = Packed(t.detach().to(self.dtype), t.dtype)
         self._memo[id(t)] = (weakref.ref(t), t._version, packed)
+        _last_packed[0] = (weakref.ref(t), t._version, weakref.ref(packed.tensor))  # for _packed_view
         if t.is_cpu:
             self._count(packed.tensor.nbytes)
         return packed
