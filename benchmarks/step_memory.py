@@ -12,6 +12,7 @@ CPU time, minor page faults, and glibc's heap (``mallinfo2``: arena size, bytes 
     .venv/bin/python benchmarks/step_memory.py --mmap-threshold 1048576  # every block >= 1 MB mapped on its own
     .venv/bin/python benchmarks/step_memory.py --byte-masks             # dropout masks saved a byte per element
     .venv/bin/python benchmarks/step_memory.py --trim                   # the heap's free pages given back per step
+    .venv/bin/python benchmarks/step_memory.py --gate-up 32             # gate/up as fp32 sums (before 2026-12-03)
 
 Prints one JSON object and writes it to --out (default: nothing written). Use one torch thread on a shared machine
 (OMP_NUM_THREADS=1); compare CPU seconds rather than wall seconds when other work runs.
@@ -82,6 +83,8 @@ def main() -> None:
     ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16",
                     help="fp32: frozen weights in fp32, no autocast, nothing packed (a CPU without bf16: --precision "
                          "auto there)")
+    ap.add_argument("--gate-up", choices=("16", "32"), default="16",
+                    help="32: gate_proj and up_proj return fp32 sums (lora_fast.GATE_UP_16 off; 16, the default: 16-bit)")
     ap.add_argument("--out", default=None, help="write the JSON here")
     args = ap.parse_args()
     libc = _libc()
@@ -112,6 +115,7 @@ def main() -> None:
     from surefit.training.speedups.lora_fast import Packed, SavedActivationsIn, fuse_lora, keep_saved
 
     lora_fast.PACK_MASKS = not args.byte_masks
+    lora_fast.GATE_UP_16 = args.gate_up == "16"
     if args.trim_every_mb is not None:
         SavedActivationsIn.release_every = args.trim_every_mb << 20
 
@@ -146,7 +150,7 @@ def main() -> None:
                                         "padded": len(big) * max(lengths[i] for i in big)},
                               "epoch": args.epoch, "pad_multiple": args.pad_multiple, "mallopt": args.mallopt,
                               "mmap_threshold": args.mmap_threshold, "byte_masks": args.byte_masks,
-                              "trim": args.trim, "precision": args.precision, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
+                              "trim": args.trim, "precision": args.precision, "gate_up": args.gate_up, "trim_every_mb": args.trim_every_mb, "torch_threads": torch.get_num_threads(),
                               "rss_before_mb": round(_status_mb("VmRSS"))}
 
     # One forward with its saved tensors counted (distinct storages, parameters excluded), by kind.

@@ -18,8 +18,12 @@ layer's seven in the forward and their input gradients in the backward, the head
 the model's weights, timed in the same rounds.
 
 Variants: ``--threads`` (torch's intra-op threads) times ``--attention`` (``fp32``: training's attention on fp32 q/k/v,
-surefit's default on a CPU; ``bf16``: autocast's copies, ``lora_fast.FP32_ATTENTION_ON_CPU`` off). Rounds alternate the
-order; medians of wall seconds.
+surefit's default on a CPU; ``bf16``: autocast's copies, ``lora_fast.FP32_ATTENTION_ON_CPU`` off) times ``--gate-up``
+(``16``: gate_proj and up_proj hand the MLP 16-bit outputs, the default; ``32``: fp32 sums, ``lora_fast.GATE_UP_16``
+off). Rounds alternate the order; medians of wall seconds; where a thread count has two variants, their paired
+differences.
+
+    .venv/bin/python benchmarks/step_parts.py --threads 2 --attention fp32 --gate-up 32,16 --alone-repeats 0
 
     .venv/bin/python benchmarks/step_parts.py --out results/epyc_zen4/step_parts   # .json and .md
 """
@@ -44,6 +48,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="2,1", help="comma-separated torch thread counts")
     ap.add_argument("--attention", default="bf16,fp32", help="comma-separated: bf16 (autocast's), fp32")
+    ap.add_argument("--gate-up", default="16", help="comma-separated: 16 (16-bit gate/up outputs), 32 (fp32 sums)")
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--length", type=int, default=347)
     ap.add_argument("--rounds", type=int, default=4)
@@ -149,22 +154,28 @@ def main() -> None:
         gs @ head_w
         return time.perf_counter() - t
 
-    variants = list(itertools.product([int(t) for t in args.threads.split(",")], args.attention.split(",")))
-    runs: dict[str, list[dict[str, float]]] = {f"{t}T_{a}": [] for t, a in variants}
-    floors: dict[int, list[float]] = {t: [] for t, _ in variants}
+    gate_up = args.gate_up.split(",")
+    variants = list(itertools.product([int(t) for t in args.threads.split(",")], args.attention.split(","), gate_up))
 
-    def run(t: int, a: str) -> dict[str, float]:
+    def label(t: int, a: str, g: str) -> str:  # the names of runs before --gate-up existed, where it is not varied
+        return f"{t}T_{a}" if len(gate_up) == 1 else f"{t}T_{a}_gu{g}"
+
+    runs: dict[str, list[dict[str, float]]] = {label(*v): [] for v in variants}
+    floors: dict[int, list[float]] = {t: [] for t, _, _ in variants}
+
+    def run(t: int, a: str, g: str) -> dict[str, float]:
         torch.set_num_threads(t)
         lf.FP32_ATTENTION_ON_CPU = a == "fp32"
+        lf.GATE_UP_16 = g == "16"
         return step()
 
-    for t, a in variants:  # warm-up: oneDNN's kernels for these shapes, the allocator's heap
-        run(t, a)
+    for v in variants:  # warm-up: oneDNN's kernels for these shapes, the allocator's heap
+        run(*v)
         frozen_matmuls()
     for r in range(args.rounds):
-        for t, a in (variants if r % 2 == 0 else variants[::-1]):
-            runs[f"{t}T_{a}"].append(run(t, a))
-            floors[t].append(frozen_matmuls())
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            runs[label(*v)].append(run(*v))
+            floors[v[0]].append(frozen_matmuls())
     summary: dict[str, dict[str, float]] = {}
     for name, rs in runs.items():
         keys = sorted({k for x in rs for k in x})
@@ -254,12 +265,18 @@ def _markdown(rec: dict[str, Any]) -> str:
         lines.append(f"| {key} | " + " | ".join(f"{med[n].get(key, 0.0):.3f}" for n in names) + " |")
     lines.append("| loss | " + " | ".join(f"{med[n]['loss']:.6f}" for n in names) + " |")
     for t in sorted({n.split("T_")[0] for n in names}, reverse=True):
-        a, b = rec["runs"].get(f"{t}T_bf16"), rec["runs"].get(f"{t}T_fp32")
-        if a and b:
-            lines += ["", f"Paired rounds, {t} thread(s), fp32 attention minus bf16 (negative: fp32 faster): " + "; ".join(
-                f"{key} median {statistics.median(y[key] - x[key] for x, y in zip(a, b, strict=True)):+.3f} s, "
-                f"fp32 faster in {sum(y[key] < x[key] for x, y in zip(a, b, strict=True))} of {len(a)}"
-                for key in ("step", "forward", "backward"))]
+        pair = [n for n in names if n.split("T_")[0] == t]
+        if len(pair) != 2:
+            continue
+        if pair == [f"{t}T_fp32", f"{t}T_bf16"]:
+            pair.reverse()
+        (na, a), (nb, b) = ((n, rec["runs"][n]) for n in pair)
+        what = f"{nb} minus {na}" if "_gu" in nb else "fp32 attention minus bf16"
+        faster = nb if "_gu" in nb else "fp32"
+        lines += ["", f"Paired rounds, {t} thread(s), {what} (negative: {faster} faster): " + "; ".join(
+            f"{key} median {statistics.median(y[key] - x[key] for x, y in zip(a, b, strict=True)):+.3f} s, "
+            f"{faster} faster in {sum(y[key] < x[key] for x, y in zip(a, b, strict=True))} of {len(a)}"
+            for key in ("step", "forward", "backward"))]
     if rec.get("attention_alone_ms"):
         lines += ["", "One layer's attention alone at this shape (9 query, 3 key/value heads of 64, causal), 2 threads, "
                   "milliseconds, and relative error against fp64:", "",

@@ -260,9 +260,11 @@ class _LoraMixed(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, xh: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-                a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
+                a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None, bool]
+                ) -> torch.Tensor:
         _check_threads()
-        p, scaling, drop = adapter  # dropout p, LoRA scaling, the dropout module: one argument, one None back
+        # dropout p, LoRA scaling, the dropout module, whether the output stays 16-bit (_gate_up): one argument
+        p, scaling, drop, low = adapter
         dt = w.dtype
         with torch.autocast(x.device.type, enabled=False):
             ah, bh = a.to(dt), _row_major_t(b, dt)
@@ -272,8 +274,15 @@ class _LoraMixed(torch.autograd.Function):
                 xd = xh * _as(keep, dt)  # a new tensor: xh is shared with the other adapters reading x
                 scaling = scaling / (1.0 - p_used)  # dropout's rescale, applied to r values per token
             u = (xd @ ah.t()).mul_(scaling)  # [..., r]
-            out = F.linear(xh, w).to(a.dtype)
-            out.add_(u @ bh.t())
+            if low:
+                # One matmul over [x | u] and [W | B]: the adapter is summed with the frozen product in the matmul's
+                # fp32 accumulator and the sum rounded once. Rounding W x to 16 bits first and adding u B^T to it
+                # (an addmm onto the 16-bit product) would drop whatever part of a young adapter's term is below
+                # half a 16-bit step, every time: measured as a step-2 loss 0.019 above fp32's, against 0.001.
+                out = F.linear(torch.cat([xh, u], dim=-1), torch.cat([w, bh], dim=1))
+            else:
+                out = F.linear(xh, w).to(a.dtype)
+                out.add_(u @ bh.t())
             if bias is not None:
                 out.add_(bias)
         ctx.scaling, ctx.x_dtype = scaling, x.dtype
@@ -318,7 +327,8 @@ class _SwiGLUDown(torch.autograd.Function):
     Why: the product ``h`` is only ever used rounded to 16 bits (both of ``down_proj``'s matmuls run in 16 bits), yet
     unfused, autograd kept ``silu(gate)``, ``up`` and ``gate`` for the product and the activation, and ``down_proj``
     kept its 16-bit copy of ``h``: four tensors of the MLP's width per token. Here only ``gate`` and ``up`` are saved
-    (in bf16 under :class:`SavedActivationsIn`, read so by the backward) and ``h`` is recomputed in the backward pass:
+    (in 16 bits as :func:`_gate_up` makes them, or in bf16 under :class:`SavedActivationsIn`, read so by the backward)
+    and ``h`` is recomputed in the backward pass:
     on SmolLM2-135M, 12.3 -> 6.1 KB per token and layer, a fifth of everything saved. Dropout draws its mask as
     ``_LoraMixed`` does, at the same point of the random stream.
     """
@@ -327,10 +337,10 @@ class _SwiGLUDown(torch.autograd.Function):
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                 a: torch.Tensor, b: torch.Tensor, adapter: tuple[float, float, nn.Module | None]) -> torch.Tensor:
         _check_threads()
-        p, scaling, drop = adapter  # as _LoraMixed's
+        p, scaling, drop = adapter  # as _LoraMixed's, without its last element
         dt = w.dtype
         with torch.autocast(gate.device.type, enabled=False):
-            h = F.silu(gate.float()).mul_(up).to(dt)
+            h = _swiglu_low(gate, up, dt)
             ah, bh = a.to(dt), _row_major_t(b, dt)
             keep, xd = None, h
             if p > 0:
@@ -381,6 +391,20 @@ def _read_low(t: torch.Tensor) -> torch.Tensor:
 # over [tokens, width] then run in the core's cache instead of streaming fp32 tensors through memory each
 # (docs/performance.md, benchmarks/row_chunks.py). Elsewhere the whole tensor is one chunk (one launch per operation).
 CPU_CHUNK_ELEMENTS = 1 << 17
+
+
+def _swiglu_low(gate: torch.Tensor, up: torch.Tensor, low: torch.dtype) -> torch.Tensor:
+    """``silu(gate) * up`` computed in fp32 and rounded to ``low``, on row chunks of :data:`CPU_CHUNK_ELEMENTS` on a
+    CPU: no fp32 tensor of the MLP's width is made whole (the chunks change no value)."""
+    width = gate.shape[-1]
+    g2, u2 = gate.reshape(-1, width), up.reshape(-1, width)
+    h = torch.empty(g2.shape, dtype=low, device=gate.device)
+    rows = g2.shape[0]
+    step = max(1, CPU_CHUNK_ELEMENTS // width) if gate.device.type == "cpu" else max(rows, 1)
+    for i in range(0, rows, step):
+        rs = slice(i, i + step)
+        torch.mul(F.silu(g2[rs].float()), u2[rs], out=h[rs])
+    return h.view(gate.shape)
 
 
 def _swiglu_backward(gate: torch.Tensor, up: torch.Tensor, kf: torch.Tensor | None,
@@ -557,7 +581,7 @@ def _fused_mlp_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) ->
                 return self.down_proj(_SwiGLU.apply(gate, up))
             return self.down_proj(self.act_fn(gate) * up)
         return type(self).forward(self, x, *args, **kwargs)
-    gate, up = self.gate_proj(x), self.up_proj(x)
+    gate, up = _gate_up(self, x)
     if not (gate.is_floating_point() and up.is_floating_point()):
         return down(self.act_fn(gate) * up)
     drop = down.lora_dropout[name]
@@ -846,8 +870,48 @@ def fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
         # Frozen weights stored in 16 bits (mixed precision with LoRA): all matmuls in 16 bits, as autocast would
         # run them, whether autocast is on or not; the adapter's contribution is added in fp32.
         bias = None if base.bias is None else base.bias.to(a.dtype)
-        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b, (p, float(self.scaling[name]), drop))
+        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b,
+                                (p, float(self.scaling[name]), drop, False))
     return _LoraBranch.apply(base(x).to(a.dtype), x, a, b, p, float(self.scaling[name]), drop)
+
+
+# In training on a CPU with 16-bit frozen weights, gate_proj and up_proj hand the fused MLP (_SwiGLUDown) 16-bit
+# outputs, each one matmul over [x | u] and [W | B] (the adapter summed in its fp32 accumulator, rounded once), instead
+# of fp32 sums: their only reader, the MLP's product, is rounded to 16 bits for down_proj and the backward pass reads
+# them in 16 bits anyway, while the fp32 sums cost tensors of the MLP's width, their casts and a 16-bit copy to save
+# (docs/performance.md, "Precision and LoRA speed"). Not on a GPU, where it is not measured. False: fp32 sums.
+GATE_UP_16 = True
+
+
+def _gate_up(mlp: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate_proj(x), up_proj(x))`` for :func:`_fused_mlp_forward`: in training on a CPU, in 16 bits
+    (:data:`GATE_UP_16`) where both are fused LoRA layers on 16-bit frozen weights that the module call would run as
+    :class:`_LoraMixed`, with no hooks that a direct call would skip; otherwise the module calls, as the MLP's own
+    forward makes them (evaluation keeps the fp32 sums: its tokens stay ``generate``'s)."""
+    if GATE_UP_16 and x.device.type == "cpu" and torch.is_grad_enabled() and x.is_floating_point():
+        calls = [_low_call(m, x) for m in (mlp.gate_proj, mlp.up_proj)]
+        if calls[0] is not None and calls[1] is not None:
+            return _LoraMixed.apply(*calls[0]), _LoraMixed.apply(*calls[1])
+    return mlp.gate_proj(x), mlp.up_proj(x)
+
+
+def _low_call(layer: Any, x: torch.Tensor) -> tuple | None:
+    """The arguments of the :class:`_LoraMixed` call ``layer(x)`` would make, asking for a 16-bit output; None
+    where the module call does something else."""
+    if not is_lora_linear(layer) or getattr(layer.forward, "__func__", None) is not fused_forward or _hooked(layer):
+        return None
+    name = fast_adapter(layer, (), {})
+    if name is None:
+        return None
+    base = layer.base_layer
+    w = base.weight
+    if w.dtype not in (torch.float16, torch.bfloat16) or w.requires_grad \
+            or (base.bias is not None and base.bias.requires_grad):
+        return None
+    a, b, drop = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.lora_dropout[name]
+    p = drop.p if layer.training and isinstance(drop, nn.Dropout) else 0.0
+    bias = None if base.bias is None else base.bias.to(a.dtype)
+    return x, _shared_cast(x, w.dtype), w, bias, a, b, (p, float(layer.scaling[name]), drop, True)
 
 
 def fuse_lora(model: nn.Module) -> int:
