@@ -2,7 +2,8 @@
 
 - Under bf16 autocast peft adds the adapter's output to a bf16 base output and rounds the sum to bf16, so a young
   adapter's small contribution rounds away. Here every matmul still runs in 16 bits, but the sum (and the input's
-  gradient) is formed in fp32 (``_LoraMixed``).
+  gradient) is formed in fp32 (``_LoraMixed``); a gated MLP's gate and up, in training on a CPU, are summed in one
+  matmul's fp32 accumulator and rounded once instead (:data:`GATE_UP_16`).
 - Dropout draws 16-bit random numbers, keeps its mask as one bit per element (:func:`pack_mask`) and recomputes the
   dropped input in the backward pass (same distribution; seeds, resume and checkpoint replays draw the same masks).
 - :class:`SavedActivationsIn` stores fp32 saved activations in bf16, and ``_SwiGLUDown`` (16-bit frozen weights) and
@@ -921,7 +922,8 @@ def fuse_lora(model: nn.Module) -> int:
     QLoRA's layers (a bitsandbytes 4-bit or 8-bit base) get it too: the base is called as peft calls it, the adapter
     runs as :class:`_LoraBranch` (a bit mask saved, not the dropped input per adapter, which peft's forward keeps).
 
-    The output is in the adapter's dtype (fp32), so the adapter's contribution is never rounded to 16 bits; with
+    The output is in the adapter's dtype (fp32), so the adapter's contribution is never rounded to 16 bits (a gated
+    MLP's gate and up in training on a CPU: rounded once with the frozen product, :func:`_gate_up`); with
     frozen weights in fp32 (no mixed precision) every matmul is fp32 and the numbers are peft's.
     The modules holding such layers (attention, MLP) are marked: in training on a CPU their attention then takes the
     fused layers' fp32 outputs as they are (:data:`FP32_ATTENTION_ON_CPU`).
