@@ -1075,9 +1075,9 @@ def test_training_attention_on_a_cpu_takes_the_fused_layers_fp32_outputs_and_is_
     assert all(dt == torch.bfloat16 and on for dt, on, _ in attention(plain))
 
 
-def test_fp32_attention_in_training_keeps_the_loss_and_gradients_of_the_bf16_path_close_to_fp32s(monkeypatch):
-    """The change in numbers, bounded: the bf16 training step with fp32 attention against the fp32 step is at least as
-    close as with bf16 attention (loss and every gradient), and both stay within the mixed path's documented bound."""
+def _fp32_and_bf16_steps(monkeypatch, switch):
+    """Loss and gradients of one training step of a tiny fused LoRA model: in fp32, then with 16-bit frozen weights
+    under bf16 autocast with the ``lora_fast`` switch as it is and with it off (the same batch each time)."""
     import surefit.training.speedups.lora_fast as lf
 
     ref = _peft(tiny_llama())
@@ -1085,10 +1085,15 @@ def test_fp32_attention_in_training_keeps_the_loss_and_gradients_of_the_bf16_pat
     mixed = copy.deepcopy(ref)
     store_frozen_in(mixed, torch.bfloat16)
     batch = _batch(n=4)
-    loss_ref, g_ref = _loss_and_grads(ref, batch)
-    loss32, g32 = _loss_and_grads(mixed, batch, bf16=True)
-    monkeypatch.setattr(lf, "FP32_ATTENTION_ON_CPU", False)
-    loss16, g16 = _loss_and_grads(mixed, batch, bf16=True)
+    on = _loss_and_grads(mixed, batch, bf16=True)
+    monkeypatch.setattr(lf, switch, False)
+    return _loss_and_grads(ref, batch), on, _loss_and_grads(mixed, batch, bf16=True)
+
+
+def test_fp32_attention_in_training_keeps_the_loss_and_gradients_of_the_bf16_path_close_to_fp32s(monkeypatch):
+    """The change in numbers, bounded: the bf16 training step with fp32 attention against the fp32 step is at least as
+    close as with bf16 attention (loss and every gradient), and both stay within the mixed path's documented bound."""
+    (loss_ref, g_ref), (loss32, g32), (loss16, g16) = _fp32_and_bf16_steps(monkeypatch, "FP32_ATTENTION_ON_CPU")
     assert loss32 != loss16
     assert abs(loss32 - loss_ref) <= abs(loss16 - loss_ref) * 1.05
     worst32, worst16 = (max(_rel(g[k], g_ref[k]) for k in g_ref) for g in (g32, g16))
@@ -1174,17 +1179,7 @@ def test_gate_and_up_come_16_bit_to_the_mlp_in_training_on_a_cpu_and_keep_a_youn
 def test_16_bit_gate_and_up_keep_the_bf16_steps_loss_and_gradients_as_close_to_fp32s(monkeypatch):
     """The change in numbers, bounded: with 16-bit gate and up the bf16 training step stays within the mixed path's
     documented bound of the fp32 step (loss and every gradient), as with fp32 sums."""
-    import surefit.training.speedups.lora_fast as lf
-
-    ref = _peft(tiny_llama())
-    fuse_lora(ref)
-    mixed = copy.deepcopy(ref)
-    store_frozen_in(mixed, torch.bfloat16)
-    batch = _batch(n=4)
-    loss_ref, g_ref = _loss_and_grads(ref, batch)
-    loss16, g16 = _loss_and_grads(mixed, batch, bf16=True)
-    monkeypatch.setattr(lf, "GATE_UP_16", False)
-    loss32, g32 = _loss_and_grads(mixed, batch, bf16=True)
+    (loss_ref, g_ref), (loss16, g16), (loss32, g32) = _fp32_and_bf16_steps(monkeypatch, "GATE_UP_16")
     assert loss16 != loss32
     assert loss16 == pytest.approx(loss_ref, rel=2e-3) and loss32 == pytest.approx(loss_ref, rel=2e-3)
     worst16, worst32 = (max(_rel(g[k], g_ref[k]) for k in g_ref) for g in (g16, g32))
