@@ -279,7 +279,7 @@ def build_model(cfg: ClassifyConfig, path: str, spec: LabelSpec, say: Say = prin
     """A transformers sequence classifier, or backbone + custom head, with the label mapping in its config."""
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
-    label_kwargs = {"num_labels": spec.num_labels, "problem_type": HF_PROBLEM_TYPES[spec.problem_type]}
+    label_kwargs: dict[str, Any] = {"num_labels": spec.num_labels, "problem_type": HF_PROBLEM_TYPES[spec.problem_type]}
     if spec.problem_type != "regression":
         label_kwargs.update(id2label=spec.id2label, label2id=spec.label2id)
     try:
