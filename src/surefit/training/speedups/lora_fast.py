@@ -862,18 +862,28 @@ def fused_forward(self: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torc
     name = fast_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    base = self.base_layer
-    a, b, drop = self.lora_A[name].weight, self.lora_B[name].weight, self.lora_dropout[name]
-    w = base.weight
-    p = drop.p if self.training and isinstance(drop, nn.Dropout) else 0.0
-    if w.dtype in (torch.float16, torch.bfloat16) and not w.requires_grad and x.is_floating_point() \
-            and (base.bias is None or not base.bias.requires_grad):
+    mixed = _mixed_args(self, name, x, low=False)
+    if mixed is not None:
         # Frozen weights stored in 16 bits (mixed precision with LoRA): all matmuls in 16 bits, as autocast would
         # run them, whether autocast is on or not; the adapter's contribution is added in fp32.
-        bias = None if base.bias is None else base.bias.to(a.dtype)
-        return _LoraMixed.apply(x, _shared_cast(x, w.dtype), w, bias, a, b,
-                                (p, float(self.scaling[name]), drop, False))
-    return _LoraBranch.apply(base(x).to(a.dtype), x, a, b, p, float(self.scaling[name]), drop)
+        return _LoraMixed.apply(*mixed)
+    a, b, drop = self.lora_A[name].weight, self.lora_B[name].weight, self.lora_dropout[name]
+    p = drop.p if self.training and isinstance(drop, nn.Dropout) else 0.0
+    return _LoraBranch.apply(self.base_layer(x).to(a.dtype), x, a, b, p, float(self.scaling[name]), drop)
+
+
+def _mixed_args(layer: Any, name: str, x: torch.Tensor, low: bool) -> tuple | None:
+    """The arguments of :class:`_LoraMixed` for the fused ``layer(x)`` (adapter ``name``) where its frozen weights are
+    16-bit and nothing of the base trains; None otherwise. ``low``: the output stays 16-bit (:func:`_gate_up`)."""
+    base = layer.base_layer
+    w = base.weight
+    if w.dtype not in (torch.float16, torch.bfloat16) or w.requires_grad or not x.is_floating_point() \
+            or (base.bias is not None and base.bias.requires_grad):
+        return None
+    a, b, drop = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.lora_dropout[name]
+    p = drop.p if layer.training and isinstance(drop, nn.Dropout) else 0.0
+    bias = None if base.bias is None else base.bias.to(a.dtype)
+    return x, _shared_cast(x, w.dtype), w, bias, a, b, (p, float(layer.scaling[name]), drop, low)
 
 
 # In training on a CPU with 16-bit frozen weights, gate_proj and up_proj hand the fused MLP (_SwiGLUDown) 16-bit
@@ -902,17 +912,7 @@ def _low_call(layer: Any, x: torch.Tensor) -> tuple | None:
     if not is_lora_linear(layer) or getattr(layer.forward, "__func__", None) is not fused_forward or _hooked(layer):
         return None
     name = fast_adapter(layer, (), {})
-    if name is None:
-        return None
-    base = layer.base_layer
-    w = base.weight
-    if w.dtype not in (torch.float16, torch.bfloat16) or w.requires_grad \
-            or (base.bias is not None and base.bias.requires_grad):
-        return None
-    a, b, drop = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.lora_dropout[name]
-    p = drop.p if layer.training and isinstance(drop, nn.Dropout) else 0.0
-    bias = None if base.bias is None else base.bias.to(a.dtype)
-    return x, _shared_cast(x, w.dtype), w, bias, a, b, (p, float(layer.scaling[name]), drop, True)
+    return None if name is None else _mixed_args(layer, name, x, low=True)
 
 
 def fuse_lora(model: nn.Module) -> int:
