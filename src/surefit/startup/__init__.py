@@ -41,6 +41,9 @@ def command(began: float | None = None) -> Iterator[None]:
     while ``surefit.train`` called later in a notebook or script counts from that call, not from the hours the
     program had been running before it.
     """
+    from surefit.training.heap import cap_kernel_cache
+
+    cap_kernel_cache()  # before the command's first 16-bit matmul, when oneDNN reads it (heap.py says why)
     _began.append(time.time() if began is None else began)
     try:
         yield

@@ -12,6 +12,10 @@ it between phases and not after every step, nor before the first step: the pages
 training free are what that step reuses (given back, 250-450k page faults more in step 1, docs/performance.md).
 
 Elsewhere (musl, macOS, Windows, or another allocator preloaded: its own pages are not glibc's) nothing happens.
+
+oneDNN, which runs torch's 16-bit matmuls on a CPU, keeps every matmul primitive it made (up to 1,024) for the shape
+it was made for; a training batch of a new length brings a new set, made in the middle of the step, between the
+step's tensors. :func:`cap_kernel_cache` keeps the last :data:`KERNEL_CACHE_CAPACITY` instead (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +56,25 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
+
+
+# oneDNN's primitive cache capacity while surefit runs a command: above the 18 distinct 16-bit matmuls of a LoRA
+# training step of a Llama-shaped model (its seven layers' forward, input gradients and rank-r products, and the
+# head), so a step finds its own in the cache; a new batch length then replaces the last lengths' instead of adding
+# to them. A primitive made again costs up to about half a millisecond; each one kept holds about a MB.
+KERNEL_CACHE_CAPACITY = 32
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+
+
+def cap_kernel_cache() -> str:
+    """Set oneDNN's primitive cache capacity to :data:`KERNEL_CACHE_CAPACITY` unless the user set it; returns the
+    capacity in force and who chose it. oneDNN reads the variable when it makes its first primitive, so this has
+    to run before the process's first 16-bit matmul on a CPU (a command's start); after that it changes nothing."""
+    for name in KERNEL_CACHE_VARIABLES:
+        if os.environ.get(name, "").strip():
+            return f"{os.environ[name].strip()} ({name} set by you)"
+    os.environ[KERNEL_CACHE_VARIABLES[0]] = str(KERNEL_CACHE_CAPACITY)
+    return f"{KERNEL_CACHE_CAPACITY} (surefit's; set {KERNEL_CACHE_VARIABLES[0]} to choose another)"
 
 
 @contextmanager
