@@ -70,6 +70,11 @@ def test_an_unchanged_setup_reuses_the_doctor_and_the_planner_in_a_new_run_folde
     assert len(first["doctor_checks"]) >= 20 and first["doctor_checks"][DRY_RUN] > 0
     assert 0 < sum(first["doctor_checks"].values()) <= first["phases"]["doctor"] + 1e-3
     assert second["doctor_checks"] == {}
+    # oneDNN's kernel cache as the command left it (surefit's cap unless the environment set one)
+    import os
+
+    assert first["onednn_primitive_cache"].split()[0] == os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" in first["onednn_primitive_cache"]
     # The reused report is the report: doctor.json and memory_plan.json are the same in both folders.
     for name in ("doctor.json", "memory_plan.json"):
         assert (tmp_path / "a" / name).read_text() == (tmp_path / "b" / name).read_text()

@@ -31,6 +31,7 @@ def process_start() -> float:
 
 
 _began: list[float] = []  # when the commands being run began, the outermost first
+_kernel_cache: list[str] = []  # oneDNN's primitive cache capacity as the last command found or set it
 
 
 @contextmanager
@@ -43,7 +44,7 @@ def command(began: float | None = None) -> Iterator[None]:
     """
     from surefit.training.heap import cap_kernel_cache
 
-    cap_kernel_cache()  # before the command's first 16-bit matmul, when oneDNN reads it (heap.py says why)
+    _kernel_cache[:] = [cap_kernel_cache()]  # before the command's first 16-bit matmul (heap.py says why)
     _began.append(time.time() if began is None else began)
     try:
         yield
@@ -120,7 +121,8 @@ class Clock:
         """What ``OUTPUT/startup.json`` holds."""
         return {"seconds": round(self.stop(), 3), "started": self.started, "step1_at": self.step1_at,
                 "phases": {k: round(v, 3) for k, v in self.split().items()}, "cache": dict(self.cache),
-                "doctor_checks": {k: round(v, 3) for k, v in self.checks.items()}}
+                "doctor_checks": {k: round(v, 3) for k, v in self.checks.items()},
+                "onednn_primitive_cache": _kernel_cache[0] if _kernel_cache else None}
 
 
 _current: list[Clock] = []

@@ -58,23 +58,31 @@ def release_free_memory() -> bool:
     return True
 
 
-# oneDNN's primitive cache capacity while surefit runs a command: above the 18 distinct 16-bit matmuls of a LoRA
-# training step of a Llama-shaped model (its seven layers' forward, input gradients and rank-r products, and the
-# head), so a step finds its own in the cache; a new batch length then replaces the last lengths' instead of adding
-# to them. A primitive made again costs up to about half a millisecond; each one kept holds about a MB.
-KERNEL_CACHE_CAPACITY = 32
+# oneDNN's primitive cache capacity while surefit runs a command: over three times the 18 distinct 16-bit matmuls of
+# a LoRA training step of a Llama-shaped model (its seven layers' forward, input gradients and rank-r products, and
+# the head), so a step finds its own in the cache and generation's prompt and decode shapes mostly do too (32 made
+# SQuAD's evaluations 14% slower); a new batch length then replaces the oldest lengths' instead of adding to them.
+# A primitive made again costs up to about half a millisecond; each one kept holds about a MB.
+KERNEL_CACHE_CAPACITY = 64
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+
+
+_KERNEL_CACHE_SET: list[str] = []  # the value this process's first command set, when it set one
 
 
 def cap_kernel_cache() -> str:
     """Set oneDNN's primitive cache capacity to :data:`KERNEL_CACHE_CAPACITY` unless the user set it; returns the
-    capacity in force and who chose it. oneDNN reads the variable when it makes its first primitive, so this has
-    to run before the process's first 16-bit matmul on a CPU (a command's start); after that it changes nothing."""
+    capacity in force and who chose it (``startup.json`` keeps it). oneDNN reads the variable when it makes its first
+    primitive, so this has to run before the process's first 16-bit matmul on a CPU (a command's start); after that
+    it changes nothing."""
     for name in KERNEL_CACHE_VARIABLES:
-        if os.environ.get(name, "").strip():
-            return f"{os.environ[name].strip()} ({name} set by you)"
-    os.environ[KERNEL_CACHE_VARIABLES[0]] = str(KERNEL_CACHE_CAPACITY)
-    return f"{KERNEL_CACHE_CAPACITY} (surefit's; set {KERNEL_CACHE_VARIABLES[0]} to choose another)"
+        value = os.environ.get(name, "").strip()
+        if value and not (name == KERNEL_CACHE_VARIABLES[0] and _KERNEL_CACHE_SET == [value]):
+            return f"{value} ({name} set by you)"
+    value = _KERNEL_CACHE_SET[0] if _KERNEL_CACHE_SET else str(KERNEL_CACHE_CAPACITY)
+    os.environ[KERNEL_CACHE_VARIABLES[0]] = value
+    _KERNEL_CACHE_SET[:] = [value]
+    return f"{value} (surefit's; set {KERNEL_CACHE_VARIABLES[0]} to choose another)"
 
 
 @contextmanager
