@@ -62,7 +62,7 @@ def release_free_memory() -> bool:
 # a LoRA training step of a Llama-shaped model (its seven layers' forward, input gradients and rank-r products, and
 # the head), so a step finds its own in the cache and generation's prompt and decode shapes mostly do too (32 made
 # SQuAD's evaluations 14% slower); a new batch length then replaces the oldest lengths' instead of adding to them.
-# A primitive made again costs up to about half a millisecond; each one kept holds about a MB.
+# A primitive made again costs up to about half a millisecond; each one kept holds a few hundred KB.
 KERNEL_CACHE_CAPACITY = 64
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
