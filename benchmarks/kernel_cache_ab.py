@@ -2,7 +2,7 @@
 
 oneDNN runs torch's 16-bit matmuls on a CPU and keeps a primitive for every shape it meets; each training batch of a
 new length brings a new set (18 on SmolLM2 with LoRA), made in the middle of the step. Since 2026-12-03 surefit's
-commands set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=32`` unless the user set it (``training/heap.py``). Here one surefit
+commands set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=64`` unless the user set it (``threads.py``). Here one surefit
 run per process, alternating, on a workload that ``cpu_sft.py --keep`` left (its ``train.jsonl``, ``val.jsonl`` and
 ``spec.json``): ``surefit`` leaves the variable unset (surefit's cap), a number sets it (``1024``: as before). Each
 run records VmRSS and VmHWM after every optimizer step.

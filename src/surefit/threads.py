@@ -16,6 +16,10 @@ policy too (a fixed count cannot step aside).
 
 The wait policy is read when torch loads its OpenMP runtime, so :func:`configure_threads` runs before torch is
 imported (``surefit`` on the command line, ``surefit.train`` in Python); a value the user set is never changed.
+
+oneDNN, which runs torch's 16-bit matmuls on a CPU, keeps a primitive for every matmul shape it meets, so each
+training batch of a new length used to add its set to the heap for good: :func:`cap_kernel_cache` caps the cache at a
+command's start (docs/performance.md, "A chat step: casts and memory").
 """
 
 from __future__ import annotations
@@ -29,6 +33,32 @@ from dataclasses import dataclass
 from typing import Any
 
 from surefit.cgroups import cpu_limit
+
+# oneDNN's primitive cache capacity while surefit runs a command: over three times the 18 distinct 16-bit matmuls of
+# a LoRA training step of a Llama-shaped model (its seven layers' forward, input gradients and rank-r products, and
+# the head), so a step finds its own in the cache and generation's prompt and decode shapes mostly do too (32 made
+# SQuAD's evaluations 14% slower); a new batch length then replaces the oldest lengths' instead of adding to them.
+# A primitive made again costs up to about half a millisecond; each one kept holds a few hundred KB.
+KERNEL_CACHE_CAPACITY = 64
+KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+
+
+_KERNEL_CACHE_SET: list[str] = []  # the value this process's first command set, when it set one
+
+
+def cap_kernel_cache() -> str:
+    """Set oneDNN's primitive cache capacity to :data:`KERNEL_CACHE_CAPACITY` unless the user set it; returns the
+    capacity in force and who chose it (``startup.json`` keeps it). oneDNN reads the variable when it makes its first
+    primitive, so this has to run before the process's first 16-bit matmul on a CPU (a command's start); after that
+    it changes nothing."""
+    for name in KERNEL_CACHE_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if value and not (name == KERNEL_CACHE_VARIABLES[0] and _KERNEL_CACHE_SET == [value]):
+            return f"{value} ({name} set by you)"
+    value = _KERNEL_CACHE_SET[0] if _KERNEL_CACHE_SET else str(KERNEL_CACHE_CAPACITY)
+    os.environ[KERNEL_CACHE_VARIABLES[0]] = value
+    _KERNEL_CACHE_SET[:] = [value]
+    return f"{value} (surefit's; set {KERNEL_CACHE_VARIABLES[0]} to choose another)"
 
 
 def available_cores() -> int:

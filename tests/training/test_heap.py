@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from surefit import threads
 from surefit.training import heap
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
@@ -199,7 +200,7 @@ with command():
 
 
 def _kernels_left(env_value: str | None) -> tuple[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in heap.KERNEL_CACHE_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in threads.KERNEL_CACHE_VARIABLES}
     if env_value is not None:
         env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env_value
     out = subprocess.run([sys.executable, "-c", _KERNELS_LEFT], env=env, capture_output=True, text=True, timeout=120)
@@ -217,23 +218,23 @@ def test_a_command_caps_onednn_kernels_kept_per_shape_and_a_users_capacity_wins(
     if kept_all < 20:
         pytest.skip(f"this CPU's bf16 matmuls keep {kept_all:.1f} MB of kernels for 288 shapes: not oneDNN's cache")
     ours, kept_capped = _kernels_left(None)
-    assert users == "1024" and ours == str(heap.KERNEL_CACHE_CAPACITY)
+    assert users == "1024" and ours == str(threads.KERNEL_CACHE_CAPACITY)
     # 152 against 91 MB on a Zen 4 EPYC: what is left grows in ideep's own cache of the same matmuls, not oneDNN's
     assert kept_all - kept_capped > 15 and kept_capped < 0.8 * kept_all, (kept_capped, kept_all)
 
 
 def test_the_kernel_cache_cap_is_surefits_only_where_the_user_set_none(monkeypatch):
-    for name in heap.KERNEL_CACHE_VARIABLES:
+    for name in threads.KERNEL_CACHE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(heap, "_KERNEL_CACHE_SET", [])
-    ours = f"{heap.KERNEL_CACHE_CAPACITY} (surefit's; set ONEDNN_PRIMITIVE_CACHE_CAPACITY to choose another)"
-    assert heap.cap_kernel_cache() == ours
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(heap.KERNEL_CACHE_CAPACITY)
-    assert heap.cap_kernel_cache() == ours  # a second command in the process: still surefit's, not "set by you"
+    monkeypatch.setattr(threads, "_KERNEL_CACHE_SET", [])
+    ours = f"{threads.KERNEL_CACHE_CAPACITY} (surefit's; set ONEDNN_PRIMITIVE_CACHE_CAPACITY to choose another)"
+    assert threads.cap_kernel_cache() == ours
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(threads.KERNEL_CACHE_CAPACITY)
+    assert threads.cap_kernel_cache() == ours  # a second command in the process: still surefit's, not "set by you"
     monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-    assert heap.cap_kernel_cache() == "1024 (ONEDNN_PRIMITIVE_CACHE_CAPACITY set by you)"
+    assert threads.cap_kernel_cache() == "1024 (ONEDNN_PRIMITIVE_CACHE_CAPACITY set by you)"
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    monkeypatch.setattr(heap, "_KERNEL_CACHE_SET", [])
+    monkeypatch.setattr(threads, "_KERNEL_CACHE_SET", [])
     monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "256")  # oneDNN's older name counts too
-    assert heap.cap_kernel_cache() == "256 (DNNL_PRIMITIVE_CACHE_CAPACITY set by you)"
+    assert threads.cap_kernel_cache() == "256 (DNNL_PRIMITIVE_CACHE_CAPACITY set by you)"
     assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ

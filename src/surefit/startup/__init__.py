@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
-from surefit.threads import check_threads
+from surefit.threads import cap_kernel_cache, check_threads
 
 # A start that takes longer than this many seconds prints where its time went (the record is always written).
 REPORT_AFTER_S = 10.0
@@ -42,9 +42,7 @@ def command(began: float | None = None) -> Iterator[None]:
     while ``surefit.train`` called later in a notebook or script counts from that call, not from the hours the
     program had been running before it.
     """
-    from surefit.training.heap import cap_kernel_cache
-
-    _kernel_cache[:] = [cap_kernel_cache()]  # before the command's first 16-bit matmul (heap.py says why)
+    _kernel_cache[:] = [cap_kernel_cache()]  # before the command's first 16-bit matmul (threads.py says why)
     _began.append(time.time() if began is None else began)
     try:
         yield

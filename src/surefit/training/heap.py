@@ -12,10 +12,6 @@ it between phases and not after every step, nor before the first step: the pages
 training free are what that step reuses (given back, 250-450k page faults more in step 1, docs/performance.md).
 
 Elsewhere (musl, macOS, Windows, or another allocator preloaded: its own pages are not glibc's) nothing happens.
-
-oneDNN, which runs torch's 16-bit matmuls on a CPU, keeps every matmul primitive it made (up to 1,024) for the shape
-it was made for; a training batch of a new length brings a new set, made in the middle of the step, between the
-step's tensors. :func:`cap_kernel_cache` keeps the last :data:`KERNEL_CACHE_CAPACITY` instead (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,7 +19,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
-import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -56,33 +51,6 @@ def release_free_memory() -> bool:
         return False
     libc.malloc_trim(0)
     return True
-
-
-# oneDNN's primitive cache capacity while surefit runs a command: over three times the 18 distinct 16-bit matmuls of
-# a LoRA training step of a Llama-shaped model (its seven layers' forward, input gradients and rank-r products, and
-# the head), so a step finds its own in the cache and generation's prompt and decode shapes mostly do too (32 made
-# SQuAD's evaluations 14% slower); a new batch length then replaces the oldest lengths' instead of adding to them.
-# A primitive made again costs up to about half a millisecond; each one kept holds a few hundred KB.
-KERNEL_CACHE_CAPACITY = 64
-KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
-
-
-_KERNEL_CACHE_SET: list[str] = []  # the value this process's first command set, when it set one
-
-
-def cap_kernel_cache() -> str:
-    """Set oneDNN's primitive cache capacity to :data:`KERNEL_CACHE_CAPACITY` unless the user set it; returns the
-    capacity in force and who chose it (``startup.json`` keeps it). oneDNN reads the variable when it makes its first
-    primitive, so this has to run before the process's first 16-bit matmul on a CPU (a command's start); after that
-    it changes nothing."""
-    for name in KERNEL_CACHE_VARIABLES:
-        value = os.environ.get(name, "").strip()
-        if value and not (name == KERNEL_CACHE_VARIABLES[0] and _KERNEL_CACHE_SET == [value]):
-            return f"{value} ({name} set by you)"
-    value = _KERNEL_CACHE_SET[0] if _KERNEL_CACHE_SET else str(KERNEL_CACHE_CAPACITY)
-    os.environ[KERNEL_CACHE_VARIABLES[0]] = value
-    _KERNEL_CACHE_SET[:] = [value]
-    return f"{value} (surefit's; set {KERNEL_CACHE_VARIABLES[0]} to choose another)"
 
 
 @contextmanager
