@@ -43,9 +43,6 @@ KERNEL_CACHE_CAPACITY = 64
 KERNEL_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
 
 
-_KERNEL_CACHE_SET: list[str] = []  # the value this process's first command set, when it set one
-
-
 def cap_kernel_cache() -> str:
     """Set oneDNN's primitive cache capacity to :data:`KERNEL_CACHE_CAPACITY` unless the user set it; returns the
     capacity in force and who chose it (``startup.json`` keeps it). oneDNN reads the variable when it makes its first
@@ -53,12 +50,11 @@ def cap_kernel_cache() -> str:
     it changes nothing."""
     for name in KERNEL_CACHE_VARIABLES:
         value = os.environ.get(name, "").strip()
-        if value and not (name == KERNEL_CACHE_VARIABLES[0] and _KERNEL_CACHE_SET == [value]):
+        if value and not chosen_here(name):
             return f"{value} ({name} set by you)"
-    value = _KERNEL_CACHE_SET[0] if _KERNEL_CACHE_SET else str(KERNEL_CACHE_CAPACITY)
-    os.environ[KERNEL_CACHE_VARIABLES[0]] = value
-    _KERNEL_CACHE_SET[:] = [value]
-    return f"{value} (surefit's; set {KERNEL_CACHE_VARIABLES[0]} to choose another)"
+    name = KERNEL_CACHE_VARIABLES[0]
+    os.environ[name] = _CHOSEN[name] = str(KERNEL_CACHE_CAPACITY)
+    return f"{KERNEL_CACHE_CAPACITY} (surefit's; set {name} to choose another)"
 
 
 def available_cores() -> int:

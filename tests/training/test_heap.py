@@ -1,15 +1,11 @@
 """Giving the C heap's freed pages back (training/heap.py): resident memory drops on glibc, nothing happens elsewhere."""
 
 import ctypes
-import os
 import platform
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from surefit import threads
 from surefit.training import heap
 
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
@@ -171,70 +167,3 @@ def test_a_train_command_that_stops_before_training_leaves_the_collector_as_foun
     finally:
         gc.enable()
 
-
-# A fresh process makes bf16 matmuls at 96 token counts (3 shapes each, as a training batch of a new length brings
-# them) and prints the bytes glibc's heap holds in use afterwards, with nothing of its own left alive. The primitives
-# oneDNN keeps for those shapes are what is left.
-_KERNELS_LEFT = r"""
-import ctypes, os, sys
-import torch
-from surefit.startup import command
-class MI(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                                               "uordblks", "fordblks", "keepcost")]
-libc = ctypes.CDLL("libc.so.6")
-libc.mallinfo2.restype = MI
-torch.set_num_threads(1)
-with command():
-    w = torch.randn(512, 256).bfloat16()
-    b = torch.randn(256, 16).bfloat16()
-    torch.nn.functional.linear(torch.randn(8, 256).bfloat16(), w)
-    before = libc.mallinfo2().uordblks
-    for m in range(64, 64 + 96 * 8, 8):
-        x = torch.randn(m, 256).bfloat16()
-        y = torch.nn.functional.linear(x, w)
-        z, u = y @ w, x @ b
-        del x, y, z, u
-    print(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY"), (libc.mallinfo2().uordblks - before) / 2**20)
-"""
-
-
-def _kernels_left(env_value: str | None) -> tuple[str, float]:
-    env = {k: v for k, v in os.environ.items() if k not in threads.KERNEL_CACHE_VARIABLES}
-    if env_value is not None:
-        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = env_value
-    out = subprocess.run([sys.executable, "-c", _KERNELS_LEFT], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    value, mb = out.stdout.split()[-2:]
-    return value, float(mb)
-
-
-@glibc
-def test_a_command_caps_onednn_kernels_kept_per_shape_and_a_users_capacity_wins():
-    """oneDNN keeps a primitive for every 16-bit matmul shape it meets (1,024 by default), about a MB each, so each new
-    batch length used to add to the heap while training; inside a surefit command it keeps the last 64. A capacity the
-    user set is left as set (here oneDNN's default, 1,024, which keeps all 288)."""
-    users, kept_all = _kernels_left("1024")
-    if kept_all < 20:
-        pytest.skip(f"this CPU's bf16 matmuls keep {kept_all:.1f} MB of kernels for 288 shapes: not oneDNN's cache")
-    ours, kept_capped = _kernels_left(None)
-    assert users == "1024" and ours == str(threads.KERNEL_CACHE_CAPACITY)
-    # 152 against 91 MB on a Zen 4 EPYC: what is left grows in ideep's own cache of the same matmuls, not oneDNN's
-    assert kept_all - kept_capped > 15 and kept_capped < 0.8 * kept_all, (kept_capped, kept_all)
-
-
-def test_the_kernel_cache_cap_is_surefits_only_where_the_user_set_none(monkeypatch):
-    for name in threads.KERNEL_CACHE_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(threads, "_KERNEL_CACHE_SET", [])
-    ours = f"{threads.KERNEL_CACHE_CAPACITY} (surefit's; set ONEDNN_PRIMITIVE_CACHE_CAPACITY to choose another)"
-    assert threads.cap_kernel_cache() == ours
-    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(threads.KERNEL_CACHE_CAPACITY)
-    assert threads.cap_kernel_cache() == ours  # a second command in the process: still surefit's, not "set by you"
-    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
-    assert threads.cap_kernel_cache() == "1024 (ONEDNN_PRIMITIVE_CACHE_CAPACITY set by you)"
-    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
-    monkeypatch.setattr(threads, "_KERNEL_CACHE_SET", [])
-    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "256")  # oneDNN's older name counts too
-    assert threads.cap_kernel_cache() == "256 (DNNL_PRIMITIVE_CACHE_CAPACITY set by you)"
-    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ

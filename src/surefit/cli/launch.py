@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from surefit.config.launch_flags import LAUNCH_FLAGS, LaunchFlags, split_launch_flags
-from surefit.threads import available_cores, chosen_here
+from surefit.threads import KERNEL_CACHE_VARIABLES, available_cores, chosen_here
 
 # Help for `surefit train --help`; the flags themselves are read by split_launch, before the run's settings.
 _HELP = {
@@ -80,10 +80,13 @@ def process_env(flags: LaunchFlags) -> dict[str, str]:
 
     torchrun sets 1 thread per process when ``OMP_NUM_THREADS`` is unset (and says so): the cores are shared out
     instead. The value ``surefit`` itself chose at start (every core, for one process) is replaced too; only the
-    user's is kept. Each process then has a fixed count (sleeping waits, no governor: threads.py)."""
+    user's is kept. Each process then has a fixed count (sleeping waits, no governor: threads.py). oneDNN's kernel
+    cache capacity, where surefit chose it here, is left for each process to choose, and to report as surefit's."""
     env = dict(os.environ)
     if not env.get("OMP_NUM_THREADS") or chosen_here("OMP_NUM_THREADS"):
         env["OMP_NUM_THREADS"] = str(max(1, available_cores() // flags.num_processes))
+    if chosen_here(KERNEL_CACHE_VARIABLES[0]):
+        del env[KERNEL_CACHE_VARIABLES[0]]
     return env
 
 
