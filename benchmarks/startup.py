@@ -341,7 +341,8 @@ def main() -> None:
     lines += ["", f"Machine: {m['cpu_count']} cores, {m['cpu_model']}, CUDA {m['cuda']}; torch {m['versions']['torch']}, "
               f"transformers {m['versions']['transformers']}, peft {m['versions']['peft']}.",
               "", f"Command: `.venv/bin/python benchmarks/startup.py --rows {args.rows} --repeats {args.repeats} "
-              f"--max-seq-length {args.max_seq_length}{' --with-conversion' if args.with_conversion else ''}`"]
+              f"--max-seq-length {args.max_seq_length}{' --with-conversion' if args.with_conversion else ''}"
+              f"{f' --rows-from {args.rows_from}' if args.rows_from else ''}{f' --out {args.out}' if args.out else ''}`"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.quick:
