@@ -175,6 +175,13 @@ def squad_jsonl(path: Path, rows: int) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in out[:rows]), encoding="utf-8")
 
 
+def _out_flag(out: str) -> str:
+    """``--out`` as the command line gave it, for the results' Command line; nothing for the default."""
+    if Path(out).resolve() == (HERE / "results" / "startup").resolve():
+        return ""
+    return f" --out {os.path.relpath(Path(out).resolve(), REPO) if Path(out).resolve().is_relative_to(REPO) else out}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=64)
@@ -342,7 +349,7 @@ def main() -> None:
               f"transformers {m['versions']['transformers']}, peft {m['versions']['peft']}.",
               "", f"Command: `.venv/bin/python benchmarks/startup.py --rows {args.rows} --repeats {args.repeats} "
               f"--max-seq-length {args.max_seq_length}{' --with-conversion' if args.with_conversion else ''}"
-              f"{f' --rows-from {args.rows_from}' if args.rows_from else ''}{f' --out {args.out}' if args.out else ''}`"]
+              f"{f' --rows-from {args.rows_from}' if args.rows_from else ''}{_out_flag(args.out)}`"]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.quick:
